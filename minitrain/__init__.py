@@ -1,0 +1,1 @@
+"""minitrain: a small, fast, honest GPT training framework."""
