@@ -1,0 +1,290 @@
+"""Typed configuration: one dataclass per Hydra config group.
+
+The dataclasses are registered in Hydra's ConfigStore as the schema of `configs/config.yaml`, so an
+unknown key or a value of the wrong type fails while Hydra composes the config, naming the key.
+Checks that need more than a type (ranges, combinations) live in `__post_init__`, which runs when
+`resolve()` turns the composed config into these objects, before any work starts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import List, Optional
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import DictConfig, OmegaConf
+
+
+class ConfigError(ValueError):
+    """A config value that cannot work; the message names the key."""
+
+
+def _require(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}")
+
+
+class DType(str, Enum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+
+    @property
+    def torch(self):
+        import torch
+
+        return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.value]
+
+
+class CheckpointPolicy(str, Enum):
+    none = "none"
+    full = "full"
+    every_k = "every_k"
+    selective = "selective"
+
+
+class OptimizerImpl(str, Enum):
+    auto = "auto"  # fused on CUDA, foreach on CPU
+    fused = "fused"
+    foreach = "foreach"
+    loop = "loop"
+    torch = "torch"  # torch.optim.AdamW + torch.amp.GradScaler: the plain-PyTorch baseline
+
+
+class LossImpl(str, Enum):
+    auto = "auto"  # fused on CUDA, torch on CPU
+    fused = "fused"
+    torch = "torch"
+
+
+class DataSource(str, Enum):
+    stdlib = "stdlib"
+    files = "files"
+    hub = "hub"
+
+
+class LoggerMode(str, Enum):
+    offline = "offline"
+    online = "online"
+    disabled = "disabled"
+
+
+class Device(str, Enum):
+    auto = "auto"
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class DistributedMode(str, Enum):
+    none = "none"
+    ddp = "ddp"
+    fsdp = "fsdp"
+
+
+@dataclass
+class ModelConfig:
+    name: str = "tiny"
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    block_size: int = 256
+    # None: the tokenizer's vocab rounded up to a multiple of 64 (tensor-core friendly).
+    vocab_size: Optional[int] = None
+    bias: bool = True
+    dropout: float = 0.0
+
+    def __post_init__(self):
+        for key in ("n_layer", "n_head", "n_embd", "block_size"):
+            _require(getattr(self, key) >= 1, f"model.{key}", f"must be >= 1, got {getattr(self, key)}")
+        _require(self.n_embd % self.n_head == 0, "model.n_embd",
+                 f"{self.n_embd} is not divisible by model.n_head={self.n_head}")
+        _require(self.vocab_size is None or self.vocab_size >= 2, "model.vocab_size",
+                 f"must be >= 2, got {self.vocab_size}")
+        _require(0.0 <= self.dropout < 1.0, "model.dropout", f"must be in [0, 1), got {self.dropout}")
+
+
+@dataclass
+class DataConfig:
+    name: str = "stdlib"
+    source: DataSource = DataSource.stdlib
+    # source=files: a glob of local text files (recursive `**` allowed).
+    paths: Optional[str] = None
+    # source=hub: a Hugging Face dataset by name.
+    hub_name: Optional[str] = None
+    hub_config: Optional[str] = None
+    hub_split: str = "train"
+    text_column: str = "text"
+    vocab_size: int = 4096
+    val_fraction: float = 0.005
+    num_proc: int = 2
+    cache_dir: str = "~/.cache/minitrain"
+
+    def __post_init__(self):
+        _require(self.vocab_size >= 260, "data.vocab_size",
+                 f"a byte-level BPE needs >= 260 tokens (256 bytes + specials), got {self.vocab_size}")
+        _require(0.0 < self.val_fraction < 0.5, "data.val_fraction", f"must be in (0, 0.5), got {self.val_fraction}")
+        _require(self.num_proc >= 1, "data.num_proc", f"must be >= 1, got {self.num_proc}")
+        if self.source == DataSource.files:
+            _require(bool(self.paths), "data.paths", "source=files needs a glob of text files, e.g. data.paths='corpus/**/*.txt'")
+        if self.source == DataSource.hub:
+            _require(bool(self.hub_name), "data.hub_name", "source=hub needs a dataset name, e.g. data.hub_name=roneneldan/TinyStories")
+
+
+@dataclass
+class PrecisionConfig:
+    name: str = "fp32"
+    param_dtype: DType = DType.fp32  # dtype of the model's weights (the compute copy)
+    autocast_dtype: Optional[DType] = None  # torch.autocast around forward + loss (fp32 params only)
+    master_weights: bool = False  # fp32 master copy in the optimizer (for bf16/fp16 params)
+    grad_dtype: Optional[DType] = None  # None: gradients in param dtype; fp32: fp32 main grads
+    loss_scaling: bool = False  # dynamic loss scaling (fp16 range)
+    init_scale: float = 65536.0
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+
+    def __post_init__(self):
+        low = self.param_dtype != DType.fp32
+        _require(not (self.master_weights and not low), "precision.master_weights",
+                 "fp32 params need no fp32 master copy; set precision.master_weights=false")
+        _require(self.autocast_dtype is None or not low, "precision.autocast_dtype",
+                 f"autocast is for fp32 params; params are already {self.param_dtype.value}")
+        _require(self.autocast_dtype != DType.fp32, "precision.autocast_dtype", "use null, not fp32, for no autocast")
+        _require(self.grad_dtype is None or self.grad_dtype == DType.fp32, "precision.grad_dtype",
+                 f"must be null (param dtype) or fp32, got {self.grad_dtype}")
+        _require(self.grad_dtype is None or self.master_weights, "precision.grad_dtype",
+                 "fp32 main grads go with fp32 master weights (precision.master_weights=true)")
+        _require(self.init_scale > 0 and self.growth_factor > 1.0 and 0.0 < self.backoff_factor < 1.0,
+                 "precision.init_scale/growth_factor/backoff_factor",
+                 "need init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1")
+        _require(self.growth_interval >= 1, "precision.growth_interval", f"must be >= 1, got {self.growth_interval}")
+
+    @property
+    def compute_dtype(self) -> DType:
+        return self.autocast_dtype or self.param_dtype
+
+
+@dataclass
+class CheckpointingConfig:
+    policy: CheckpointPolicy = CheckpointPolicy.none
+    every_k: int = 2  # policy=every_k: recompute every k-th block
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "adamw"
+    impl: OptimizerImpl = OptimizerImpl.auto
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.95])
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    max_grad_norm: float = 1.0  # 0 disables clipping (the norm is still logged)
+
+    def __post_init__(self):
+        _require(len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas), "optimizer.betas",
+                 f"need two values in [0, 1), got {list(self.betas)}")
+        _require(self.eps > 0, "optimizer.eps", f"must be > 0, got {self.eps}")
+        _require(self.weight_decay >= 0, "optimizer.weight_decay", f"must be >= 0, got {self.weight_decay}")
+        _require(self.max_grad_norm >= 0, "optimizer.max_grad_norm", f"must be >= 0, got {self.max_grad_norm}")
+
+
+@dataclass
+class LossConfig:
+    impl: LossImpl = LossImpl.auto
+    chunk_bytes: Optional[int] = None  # fused: logit workspace budget (None: the kernel's default)
+
+
+@dataclass
+class LoggerConfig:
+    mode: LoggerMode = LoggerMode.offline
+    project: str = "minitrain"
+    group: Optional[str] = None  # None: the sweep's name under -m, else no group
+    name: Optional[str] = None  # None: the job's overrides under -m, else the run dir's name
+    tags: List[str] = field(default_factory=list)
+
+
+@dataclass
+class DistributedConfig:
+    mode: DistributedMode = DistributedMode.none
+    timeout_s: int = 600  # a rank that stops answering takes the job down after this long
+
+
+@dataclass
+class TrainerConfig:
+    max_steps: int = 300
+    batch_size: int = 32  # global batch, sequences per optimizer step
+    grad_accum: int = 1  # micro-batches per step; batch_size / grad_accum sequences each
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    warmup_steps: int = 30
+    eval_every: int = 100
+    eval_batches: int = 10
+    log_every: int = 10
+    save_every: int = 100
+    sample_tokens: int = 64
+    seed: int = 1337
+    out_dir: str = "."
+    resume: str = "none"  # none | auto (latest checkpoint in out_dir) | a checkpoint path
+    device: Device = Device.auto
+    compile: bool = False
+    # Peak FLOP/s of one device for MFU; None: looked up by GPU name and compute dtype.
+    peak_flops: Optional[float] = None
+
+    def __post_init__(self):
+        for key in ("max_steps", "batch_size", "grad_accum", "log_every", "eval_every", "save_every", "eval_batches"):
+            _require(getattr(self, key) >= 1, f"trainer.{key}", f"must be >= 1, got {getattr(self, key)}")
+        _require(self.batch_size % self.grad_accum == 0, "trainer.batch_size",
+                 f"{self.batch_size} sequences do not split into trainer.grad_accum={self.grad_accum} equal micro-batches")
+        _require(self.lr > 0 and 0 <= self.min_lr <= self.lr, "trainer.min_lr",
+                 f"need 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
+        _require(0 <= self.warmup_steps <= self.max_steps, "trainer.warmup_steps",
+                 f"must be in [0, trainer.max_steps={self.max_steps}], got {self.warmup_steps}")
+        _require(self.sample_tokens >= 0, "trainer.sample_tokens", f"must be >= 0, got {self.sample_tokens}")
+        _require(self.peak_flops is None or self.peak_flops > 0, "trainer.peak_flops", "must be > 0")
+
+    def lr_at(self, step: int) -> float:
+        """Linear warmup to `lr`, then cosine decay to `min_lr` at `max_steps`."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        progress = (step - self.warmup_steps) / max(1, self.max_steps - self.warmup_steps)
+        return self.min_lr + 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0))) * (self.lr - self.min_lr)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    checkpointing: CheckpointingConfig = field(default_factory=CheckpointingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    distributed: DistributedConfig = field(default_factory=DistributedConfig)
+    trainer: TrainerConfig = field(default_factory=TrainerConfig)
+
+    def __post_init__(self):
+        ck = self.checkpointing
+        if ck.policy == CheckpointPolicy.every_k:
+            _require(1 <= ck.every_k <= self.model.n_layer, "checkpointing.every_k",
+                     f"must be in [1, model.n_layer={self.model.n_layer}], got {ck.every_k}")
+        if self.optimizer.impl == OptimizerImpl.torch:
+            _require(not self.precision.master_weights, "optimizer.impl",
+                     "torch.optim.AdamW keeps no fp32 master weights; use optimizer.impl=fused|foreach|loop "
+                     f"with precision={self.precision.name}, or a precision without masters")
+            _require(not (self.precision.loss_scaling and self.precision.param_dtype != DType.fp32), "optimizer.impl",
+                     "torch.amp.GradScaler cannot unscale fp16 gradients; use fp16 autocast over fp32 params")
+
+
+def register_configs() -> None:
+    """Make the dataclasses the schema Hydra validates `configs/` against."""
+    ConfigStore.instance().store(name="config_schema", node=Config)
+
+
+def resolve(cfg: DictConfig | Config) -> Config:
+    """The composed config as typed objects, with every value check run (raises ConfigError)."""
+    if isinstance(cfg, Config):
+        return cfg
+    # Merging onto the schema also rejects keys that a `+key=value` override slipped past Hydra.
+    plain = OmegaConf.to_container(cfg, resolve=True)
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), plain))

@@ -1,0 +1,78 @@
+"""Throughput and memory numbers you can trust: tokens/s, MFU, and the allocator's own counters.
+
+MFU = achieved model FLOP/s / peak FLOP/s of the device in the compute dtype, where model FLOPs per
+token = 6·N (N: parameters without the position table, the tied head once) + 12·n_layer·n_embd·T
+(attention scores and values), as in PaLM and nanoGPT. Recompute done by activation checkpointing is
+not model work, so it never raises MFU.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Optional
+
+import psutil
+import torch
+
+# Dense peak FLOP/s per device by name fragment and compute dtype (vendor datasheets, SXM parts).
+# fp32 means true fp32 (no TF32): PyTorch's default for matmuls.
+PEAK_FLOPS = {
+    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
+    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
+    "L40S": {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12},
+    "A10G": {"bf16": 70e12, "fp16": 70e12, "fp32": 31.2e12},
+    "RTX 4090": {"bf16": 165e12, "fp16": 165e12, "fp32": 82.6e12},
+}
+
+
+def peak_flops(device: torch.device, dtype: str) -> Optional[float]:
+    """The device's dense peak in `dtype`, or None when unknown (set trainer.peak_flops)."""
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for fragment, table in PEAK_FLOPS.items():
+        if fragment in name:
+            return table[dtype]
+    return None
+
+
+def memory_stats(device: torch.device) -> dict[str, float]:
+    """Allocator counters in GB on CUDA (peaks since the last reset); process RSS on CPU."""
+    if device.type == "cuda":
+        s = torch.cuda.memory_stats(device)
+        gb = 1e9
+        return {
+            "mem/allocated_gb": s.get("allocated_bytes.all.current", 0) / gb,
+            "mem/reserved_gb": s.get("reserved_bytes.all.current", 0) / gb,
+            "mem/peak_allocated_gb": s.get("allocated_bytes.all.peak", 0) / gb,
+            "mem/peak_reserved_gb": s.get("reserved_bytes.all.peak", 0) / gb,
+            "mem/alloc_retries": float(s.get("num_alloc_retries", 0)),
+        }
+    return {"mem/rss_gb": psutil.Process().memory_info().rss / 1e9}
+
+
+class Throughput:
+    """Tokens/s and MFU over the steps between two log points (the device is synced at each)."""
+
+    def __init__(self, tokens_per_step: int, flops_per_token: int, peak: Optional[float]):
+        self.tokens_per_step, self.flops_per_token, self.peak = tokens_per_step, flops_per_token, peak
+        self.t0, self.steps = time.perf_counter(), 0
+
+    def step(self) -> None:
+        self.steps += 1
+
+    def restart(self) -> None:
+        """Start a new interval (after eval or a checkpoint save, which are not training time)."""
+        self.t0, self.steps = time.perf_counter(), 0
+
+    def read(self) -> dict[str, float]:
+        """Rates since the last read; call after a device sync so the time is real."""
+        now = time.perf_counter()
+        dt = max(now - self.t0, 1e-9)
+        tokens_per_s = self.tokens_per_step * self.steps / dt
+        out = {"perf/step_ms": 1000 * dt / max(self.steps, 1), "perf/tokens_per_s": tokens_per_s}
+        if self.peak:
+            out["perf/mfu"] = tokens_per_s * self.flops_per_token / self.peak
+        self.restart()
+        return out

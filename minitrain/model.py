@@ -1,0 +1,144 @@
+"""A GPT-2-style decoder, readable top to bottom.
+
+Pre-LayerNorm blocks, GELU MLP, learned positions, causal attention through SDPA (flash attention on
+the GPU), and the LM head tied to the token embedding. `forward_hidden` stops before the LM head so the
+loss can fuse the head matmul with cross-entropy and never hold the tokens x vocab logits.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import ModelConfig
+
+# How a block runs: plainly, or wrapped by an activation-recomputation policy (checkpointing.py).
+BlockRunner = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.dropout = cfg.dropout
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        q, k, v = self.c_attn(x).split(C, dim=2)
+        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                           dropout_p=self.dropout if self.training else 0.0)
+        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.attn = CausalSelfAttention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.mlp = MLP(cfg)
+        self.dropout = nn.Dropout(cfg.dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.ln_1(x)))
+        return x + self.dropout(self.mlp(self.ln_2(x)))
+
+
+def run_block(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    return block(x)
+
+
+class GPT(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        if cfg.vocab_size is None:
+            raise ValueError("model.vocab_size must be set (the trainer fills it from the tokenizer)")
+        self.cfg = cfg
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.drop = nn.Dropout(cfg.dropout)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        # One runner per block; checkpointing.apply_policy swaps in recomputing ones.
+        self.block_runners: list[BlockRunner] = [run_block] * cfg.n_layer
+        self.apply(self._init_weights)
+        # GPT-2: scale the residual projections by 1/sqrt(2 * n_layer) so the residual stream's
+        # variance does not grow with depth.
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+
+    @staticmethod
+    def _init_weights(module: nn.Module) -> None:
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        """The LM head's (vocab, n_embd) weight: the token embedding, tied."""
+        return self.wte.weight
+
+    def forward_hidden(self, idx: torch.Tensor) -> torch.Tensor:
+        """Final hidden states (B, T, n_embd), after the last LayerNorm, before the LM head."""
+        T = idx.shape[1]
+        if T > self.cfg.block_size:
+            raise ValueError(f"sequence of {T} tokens exceeds model.block_size={self.cfg.block_size}")
+        pos = torch.arange(T, device=idx.device)
+        x = self.drop(self.wte(idx) + self.wpe(pos))
+        for block, runner in zip(self.blocks, self.block_runners):
+            x = runner(block, x)
+        return self.ln_f(x)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits (B, T, vocab); the trainer uses forward_hidden + a loss over the head instead."""
+        return F.linear(self.forward_hidden(idx), self.lm_head_weight)
+
+    def num_params(self, exclude_positions: bool = True) -> int:
+        """Parameter count; the tied head counts once. Positions are a lookup, not a matmul."""
+        n = sum(p.numel() for p in self.parameters())
+        return n - self.wpe.weight.numel() if exclude_positions else n
+
+    def flops_per_token(self, seq_len: int) -> int:
+        """Training FLOPs per token: 6N for the matmuls (N without positions, tied head counted once)
+        plus 12 * n_layer * n_embd * seq_len for attention scores and values (forward 4·L·H·T, x3)."""
+        return 6 * self.num_params() + 12 * self.cfg.n_layer * self.cfg.n_embd * seq_len
+
+    def param_groups(self, weight_decay: float) -> list[dict]:
+        """Decay matrices only; norms, biases and embeddings (the tied head too) keep their scale."""
+        decay, no_decay = [], []
+        for name, p in self.named_parameters():
+            is_matrix = p.dim() >= 2 and not name.startswith(("wte.", "wpe."))
+            (decay if is_matrix else no_decay).append(p)
+        return [{"params": decay, "weight_decay": weight_decay},
+                {"params": no_decay, "weight_decay": 0.0}]
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 0.8,
+                 top_k: Optional[int] = 50, generator: Optional[torch.Generator] = None) -> torch.Tensor:
+        for _ in range(max_new_tokens):
+            logits = self(idx[:, -self.cfg.block_size:])[:, -1, :].float() / temperature
+            if top_k is not None:
+                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                logits = logits.masked_fill(logits < kth, float("-inf"))
+            nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
+            idx = torch.cat([idx, nxt], dim=1)
+        return idx

@@ -1,0 +1,304 @@
+"""The training loop: forward, loss, backward, optimizer step; eval, logging, checkpoints.
+
+The step depends on interfaces only — `loss_fn(hidden, weight, targets)`, `scaler.scale(loss)`,
+`optimizer.step(scaler=...)`, `optimizer.stats()` — so the fused kernels and the plain-PyTorch parts
+swap behind config switches without touching the loop. Nothing in the step reads a device value on
+the host: losses, grad norms and the non-finite flag are read at log steps only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Optional
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from . import checkpointing, resume
+from .config import Config, ConfigError, DType, LossImpl, OptimizerImpl, resolve
+from .data import Batches, TokenData, prepare_data
+from .logger import RunLogger
+from .metrics import Throughput, memory_stats, peak_flops
+from .model import GPT
+
+LossFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class NonFiniteLossError(RuntimeError):
+    """The loss went inf/NaN without loss scaling to absorb it; the last good checkpoint is kept."""
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("trainer.device: cuda was asked for but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def model_config_for(cfg: Config, tokenizer_vocab: int):
+    """The model config with vocab_size settled against the tokenizer."""
+    from dataclasses import replace
+
+    if cfg.model.vocab_size is None:
+        return replace(cfg.model, vocab_size=-(-tokenizer_vocab // 64) * 64)
+    if cfg.model.vocab_size < tokenizer_vocab:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
+                          f"({tokenizer_vocab}, from data.vocab_size={cfg.data.vocab_size})")
+    return cfg.model
+
+
+def build_loss(cfg: Config, device: torch.device) -> LossFn:
+    """`loss.impl`: the fused linear cross-entropy (logits never in HBM) or F.cross_entropy on full logits."""
+    from .ops import fused_linear_cross_entropy, linear_cross_entropy_reference
+
+    impl = cfg.loss.impl
+    if impl == LossImpl.auto:
+        impl = LossImpl.fused if device.type == "cuda" else LossImpl.torch
+    if impl == LossImpl.torch:
+        return linear_cross_entropy_reference
+    chunk_bytes = cfg.loss.chunk_bytes
+    return lambda h, w, y: fused_linear_cross_entropy(h, w, y, chunk_bytes=chunk_bytes)
+
+
+def build_optimizer(cfg: Config, model: GPT, device: torch.device):
+    """AdamW (fused / foreach / loop, or torch's own) and the loss scaler the precision asks for."""
+    from .amp import DynamicLossScaler
+    from .optim import FusedAdamW, TorchAdamW
+
+    o, p = cfg.optimizer, cfg.precision
+    groups = model.param_groups(o.weight_decay)
+    common = dict(lr=cfg.trainer.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
+                  max_grad_norm=o.max_grad_norm or None)
+    if o.impl == OptimizerImpl.torch:
+        scaler = torch.amp.GradScaler(device.type, init_scale=p.init_scale, growth_factor=p.growth_factor,
+                                      backoff_factor=p.backoff_factor, growth_interval=p.growth_interval) \
+            if p.loss_scaling else None
+        return TorchAdamW(groups, **common), scaler
+    impl = o.impl.value if o.impl != OptimizerImpl.auto else ("fused" if device.type == "cuda" else "foreach")
+    optimizer = FusedAdamW(groups, impl=impl, master_weights=p.master_weights,
+                           grad_dtype=p.grad_dtype.torch if p.grad_dtype else None, **common)
+    scaler = DynamicLossScaler(init_scale=p.init_scale, growth_factor=p.growth_factor,
+                               backoff_factor=p.backoff_factor, growth_interval=p.growth_interval,
+                               device=device) if p.loss_scaling else None
+    return optimizer, scaler
+
+
+@dataclass
+class RunInfo:
+    """Where this run sits in a Hydra sweep (for wandb grouping); empty for a plain run."""
+
+    group: Optional[str] = None
+    name: Optional[str] = None
+
+    @staticmethod
+    def from_hydra() -> "RunInfo":
+        from hydra.core.hydra_config import HydraConfig
+        from hydra.types import RunMode
+
+        if not HydraConfig.initialized():
+            return RunInfo()
+        hc = HydraConfig.get()
+        if hc.mode != RunMode.MULTIRUN:
+            return RunInfo(name=Path(hc.runtime.output_dir).name)
+        sweep = Path(hc.sweep.dir)
+        return RunInfo(group=f"{sweep.parent.name}_{sweep.name}",
+                       name=hc.job.override_dirname or f"job{hc.job.num}")
+
+
+class Trainer:
+    def __init__(self, cfg: Config | DictConfig, run: RunInfo = RunInfo(), progress: bool = True):
+        self.cfg = cfg = resolve(cfg)
+        self.progress = progress
+        self.device = pick_device(cfg.trainer.device.value)
+        self.out_dir = Path(cfg.trainer.out_dir).expanduser()
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        torch.manual_seed(cfg.trainer.seed)
+
+        self.data: TokenData = prepare_data(cfg.data, cfg.model.block_size, progress=progress)
+        self.model_cfg = model_config_for(cfg, self.data.vocab_size)
+        with torch.device(self.device):
+            self.model = GPT(self.model_cfg)
+        self.model.to(dtype=cfg.precision.param_dtype.torch)
+        checkpointing.apply_policy(self.model, cfg.checkpointing)
+        self.loss_fn = build_loss(cfg, self.device)
+        self.optimizer, self.scaler = build_optimizer(cfg, self.model, self.device)
+
+        t = cfg.trainer
+        self.micro_batch = t.batch_size // t.grad_accum
+        self.train_batches = Batches(self.data.train, self.model_cfg.block_size, t.batch_size, t.seed, self.device)
+        self.val_batches = Batches(self.data.val, self.model_cfg.block_size, self.micro_batch, t.seed + 1, self.device)
+        self.compute_loss = torch.compile(self._compute_loss) if t.compile else self._compute_loss
+
+        self.step = 0
+        ckpt_path = resume.find_checkpoint(t.resume, self.out_dir)
+        state = resume.load(ckpt_path, self.device) if ckpt_path else None
+        if state is not None:
+            self._load_state(state)
+        self.config_dict = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True)
+        self.logger = RunLogger(cfg.logger, self.out_dir, self.config_dict,
+                                run_id=state["wandb_id"] if state else None, group=run.group, name=run.name)
+        if state is not None:
+            self.logger.print(f"resumed from {ckpt_path} at step {self.step}")
+
+    # -- the step ---------------------------------------------------------------------------------
+    def _autocast(self):
+        dtype = self.cfg.precision.autocast_dtype
+        if dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=dtype.torch)
+
+    def _compute_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        with self._autocast():
+            hidden = self.model.forward_hidden(x)
+            return self.loss_fn(hidden.flatten(0, 1), self.model.lm_head_weight, y.flatten())
+
+    def train_step(self, step: int) -> torch.Tensor:
+        """One optimizer step over the global batch; returns its mean loss as a device tensor."""
+        accum = self.cfg.trainer.grad_accum
+        total = torch.zeros((), device=self.device)
+        for part in range(accum):
+            x, y = self.train_batches.get(step, part, accum)
+            loss = self.compute_loss(x, y)
+            scaled = loss / accum
+            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+            total += loss.detach().float()
+        for group in self.optimizer.param_groups:
+            group["lr"] = self.cfg.trainer.lr_at(step)
+        self.optimizer.step(scaler=self.scaler)
+        self.optimizer.zero_grad(set_to_none=True)
+        return total / accum
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        self.model.eval()
+        losses = torch.stack([self.compute_loss(*self.val_batches.get(i)).float()
+                              for i in range(self.cfg.trainer.eval_batches)])
+        self.model.train()
+        return losses.mean().item()
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def _state(self) -> dict[str, Any]:
+        return {
+            "model": self.model.state_dict(),
+            "optimizer": self.optimizer.state_dict(),
+            "scaler": self.scaler.state_dict() if self.scaler is not None else None,
+            "step": self.step,
+            "rng": resume.rng_state(),
+            "data": {"seed": self.cfg.trainer.seed, "next_step": self.step},
+            "wandb_id": self.logger.run_id,
+            "config": self.config_dict,
+        }
+
+    def _load_state(self, state: dict[str, Any]) -> None:
+        self.model.load_state_dict(state["model"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        if self.scaler is not None and state["scaler"] is not None:
+            self.scaler.load_state_dict(state["scaler"])
+        self.step = state["step"]
+        resume.set_rng_state(state["rng"])
+
+    def save(self) -> Path:
+        path = resume.checkpoint_dir(self.out_dir) / resume.LATEST
+        resume.save_atomic(self._state(), path)
+        return path
+
+    # -- the loop ---------------------------------------------------------------------------------
+    def _check_finite(self, nonfinite: torch.Tensor) -> None:
+        if self.cfg.precision.loss_scaling:
+            return  # overflow is the scaler's business: the step was skipped, nothing corrupted
+        if nonfinite.item():
+            raise NonFiniteLossError(
+                f"the training loss became inf/NaN by step {self.step} ({self.cfg.precision.name}); "
+                f"stopping with the last good checkpoint kept in {resume.checkpoint_dir(self.out_dir)} — "
+                "try a lower trainer.lr, or precision=fp16 with loss scaling only if fp16 overflow is the cause")
+
+    def _log_record(self, loss_sum: torch.Tensor, n: int, throughput: Throughput) -> dict[str, Any]:
+        stats = self.optimizer.stats()
+        record = {"step": self.step, "tokens": self.step * self.cfg.trainer.batch_size * self.model_cfg.block_size,
+                  "train/loss": (loss_sum / max(n, 1)).item(), "opt/lr": self.cfg.trainer.lr_at(self.step - 1),
+                  "opt/grad_norm": float(stats["grad_norm"]),
+                  "amp/loss_scale": float(stats["loss_scale"]), "amp/skipped_steps": float(stats["skipped_steps"])}
+        record.update(throughput.read())
+        record.update(memory_stats(self.device))
+        return record
+
+    def fit(self) -> dict[str, Any]:
+        from tqdm.auto import tqdm
+
+        t = self.cfg.trainer
+        compute = self.cfg.precision.compute_dtype.value
+        peak = t.peak_flops or peak_flops(self.device, compute)
+        tokens_per_step = t.batch_size * self.model_cfg.block_size
+        throughput = Throughput(tokens_per_step, self.model.flops_per_token(self.model_cfg.block_size), peak)
+        self.logger.print(
+            f"minitrain: {self.model_cfg.name} ({self.model.num_params() / 1e6:.2f}M params) on {self.device} | "
+            f"precision={self.cfg.precision.name} checkpointing={self.cfg.checkpointing.policy.value} | "
+            f"{tokens_per_step:,} tokens/step | run dir {self.out_dir}")
+        loss_sum = torch.zeros((), device=self.device)
+        nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
+        n_since_log, record = 0, {}
+        bar = tqdm(total=t.max_steps, initial=self.step, desc="train", unit="step", disable=not self.progress,
+                   dynamic_ncols=True)
+        try:
+            while self.step < t.max_steps:
+                loss = self.train_step(self.step)
+                self.step += 1
+                loss_sum += loss
+                nonfinite |= ~torch.isfinite(loss)
+                n_since_log += 1
+                throughput.step()
+                bar.update(1)
+                is_last = self.step == t.max_steps
+                logging, evaluating = self.step % t.log_every == 0 or is_last, self.step % t.eval_every == 0 or is_last
+                saving = self.step % t.save_every == 0 or is_last
+                if logging:
+                    self._check_finite(nonfinite)
+                    record = self._log_record(loss_sum, n_since_log, throughput)
+                    loss_sum.zero_()
+                    n_since_log = 0
+                if evaluating:
+                    record = record if logging else {"step": self.step}
+                    record["val/loss"] = self.evaluate()
+                if logging or evaluating:
+                    self.logger.log(record)
+                    bar.set_postfix(loss=f"{record.get('train/loss', float('nan')):.3f}")
+                if saving:
+                    self._check_finite(nonfinite)
+                    self.save()
+                if logging or evaluating or saving:
+                    throughput.restart()  # eval and saving are not training time
+            bar.close()
+            record["sample"] = self.sample()
+            self.logger.summary({k: v for k, v in record.items() if k != "step"})
+            self.logger.finish()
+        except BaseException:
+            bar.close()
+            self.logger.finish(exit_code=1)
+            raise
+        return record
+
+    def sample(self) -> str:
+        """A short continuation of a fixed prompt: a human-readable check of what the model learned."""
+        n = self.cfg.trainer.sample_tokens
+        if n == 0:
+            return ""
+        prompt = "def "
+        ids = torch.tensor([self.data.tokenizer.encode(prompt).ids], device=self.device)
+        gen = torch.Generator(device=self.device).manual_seed(self.cfg.trainer.seed)
+        self.model.eval()
+        with self._autocast():
+            out = self.model.generate(ids, n, generator=gen)
+        self.model.train()
+        text = self.data.decode(out[0].tolist())
+        (self.out_dir / "sample.txt").write_text(text)
+        self.logger.print(f"sample:\n{text}")
+        return text
+
+
+def train(cfg: Config | DictConfig, run: RunInfo = RunInfo(), progress: bool = True) -> dict[str, Any]:
+    """Build everything from `cfg` and train; returns the last logged record."""
+    return Trainer(cfg, run, progress).fit()

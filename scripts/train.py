@@ -1,0 +1,26 @@
+"""Train a GPT: `python scripts/train.py [group=option ...] [key=value ...]` (Hydra; -m for sweeps)."""
+
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from minitrain.config import ConfigError, register_configs
+from minitrain.data import DataError
+from minitrain.trainer import NonFiniteLossError, RunInfo, train
+
+register_configs()
+
+
+@hydra.main(version_base=None, config_path="../configs", config_name="config")
+def main(cfg: DictConfig) -> None:
+    try:
+        train(cfg, RunInfo.from_hydra())
+    except (ConfigError, DataError, NonFiniteLossError) as e:
+        # A user-facing problem: one clear line, not a traceback.
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

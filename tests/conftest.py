@@ -1,0 +1,38 @@
+"""Shared test setup: Triton through its CPU interpreter, wandb quiet, one tokenised corpus per session."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+os.environ.setdefault("WANDB_SILENT", "true")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+from pathlib import Path  # noqa: E402
+
+import pytest  # noqa: E402
+from hydra import compose, initialize_config_dir  # noqa: E402
+
+from minitrain.config import register_configs  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+register_configs()
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory) -> Path:
+    """One cache dir for the session: the stdlib corpus is tokenised once, then reused by every test."""
+    return tmp_path_factory.mktemp("data-cache")
+
+
+@pytest.fixture
+def make_cfg(data_cache, tmp_path):
+    """Compose configs/ as `python scripts/train.py` would, with small, fast defaults for tests."""
+
+    def _make(*overrides: str):
+        base = [f"data.cache_dir={data_cache}", f"trainer.out_dir={tmp_path / 'run'}", "logger.mode=disabled",
+                "trainer.batch_size=8", "model.block_size=64", "trainer.max_steps=10", "trainer.warmup_steps=2",
+                "trainer.log_every=5", "trainer.eval_every=10", "trainer.save_every=10", "trainer.eval_batches=2",
+                "trainer.sample_tokens=8"]
+        with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
+            return compose("config", overrides=base + list(overrides))
+
+    return _make

@@ -1,0 +1,67 @@
+import torch
+import torch.nn.functional as F
+
+from minitrain.config import ModelConfig
+from minitrain.model import GPT
+
+
+def tiny(**kw) -> GPT:
+    torch.manual_seed(0)
+    return GPT(ModelConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, vocab_size=97, **kw))
+
+
+def test_shapes_and_tied_head():
+    model = tiny()
+    idx = torch.randint(0, 97, (3, 16))
+    hidden = model.forward_hidden(idx)
+    assert hidden.shape == (3, 16, 32)
+    assert model(idx).shape == (3, 16, 97)
+    assert model.lm_head_weight is model.wte.weight
+    torch.testing.assert_close(model(idx), hidden @ model.wte.weight.T)
+
+
+def test_tied_head_gets_gradient_from_both_uses():
+    model = tiny()
+    idx = torch.randint(0, 97, (2, 16))
+    F.cross_entropy(model(idx).flatten(0, 1), idx.flatten()).backward()
+    # Rows of tokens never seen as input still get a gradient through the head.
+    unseen = torch.ones(97, dtype=torch.bool)
+    unseen[idx.unique()] = False
+    assert unseen.any() and model.wte.weight.grad[unseen].abs().sum() > 0
+
+
+def test_causal():
+    model = tiny()
+    idx = torch.randint(0, 97, (1, 16))
+    changed = idx.clone()
+    changed[0, 10] = (idx[0, 10] + 1) % 97
+    a, b = model.forward_hidden(idx), model.forward_hidden(changed)
+    torch.testing.assert_close(a[:, :10], b[:, :10])
+    assert not torch.allclose(a[:, 10:], b[:, 10:])
+
+
+def test_gpt2_124m_parameter_count_and_flops():
+    with torch.device("meta"):
+        model = GPT(ModelConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304))
+    assert model.num_params(exclude_positions=False) == 124_475_904  # GPT-2 small with vocab padded to 50304
+    n = 124_475_904 - 1024 * 768
+    assert model.flops_per_token(1024) == 6 * n + 12 * 12 * 768 * 1024
+
+
+def test_no_bias_and_decay_groups():
+    model = tiny(bias=False)
+    assert all(not name.endswith("bias") for name, _ in model.named_parameters())
+    decay, no_decay = model.param_groups(0.1)
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(p.dim() == 2 for p in decay["params"])
+    assert any(p is model.wte.weight for p in no_decay["params"])
+    assert len(decay["params"]) + len(no_decay["params"]) == len(list(model.parameters()))
+
+
+def test_gpt2_init_scales_residual_projections():
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(n_layer=8, n_head=4, n_embd=256, block_size=16, vocab_size=128))
+    std_proj = model.blocks[0].attn.c_proj.weight.std().item()
+    std_fc = model.blocks[0].mlp.c_fc.weight.std().item()
+    assert abs(std_fc - 0.02) < 0.002
+    assert abs(std_proj - 0.02 / 4) < 0.001
