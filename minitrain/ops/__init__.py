@@ -1,0 +1,6 @@
+"""Custom ops: fused kernels and the plain-PyTorch references they are tested against."""
+
+from minitrain.ops.cross_entropy import fused_linear_cross_entropy
+from minitrain.ops.cross_entropy_reference import linear_cross_entropy_reference
+
+__all__ = ["fused_linear_cross_entropy", "linear_cross_entropy_reference"]

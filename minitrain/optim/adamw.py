@@ -1,0 +1,299 @@
+"""AdamW with fp32 master weights, dynamic loss scaling and no host synchronisation.
+
+The optimizer is pure bandwidth (~1 FLOP per byte), so its only levers are bytes moved and
+kernels launched. Three implementations of one update make each lever visible:
+
+  loop     torch ops one tensor at a time: ~15 launches per parameter tensor
+  foreach  torch._foreach_* over tensor lists: launches per op, but every op is a pass over memory
+  fused    Triton (adamw_triton.py): norm pass + finalize + one update pass, 3 launches in all,
+           30 B/param for bf16 params with fp32 masters
+
+Memory layout, shared by all three: per parameter dtype, a bucket of flat buffers owned by the
+optimizer -- gradients, fp32 masters (low-precision params only), m and v -- with each parameter
+a view at an ALIGN-aligned offset. The model's parameters stay where the model put them.
+
+Gradients live in the flat buffer for the optimizer's whole life (p.grad is a view of it, or,
+with grad_dtype=fp32, a hook accumulates into an fp32 view and frees p.grad). Its address never
+changes, so the fused kernels' tables are built once and a step touches no per-tensor Python.
+The price: zero_grad is a memset instead of a free, so gradients occupy memory during forward
+too, and the first micro-batch accumulates (`grad += new`) instead of stealing the new tensor.
+"""
+
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+IMPLS = ("loop", "foreach", "fused")
+ALIGN = 64  # elements: each view starts on a 256 B boundary of its fp32 buffer (vector loads)
+
+
+def _dtype(d):
+    return {"fp32": torch.float32, "float32": torch.float32}.get(d, d)
+
+
+class _Bucket:
+    """The params of one dtype and the flat buffers holding their grads and optimizer state."""
+
+    def __init__(self, params, groups, has_master, grad_dtype):
+        self.params, self.groups = params, groups
+        self.offsets, n = [], 0
+        for p in params:
+            self.offsets.append(n)
+            n += -(-p.numel() // ALIGN) * ALIGN
+        dev = params[0].device
+        self.grad = torch.zeros(n, dtype=grad_dtype, device=dev)
+        self.exp_avg = torch.zeros(n, dtype=torch.float32, device=dev)
+        self.exp_avg_sq = torch.zeros(n, dtype=torch.float32, device=dev)
+        self.master = torch.zeros(n, dtype=torch.float32, device=dev) if has_master else None
+        self.grads = self.views(self.grad)
+        self.exp_avgs, self.exp_avg_sqs = self.views(self.exp_avg), self.views(self.exp_avg_sq)
+        self.masters = self.views(self.master) if has_master else None
+        if has_master:
+            torch._foreach_copy_(self.masters, [p.detach() for p in params])
+        for p, g in zip(params, self.grads):
+            _own_grad(p, g)
+
+    def views(self, flat):
+        return [flat[o:o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]
+
+
+def _own_grad(p, view):
+    """Route p's gradient into `view`, whatever else sets p.grad (model.zero_grad(), ...)."""
+    if view.dtype != p.dtype:  # fp32 main grad: accumulate, then free the low-precision grad
+        def hook(p):
+            view.add_(p.grad)
+            p.grad = None
+    else:  # autograd accumulates in place into an existing p.grad
+        p.grad = view
+
+        def hook(p):
+            if p.grad is not view:
+                view.copy_(p.grad)
+                p.grad = view
+    p.register_post_accumulate_grad_hook(hook)
+
+
+@dataclass
+class _Scalars:
+    """One step's coefficients, 0-d device tensors. On a skipped step grad_mult is 0 and the
+    betas, decay and step size make the update an exact identity: no host branch."""
+    grad_mult: torch.Tensor    # 1/scale * clip coefficient, 0 when skipped
+    beta1: torch.Tensor
+    beta2: torch.Tensor
+    inv_bc2_sqrt: torch.Tensor
+    decay: torch.Tensor        # [groups] 1 - lr*wd
+    step_size: torch.Tensor    # [groups] lr / (1 - beta1^t)
+
+
+def _pick(xs, idx):
+    return [xs[i] for i in idx]
+
+
+def _adamw_(p, g, m, v, s, group, betas, eps):
+    """AdamW on lists of fp32 tensors in torch's op order (decay, then the Adam step).
+    The fused kernel computes the same expression per element."""
+    beta1, beta2 = betas
+    torch._foreach_mul_(m, s.beta1)
+    torch._foreach_add_(m, g, alpha=1 - beta1)
+    torch._foreach_mul_(v, s.beta2)
+    torch._foreach_addcmul_(v, g, g, value=1 - beta2)
+    denom = torch._foreach_sqrt(v)
+    torch._foreach_mul_(denom, s.inv_bc2_sqrt)
+    torch._foreach_add_(denom, eps)
+    update = torch._foreach_div(m, denom)
+    torch._foreach_mul_(update, s.step_size[group])
+    torch._foreach_mul_(p, s.decay[group])
+    torch._foreach_sub_(p, update)
+
+
+class FusedAdamW:
+    """AdamW (decoupled weight decay, bias correction, fp32 math) with optional fp32 masters,
+    global-norm clipping and dynamic loss scaling, all decided on the device.
+
+    step() never synchronises with the host: lr/weight_decay go to the device through a pinned
+    buffer when they change; the skip decision, clip coefficient, step count and loss-scale
+    update are device tensors. Per-group lr and weight_decay; betas, eps and max_grad_norm are
+    global.
+    """
+
+    def __init__(self, params, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                 max_grad_norm=1.0, impl="fused", master_weights=None, grad_dtype=None):
+        if impl not in IMPLS:
+            raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+        groups = list(params)
+        if not isinstance(groups[0], dict):
+            groups = [{"params": groups}]
+        self.param_groups = [{"lr": lr, "weight_decay": weight_decay, **g,
+                              "params": [p for p in g["params"] if p.requires_grad]}
+                             for g in groups]
+        self.defaults = {"lr": lr, "weight_decay": weight_decay}
+        self.betas, self.eps, self.max_grad_norm, self.impl = tuple(betas), eps, max_grad_norm, impl
+        self._params = [p for g in self.param_groups for p in g["params"]]
+        self.device = self._params[0].device
+        if impl == "fused" and self.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise RuntimeError("impl='fused' runs Triton kernels, which need a GPU; on CPU use "
+                               "impl='foreach', or set TRITON_INTERPRET=1 (slow, for tests)")
+
+        by_dtype = {}
+        for gi, g in enumerate(self.param_groups):
+            for p in g["params"]:
+                by_dtype.setdefault(p.dtype, []).append((p, gi))
+        grad_dtype = _dtype(grad_dtype)
+        self.buckets = [
+            _Bucket([p for p, _ in pg], [gi for _, gi in pg],
+                    has_master=dtype != torch.float32 and master_weights is not False,
+                    grad_dtype=grad_dtype or dtype)
+            for dtype, pg in by_dtype.items()]
+
+        # bucket-order lists for the torch paths; a batch is what one list-math call covers:
+        # one tensor (loop) or one group within one bucket (foreach)
+        self._p = [p for b in self.buckets for p in b.params]
+        self._m = [m for b in self.buckets for m in b.exp_avgs]
+        self._v = [v for b in self.buckets for v in b.exp_avg_sqs]
+        self._groups = [g for b in self.buckets for g in b.groups]
+        keys = [(id(b), g) for b in self.buckets for g in b.groups]
+        self._batches = [[i] for i in range(len(keys))] if impl == "loop" else \
+            [[i for i, k in enumerate(keys) if k == key] for key in dict.fromkeys(keys)]
+
+        f32 = dict(dtype=torch.float32, device=self.device)
+        self._step = torch.zeros((), **f32)
+        self._skipped = torch.zeros((), dtype=torch.int32, device=self.device)
+        self._grad_norm = torch.zeros((), **f32)
+        self._one = torch.ones((), **f32)
+        self._hyper = torch.zeros(2, len(self.param_groups), **f32)  # rows: lr, weight_decay
+        self._hyper_host = None
+        self._scaler = None
+        if impl == "fused":
+            from .adamw_triton import FusedStep
+            self._fused = FusedStep(self)
+
+    # -- step ---------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def step(self, scaler=None):
+        self._upload_hyper()
+        if scaler is not None:
+            scaler.to(self.device)
+        self._scaler = scaler
+        if self.impl == "fused":
+            self._fused(scaler)
+        else:
+            self._torch_step(scaler)
+
+    def _upload_hyper(self):
+        """Copy per-group lr/wd to the device when they changed, without a sync: pageable H2D
+        copies synchronise, so the source is pinned (the caching host allocator keeps it alive
+        until the copy has run)."""
+        host = [float(g[k]) for k in ("lr", "weight_decay") for g in self.param_groups]
+        if host != self._hyper_host:
+            src = torch.tensor(host, dtype=torch.float32).view_as(self._hyper)
+            if self._hyper.is_cuda:
+                src = src.pin_memory()
+            self._hyper.copy_(src, non_blocking=True)
+            self._hyper_host = host
+
+    def _step_scalars(self, sumsq, scaler):
+        """Everything a step decides, from the scaled grads' sum of squares, on the device:
+        skip flag, unscaled norm, clip coefficient, step count, bias corrections, loss scale.
+        (adamw_triton._finalize_kernel is the fused twin of this function.)"""
+        found_inf = ~torch.isfinite(sumsq)
+        keep = (~found_inf).float()
+        if scaler is None:
+            inv_scale = self._one
+        else:
+            inv_scale = scaler.get_scale().double().reciprocal().float()  # as GradScaler
+            scaler.update(found_inf.float())
+        norm = sumsq.sqrt() * inv_scale
+        mult = inv_scale
+        if self.max_grad_norm:
+            mult = mult * (self.max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
+        self._grad_norm.copy_(norm)
+        self._skipped.add_(found_inf)
+        self._step.add_(keep)
+        t = self._step.clamp(min=1.0)  # a skipped first step must not divide by 1 - beta^0
+        beta1, beta2 = self.betas
+        lr = self._hyper[0] * keep
+        return _Scalars(
+            grad_mult=torch.where(found_inf, 0.0, mult),
+            beta1=torch.where(found_inf, 1.0, beta1),
+            beta2=torch.where(found_inf, 1.0, beta2),
+            inv_bc2_sqrt=(1 - torch.exp2(t * math.log2(beta2))).rsqrt(),
+            decay=1 - lr * self._hyper[1],
+            step_size=lr / (1 - torch.exp2(t * math.log2(beta1))))
+
+    def _torch_step(self, scaler):
+        """loop and foreach: the same list math, applied per tensor or per (bucket, group)."""
+        loop = self.impl == "loop"
+        # fp32 grads (fp32 grads are unscaled in place, like GradScaler.unscale_). foreach
+        # upcasts each flat buffer in one op: torch has no foreach cast, and no foreach `where`
+        # to zero non-finite grads on a skipped step, so nan_to_num on the flat buffer does it.
+        if loop:
+            units = grads = [g.float() for b in self.buckets for g in b.grads]
+        else:
+            units = [b.grad.float() for b in self.buckets]
+            grads = [g for b, u in zip(self.buckets, units) for g in b.views(u)]
+        norms = [n for idx in self._batches for n in torch._foreach_norm(_pick(grads, idx))]
+        s = self._step_scalars(torch.stack(norms).square().sum(), scaler)
+        for u in units:
+            u.mul_(s.grad_mult).nan_to_num_(0.0, 0.0, 0.0)
+
+        work = [w for b in self.buckets for w in (
+            b.masters if b.master is not None else
+            b.params if b.params[0].dtype == torch.float32 else
+            [p.float() for p in b.params])]  # bf16_no_master: fp32 math, rounded into the param
+        for idx in self._batches:
+            _adamw_(_pick(work, idx), _pick(grads, idx), _pick(self._m, idx), _pick(self._v, idx),
+                    s, self._groups[idx[0]], self.betas, self.eps)
+            if work[idx[0]] is not self._p[idx[0]]:
+                torch._foreach_copy_(_pick(self._p, idx), _pick(work, idx))
+
+    # -- the rest of the optimizer interface ------------------------------------------------------
+
+    def zero_grad(self, set_to_none=True):
+        """One memset per bucket. set_to_none is accepted for torch compatibility but the
+        buffer is kept: its fixed address is what lets the fused step skip per-tensor work."""
+        for b in self.buckets:
+            b.grad.zero_()
+
+    def stats(self):
+        """Live 0-d device tensors; read (or clone) them at log steps only."""
+        return {"grad_norm": self._grad_norm, "skipped_steps": self._skipped,
+                "loss_scale": self._scaler.get_scale() if self._scaler is not None else self._one}
+
+    def _bucket_index(self):
+        index = {p: i for i, p in enumerate(self._params)}
+        return [(b, [index[p] for p in b.params]) for b in self.buckets]
+
+    def state_dict(self):
+        """torch-like layout: per-param views (torch.save stores each flat buffer once)."""
+        state = {}
+        for b, idx in self._bucket_index():
+            for j, i in enumerate(idx):
+                state[i] = {"exp_avg": b.exp_avgs[j], "exp_avg_sq": b.exp_avg_sqs[j]}
+                if b.master is not None:
+                    state[i]["master"] = b.masters[j]
+        index = {p: i for i, p in enumerate(self._params)}
+        groups = [{**{k: v for k, v in g.items() if k != "params"},
+                   "params": [index[p] for p in g["params"]]} for g in self.param_groups]
+        return {"state": state, "param_groups": groups, "step": self._step,
+                "skipped_steps": self._skipped}
+
+    @torch.no_grad()
+    def load_state_dict(self, sd):
+        if [len(g["params"]) for g in sd["param_groups"]] != \
+                [len(g["params"]) for g in self.param_groups]:
+            raise ValueError("state_dict's param groups do not match this optimizer's")
+        for g, saved in zip(self.param_groups, sd["param_groups"]):
+            g.update({k: v for k, v in saved.items() if k != "params"})
+        for b, idx in self._bucket_index():
+            for j, i in enumerate(idx):
+                saved = sd["state"][i]
+                b.exp_avgs[j].copy_(saved["exp_avg"])
+                b.exp_avg_sqs[j].copy_(saved["exp_avg_sq"])
+                if b.master is not None and "master" in saved:
+                    b.masters[j].copy_(saved["master"])
+                    b.params[j].copy_(b.masters[j])  # the compute copy is the master's cast
+        self._step.copy_(sd["step"])
+        self._skipped.copy_(sd["skipped_steps"])

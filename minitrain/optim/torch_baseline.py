@@ -1,0 +1,50 @@
+"""The plain-PyTorch recipe, for comparison: torch.optim.AdamW (fused on CUDA, foreach on CPU),
+clip_grad_norm_, and torch.amp.GradScaler for fp16. No master weights: params are updated in
+their own dtype. Same interface as FusedAdamW, except that `scaler` is a GradScaler."""
+
+import torch
+
+
+class TorchAdamW:
+    def __init__(self, param_groups, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
+                 max_grad_norm=1.0):
+        groups = list(param_groups)
+        self._params = [p for g in groups for p in (g["params"] if isinstance(g, dict) else [g])]
+        cuda = self._params[0].is_cuda
+        self.opt = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps,
+                                     weight_decay=weight_decay, fused=cuda, foreach=not cuda)
+        self.param_groups = self.opt.param_groups
+        self.max_grad_norm = max_grad_norm
+        self._grad_norm = torch.zeros((), device=self._params[0].device)
+        self._skipped = torch.zeros((), dtype=torch.int32, device=self._params[0].device)
+        self._scaler = None
+
+    def step(self, scaler=None):
+        self._scaler = scaler
+        if scaler is not None:
+            scaler.unscale_(self.opt)
+        # clip_grad_norm_ with max_norm=inf still returns the norm (and multiplies by 1)
+        norm = torch.nn.utils.clip_grad_norm_(self._params, self.max_grad_norm or float("inf"))
+        self._grad_norm.copy_(norm)
+        if scaler is None:
+            self.opt.step()
+            return
+        scaler.step(self.opt)  # fused AdamW consumes found_inf on the device
+        for found_inf in scaler._found_inf_per_device(self.opt).values():
+            self._skipped.add_(found_inf.int())
+        scaler.update()
+
+    def zero_grad(self, set_to_none=True):
+        self.opt.zero_grad(set_to_none=set_to_none)
+
+    def stats(self):
+        scale = self._scaler.get_scale() if self._scaler is not None else 1.0  # a float
+        return {"grad_norm": self._grad_norm, "skipped_steps": self._skipped,
+                "loss_scale": torch.tensor(scale)}
+
+    def state_dict(self):
+        return {"opt": self.opt.state_dict(), "skipped_steps": self._skipped}
+
+    def load_state_dict(self, sd):
+        self.opt.load_state_dict(sd["opt"])
+        self._skipped.copy_(sd["skipped_steps"])

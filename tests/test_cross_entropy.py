@@ -1,0 +1,153 @@
+"""Fused linear cross-entropy against an fp64 truth, kernels through the Triton interpreter on CPU."""
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from minitrain.ops import fused_linear_cross_entropy, linear_cross_entropy_reference  # noqa: E402
+
+N, H, V = 47, 31, 123  # V is not a multiple of any block size
+
+
+def make_inputs(seed, n=N, h=H, v=V, ignore_fraction=0.25, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(n, h, generator=g).to(dtype)
+    weight = (torch.randn(v, h, generator=g) / h**0.5).to(dtype)
+    targets = torch.randint(0, v, (n,), generator=g)
+    targets[torch.rand(n, generator=g) < ignore_fraction] = -100
+    return hidden, weight, targets
+
+
+def loss_and_grads(fn, hidden, weight, targets, grad_output=None, **kwargs):
+    hidden = hidden.detach().clone().requires_grad_()
+    weight = weight.detach().clone().requires_grad_()
+    loss = fn(hidden, weight, targets, **kwargs)
+    loss.backward(grad_output)
+    return loss.detach(), hidden.grad, weight.grad
+
+
+def truth(hidden, weight, targets, grad_output=None, **kwargs):
+    go = None if grad_output is None else grad_output.double()
+    return loss_and_grads(linear_cross_entropy_reference, hidden.double(), weight.double(), targets, go, **kwargs)
+
+
+def assert_close_to_truth(hidden, weight, targets, grad_output=None, atol=1e-5, **kwargs):
+    got = loss_and_grads(fused_linear_cross_entropy, hidden, weight, targets, grad_output, **kwargs)
+    want = truth(hidden, weight, targets, grad_output, **{k: v for k, v in kwargs.items() if k != "chunk_bytes"})
+    for name, a, b in zip(("loss", "grad_hidden", "grad_weight"), got, want):
+        assert a.dtype == (torch.float32 if name == "loss" else hidden.dtype), name
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=atol, msg=name)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 16, N])
+def test_chunk_budgets(rows):
+    hidden, weight, targets = make_inputs(rows)
+    assert_close_to_truth(hidden, weight, targets, chunk_bytes=rows * V * 4)
+
+
+@pytest.mark.parametrize("reduction", ["sum", "none"])
+def test_reductions(reduction):
+    hidden, weight, targets = make_inputs(1)
+    grad_output = torch.randn(N) if reduction == "none" else torch.tensor(3.0)
+    assert_close_to_truth(hidden, weight, targets, grad_output, reduction=reduction, chunk_bytes=8 * V * 4)
+
+
+def test_in_range_ignore_index():
+    hidden, weight, targets = make_inputs(2, ignore_fraction=0.0)
+    targets[::3] = 7
+    assert_close_to_truth(hidden, weight, targets, ignore_index=7, chunk_bytes=8 * V * 4)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+def test_all_ignored_is_zero_not_nan(reduction):
+    hidden, weight, targets = make_inputs(3, ignore_fraction=1.0)
+    loss, grad_hidden, grad_weight = loss_and_grads(
+        fused_linear_cross_entropy, hidden, weight, targets, torch.ones(N) if reduction == "none" else None,
+        reduction=reduction,
+    )
+    for t in (loss, grad_hidden, grad_weight):
+        assert torch.equal(t, torch.zeros_like(t))
+
+
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_label_smoothing_and_z_loss(reduction):
+    hidden, weight, targets = make_inputs(4)
+    grad_output = torch.randn(N) if reduction == "none" else None
+    assert_close_to_truth(
+        hidden, weight, targets, grad_output, reduction=reduction, label_smoothing=0.1, z_loss=1e-2,
+        chunk_bytes=8 * V * 4,
+    )
+
+
+def test_large_common_logit_offset():
+    """A constant feature with a weight of 300 adds 300 to every logit: softmax must not overflow."""
+    hidden, weight, targets = make_inputs(5)
+    hidden = torch.cat([hidden, torch.ones(N, 1)], dim=1)
+    weight = torch.cat([weight, torch.full((V, 1), 300.0)], dim=1)
+    assert_close_to_truth(hidden, weight, targets, z_loss=1e-4, atol=2e-4, chunk_bytes=8 * V * 4)
+
+
+# fp16 slack: the loss scale only arrives in backward, after grad_hidden was rounded
+# once (naive folds it into the logit gradient first); an extra half-ulp, not a bias.
+@pytest.mark.parametrize("dtype, grad_output, slack", [(torch.bfloat16, 1.0, 1.05), (torch.float16, 1024.0, 1.25)])
+def test_low_precision_no_worse_than_naive(dtype, grad_output, slack):
+    """bf16, and fp16 under a loss scale."""
+    hidden, weight, targets = make_inputs(6, n=96, h=64, v=257, dtype=dtype)
+    grad_output = torch.tensor(grad_output)
+
+    def naive(h, w, y):
+        return F.cross_entropy((h @ w.T).float(), y)
+
+    want = truth(hidden, weight, targets, grad_output)
+    fused = loss_and_grads(fused_linear_cross_entropy, hidden, weight, targets, grad_output, chunk_bytes=32 * 257 * 2)
+    plain = loss_and_grads(naive, hidden, weight, targets, grad_output)
+    for name, f, p, t in zip(("loss", "grad_hidden", "grad_weight"), fused, plain, want):
+        assert f.dtype == p.dtype, name
+        err_fused, err_naive = (f.double() - t).norm(), (p.double() - t).norm()
+        assert err_fused <= slack * err_naive + 1e-6, (name, err_fused.item(), err_naive.item())
+
+
+def test_accumulates_into_existing_weight_grad_in_weight_dtype():
+    """Tied embedding under autocast-style mixed precision: bf16 hidden, fp32 weight."""
+    hidden, weight, targets = make_inputs(7)
+    weight = weight.requires_grad_()
+    earlier = torch.randn(V, H)
+    weight.grad = earlier.clone()
+    fused_linear_cross_entropy(hidden.bfloat16().requires_grad_(), weight, targets).backward()
+    _, _, grad_weight = truth(hidden.bfloat16(), weight.detach(), targets)
+    assert weight.grad.dtype == torch.float32
+    torch.testing.assert_close(weight.grad.double(), earlier.double() + grad_weight, rtol=0, atol=2e-3)
+
+
+def test_no_grad_forward_matches():
+    hidden, weight, targets = make_inputs(8)
+    with torch.no_grad():
+        loss = fused_linear_cross_entropy(hidden, weight, targets, chunk_bytes=8 * V * 4)
+    torch.testing.assert_close(loss.double(), truth(hidden, weight, targets)[0], rtol=1e-5, atol=1e-6)
+
+
+def test_torch_compile_fullgraph():
+    """The custom op and its autograd trace without a graph break (aot_eager: no C++ build on CPU)."""
+    hidden, weight, targets = make_inputs(9)
+
+    @torch.compile(backend="aot_eager", fullgraph=True)
+    def step(h, w, y):
+        return fused_linear_cross_entropy(torch.tanh(h), w, y, chunk_bytes=8 * V * 4)
+
+    got = loss_and_grads(step, hidden, weight, targets)
+    want = loss_and_grads(
+        lambda h, w, y: linear_cross_entropy_reference(torch.tanh(h), w, y), hidden.double(), weight.double(), targets
+    )
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b, rtol=1e-4, atol=1e-5)
+
+
+def test_cpu_without_interpreter_raises(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET")
+    hidden, weight, targets = make_inputs(10)
+    with pytest.raises(RuntimeError, match="loss.impl=torch"):
+        fused_linear_cross_entropy(hidden, weight, targets)

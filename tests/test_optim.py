@@ -1,0 +1,297 @@
+"""FusedAdamW against torch references: torch.optim.AdamW, clip_grad_norm_, GradScaler."""
+
+import io
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
+
+import pytest
+import torch
+
+from minitrain.amp import DynamicLossScaler
+from minitrain.optim import FusedAdamW
+from minitrain.optim.adamw_triton import BLOCK
+
+IMPLS = ["loop", "foreach", "fused"]
+SHAPES = [(1,), (13,), (1025,), (3, 5, 7), (BLOCK + 37,), (2, BLOCK)]
+HP = dict(lr=1e-3, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
+
+
+def params_like(values, dtype):
+    return [torch.nn.Parameter(v.detach().clone().to(dtype)) for v in values]
+
+
+def two_groups(ps):
+    """Per-group lr and weight decay, as the trainer uses them."""
+    return [{"params": ps[::2]}, {"params": ps[1::2], "lr": 3e-3, "weight_decay": 0.0}]
+
+
+def group_order(n):
+    """Index into the param list of the optimizer's i-th param (state_dict numbering)."""
+    return list(range(0, n, 2)) + list(range(1, n, 2))
+
+
+def set_grads(ps, grads):
+    for p, g in zip(ps, grads):
+        p.grad.copy_(g) if p.grad is not None else setattr(p, "grad", g.clone())
+
+
+def reference_step(ref, opt, grads, max_norm):
+    for p, g in zip(ref, grads):
+        p.grad = g.float().clone()
+    norm = torch.nn.utils.clip_grad_norm_(ref, max_norm or float("inf"))
+    opt.step()
+    return norm
+
+
+def state(opt, i, key):
+    return opt.state_dict()["state"][i][key]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_fp32_parity_late_bias_correction(impl):
+    """10 steps, odd shapes, 2 groups, moments preloaded at step 1900, lr changed every step."""
+    torch.manual_seed(0)
+    init = [torch.randn(s) for s in SHAPES]
+    m0 = [0.1 * torch.randn(s) for s in SHAPES]
+    v0 = [0.01 * torch.rand(s) for s in SHAPES]
+    ps, ref = params_like(init, torch.float32), params_like(init, torch.float32)
+    opt = FusedAdamW(two_groups(ps), max_grad_norm=None, impl=impl, **HP)
+    torch_opt = torch.optim.AdamW(two_groups(ref), **HP)
+    order = group_order(len(SHAPES))
+    opt.load_state_dict({**opt.state_dict(), "step": torch.tensor(1900.0), "state": {
+        i: {"exp_avg": m0[k], "exp_avg_sq": v0[k]} for i, k in enumerate(order)}})
+    for r, m, v in zip(ref, m0, v0):
+        torch_opt.state[r] = {"step": torch.tensor(1900.0), "exp_avg": m.clone(),
+                              "exp_avg_sq": v.clone()}
+    for step in range(10):
+        for g in opt.param_groups + torch_opt.param_groups:
+            g["lr"] = 1e-3 * (1 + step) * (3 if g["weight_decay"] == 0 else 1)
+        grads = [torch.randn(s) for s in SHAPES]
+        set_grads(ps, grads)
+        reference_step(ref, torch_opt, grads, None)
+        opt.step()
+    for i, k in enumerate(order):
+        r = ref[k]
+        torch.testing.assert_close(ps[k], r, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(state(opt, i, "exp_avg"), torch_opt.state[r]["exp_avg"])
+        torch.testing.assert_close(state(opt, i, "exp_avg_sq"), torch_opt.state[r]["exp_avg_sq"])
+    assert opt.state_dict()["step"].item() == 1910
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_master_weights_equal_fp32_adamw(dtype, impl):
+    """Low-precision params: masters follow fp32 AdamW on an fp32 copy (clipped, and unscaled
+    for fp16); the compute copy is exactly the master's cast."""
+    torch.manual_seed(1)
+    init = [torch.randn(s).to(dtype) for s in SHAPES[:5]]
+    ps, ref = params_like(init, dtype), params_like(init, torch.float32)
+    opt = FusedAdamW(two_groups(ps), max_grad_norm=1.0, impl=impl, **HP)
+    torch_opt = torch.optim.AdamW(two_groups(ref), **HP)
+    scaler = DynamicLossScaler(init_scale=2.0**10) if dtype == torch.float16 else None
+    scale = 2.0**10 if scaler else 1.0
+    for _ in range(5):
+        grads = [torch.randn(p.shape).to(dtype) for p in ps]
+        set_grads(ps, [(g.float() * scale).to(dtype) for g in grads])
+        reference_step(ref, torch_opt, grads, 1.0)
+        opt.step(scaler=scaler)
+    for i, k in enumerate(group_order(len(ps))):
+        master = state(opt, i, "master")
+        torch.testing.assert_close(master, ref[k].detach(), rtol=1e-5, atol=1e-6)
+        assert torch.equal(ps[k], master.to(dtype))
+
+
+def snapshot(opt, ps):
+    sd = opt.state_dict()
+    tensors = [p.detach().clone() for p in ps] + [sd["step"].clone()]
+    for s in sd["state"].values():
+        tensors += [t.clone() for t in s.values()]
+    return tensors
+
+
+def assert_bit_identical(a, b):
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert torch.equal(x.view(torch.uint8) if x.dim() else x, y.view(torch.uint8) if y.dim() else y)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("bad", [float("inf"), float("nan")])
+def test_overflow_skips_whole_step(impl, bad):
+    torch.manual_seed(2)
+    ps = params_like([torch.randn(s) for s in SHAPES[:5]], torch.float16)
+    opt = FusedAdamW(two_groups(ps), max_grad_norm=1.0, impl=impl, **HP)
+    scaler = DynamicLossScaler(init_scale=2.0**8)
+    set_grads(ps, [torch.randn(p.shape).half() for p in ps])
+    opt.step(scaler=scaler)  # a real step first, so moments and masters are non-trivial
+    before = snapshot(opt, ps)
+
+    grads = [torch.randn(p.shape).half() for p in ps]
+    grads[2].view(-1)[7] = bad
+    set_grads(ps, grads)
+    opt.step(scaler=scaler)
+    assert_bit_identical(snapshot(opt, ps), before)
+    assert scaler.get_scale().item() == 2.0**7
+    assert opt.stats()["skipped_steps"].item() == 1
+
+    set_grads(ps, [torch.randn(p.shape).half() for p in ps])
+    opt.step(scaler=scaler)
+    assert opt.state_dict()["step"].item() == 2
+    assert not torch.equal(ps[0], before[0])
+    assert opt.stats()["skipped_steps"].item() == 1
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("max_norm", [0.5, None])
+def test_clipping_matches_clip_grad_norm(impl, max_norm):
+    """Norm of the unscaled grads, clip coefficient as clip_grad_norm_; None = report only."""
+    torch.manual_seed(3)
+    init = [torch.randn(s) for s in SHAPES[:5]]
+    ps, ref = params_like(init, torch.float32), params_like(init, torch.float32)
+    opt = FusedAdamW(two_groups(ps), max_grad_norm=max_norm, impl=impl, **HP)
+    torch_opt = torch.optim.AdamW(two_groups(ref), **HP)
+    scaler = DynamicLossScaler(init_scale=2.0**4)
+    for _ in range(3):
+        grads = [5 * torch.randn(s) for s in SHAPES[:5]]
+        set_grads(ps, [g * 2.0**4 for g in grads])
+        norm = reference_step(ref, torch_opt, grads, max_norm)
+        opt.step(scaler=scaler)
+        torch.testing.assert_close(opt.stats()["grad_norm"], norm)
+    for p, r in zip(ps, ref):
+        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+
+
+def test_three_thousand_tiny_tensors_fused():
+    torch.manual_seed(4)
+    init = [torch.randn(1 + i % 5) for i in range(3000)]
+    ps, ref = params_like(init, torch.float32), params_like(init, torch.float32)
+    opt = FusedAdamW(two_groups(ps), max_grad_norm=1.0, impl="fused", **HP)
+    torch_opt = torch.optim.AdamW(two_groups(ref), **HP)
+    for _ in range(2):
+        grads = [torch.randn(p.shape) for p in ps]
+        set_grads(ps, grads)
+        reference_step(ref, torch_opt, grads, 1.0)
+        opt.step()
+    torch.testing.assert_close(torch.cat(ps), torch.cat(ref), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+def test_masters_prevent_swamping(impl):
+    """An update of ~lr=1e-3 per step is below half a bf16 ulp at 1.0 (2^-9): without masters
+    every step rounds back to 1.0; with them the steps accumulate."""
+    kept = {}
+    for master in (False, True):
+        p = torch.nn.Parameter(torch.ones(64, dtype=torch.bfloat16))
+        opt = FusedAdamW([p], lr=1e-3, weight_decay=0.0, max_grad_norm=None, impl=impl,
+                         master_weights=master)
+        for _ in range(20):
+            p.grad.fill_(1.0)
+            opt.step()
+        kept[master] = p.detach().float()
+    assert torch.equal(kept[False], torch.ones(64))
+    torch.testing.assert_close(kept[True], torch.full((64,), 0.98), atol=4e-3, rtol=0)
+
+
+def test_impls_agree():
+    """fp16 + scaler + clipping + two groups + an overflow step: loop and foreach share the
+    list math (equal bits on CPU); fused matches them to rounding."""
+    torch.manual_seed(5)
+    init = [torch.randn(s) for s in SHAPES]
+    grads = [[torch.randn(s).half() for s in SHAPES] for _ in range(4)]
+    grads[2][1][3] = float("inf")
+    out = {}
+    for impl in IMPLS:
+        ps = params_like(init, torch.float16)
+        opt = FusedAdamW(two_groups(ps), max_grad_norm=1.0, impl=impl, **HP)
+        scaler = DynamicLossScaler(init_scale=2.0**6, growth_interval=2)
+        for gs in grads:
+            set_grads(ps, gs)
+            opt.step(scaler=scaler)
+        out[impl] = snapshot(opt, ps) + [scaler.get_scale().clone()]
+    assert_bit_identical(out["loop"], out["foreach"])
+    for a, b in zip(out["fused"], out["foreach"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+def test_state_dict_resume_is_bit_identical(impl):
+    torch.manual_seed(6)
+    init = [torch.randn(s) for s in SHAPES[:5]]
+    grads = [[torch.randn(s).to(torch.bfloat16) for s in SHAPES[:5]] for _ in range(6)]
+    ps = params_like(init, torch.bfloat16)
+    opt = FusedAdamW(two_groups(ps), impl=impl, **HP)
+    for gs in grads[:3]:
+        set_grads(ps, gs)
+        opt.step()
+    buf = io.BytesIO()
+    torch.save({"model": [p.detach().clone() for p in ps], "opt": opt.state_dict()}, buf)
+    for gs in grads[3:]:
+        set_grads(ps, gs)
+        opt.step()
+
+    buf.seek(0)
+    ckpt = torch.load(buf)
+    ps2 = params_like(ckpt["model"], torch.bfloat16)
+    opt2 = FusedAdamW(two_groups(ps2), impl=impl, **{**HP, "lr": 0.5})  # lr comes from the ckpt
+    opt2.load_state_dict(ckpt["opt"])
+    for gs in grads[3:]:
+        set_grads(ps2, gs)
+        opt2.step()
+    assert_bit_identical(snapshot(opt2, ps2), snapshot(opt, ps))
+
+
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+def test_fp32_main_grads_and_foreign_zero_grad(impl):
+    """grad_dtype=fp32 accumulates micro-batches into fp32 main grads and frees p.grad; with
+    param-dtype grads, a model.zero_grad() (set_to_none) elsewhere still lands in the buffer."""
+    torch.manual_seed(7)
+    x = [torch.randn(4, 8) for _ in range(2)]
+    init = torch.randn(8, 3).to(torch.bfloat16)
+    for grad_dtype in ("fp32", None):
+        w = torch.nn.Parameter(init.clone())
+        opt = FusedAdamW([w], impl=impl, grad_dtype=grad_dtype, max_grad_norm=None, **HP)
+        ref = torch.nn.Parameter(init.float())
+        torch_opt = torch.optim.AdamW([ref], **HP)
+        for _ in range(2):
+            opt.zero_grad()
+            w.grad = None  # what model.zero_grad() does
+            expect = torch.zeros(8, 3)
+            for xb in x:
+                probe = torch.nn.Parameter(init.clone())
+                (xb.to(torch.bfloat16) @ probe).square().sum().backward()
+                (xb.to(torch.bfloat16) @ w).square().sum().backward()
+                expect = expect + probe.grad.float() if grad_dtype else \
+                    (expect.to(torch.bfloat16) + probe.grad).float()
+            if grad_dtype:
+                assert w.grad is None
+            reference_step([ref], torch_opt, [expect], None)
+            opt.step()
+        torch.testing.assert_close(state(opt, 0, "master"), ref.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_fused_on_cpu_needs_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="foreach"):
+        FusedAdamW([torch.nn.Parameter(torch.randn(3))], impl="fused")
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs are only observable on CUDA")
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+def test_step_never_syncs(impl):
+    ps = [torch.nn.Parameter(torch.randn(s, device="cuda").half()) for s in SHAPES]
+    opt = FusedAdamW(two_groups(ps), impl=impl, **HP)
+    scaler = DynamicLossScaler(device="cuda")
+    for p in ps:
+        p.grad.normal_()
+    opt.step(scaler=scaler)  # first step: compiles kernels, uploads hyperparameters
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(3):
+            for g in opt.param_groups:
+                g["lr"] = 1e-4 * (step + 1)
+            opt.step(scaler=scaler)
+            opt.zero_grad()
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

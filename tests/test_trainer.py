@@ -1,0 +1,156 @@
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from minitrain import resume
+from minitrain.trainer import NonFiniteLossError, Trainer, train
+
+from conftest import REPO
+
+
+def params(trainer: Trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in trainer.model.state_dict().items()}
+
+
+def assert_identical(a, b, where="state"):
+    """Bitwise equality of nested dicts / lists / tensors (an optimizer's state_dict)."""
+    if isinstance(a, torch.Tensor):
+        assert torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for k in a:
+            assert_identical(a[k], b[k], f"{where}.{k}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_identical(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_loss_drops_on_default_corpus(make_cfg, tmp_path):
+    record = train(make_cfg("trainer.max_steps=100", "trainer.log_every=20", "trainer.eval_every=100",
+                            "trainer.save_every=100", "trainer.batch_size=16", "trainer.lr=3e-3"), progress=False)
+    records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    first, last = records[0]["train/loss"], records[-1]["train/loss"]
+    assert last < first - 0.5, (first, last)
+    assert record["val/loss"] < math.log(4096) - 1.5  # from chance (ln vocab) to well below it
+    assert (tmp_path / "run" / "sample.txt").read_text().startswith("def ")
+
+
+def test_resume_after_a_crash_is_bit_identical(make_cfg, tmp_path, monkeypatch):
+    overrides = ("trainer.max_steps=20", "trainer.save_every=10", "trainer.eval_every=20", "trainer.log_every=5")
+    straight = Trainer(make_cfg(*overrides, f"trainer.out_dir={tmp_path / 'straight'}"), progress=False)
+    straight.fit()
+
+    crash_dir = tmp_path / "crashed"
+    crashing = Trainer(make_cfg(*overrides, f"trainer.out_dir={crash_dir}"), progress=False)
+    real_step = crashing.train_step
+
+    def step_then_crash(step):
+        if step == 13:
+            raise KeyboardInterrupt("simulated crash after the step-10 checkpoint")
+        return real_step(step)
+
+    monkeypatch.setattr(crashing, "train_step", step_then_crash)
+    with pytest.raises(KeyboardInterrupt):
+        crashing.fit()
+
+    resumed = Trainer(make_cfg(*overrides, f"trainer.out_dir={crash_dir}", "trainer.resume=auto"), progress=False)
+    assert resumed.step == 10
+    resumed.fit()
+    a, b = params(straight), params(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert_identical(straight.optimizer.state_dict(), resumed.optimizer.state_dict())
+
+
+def test_grad_accum_does_not_change_the_math(make_cfg, tmp_path):
+    runs = []
+    for accum in (1, 4):
+        t = Trainer(make_cfg("trainer.max_steps=3", f"trainer.grad_accum={accum}",
+                             f"trainer.out_dir={tmp_path / str(accum)}"), progress=False)
+        t.fit()
+        runs.append(params(t))
+    for k in runs[0]:
+        torch.testing.assert_close(runs[0][k], runs[1][k], rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16", "bf16_no_master", "amp_bf16"])
+def test_precision_modes_train(make_cfg, precision, tmp_path):
+    t = Trainer(make_cfg(f"precision={precision}", "trainer.max_steps=5", "trainer.log_every=5"), progress=False)
+    dtype = {"amp_bf16": torch.float32, "fp16": torch.float16}.get(precision, torch.bfloat16)
+    assert t.model.wte.weight.dtype == dtype
+    record = t.fit()
+    assert record["train/loss"] < 9.0 and record["amp/skipped_steps"] >= 0
+
+
+def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(make_cfg, tmp_path, monkeypatch):
+    t = Trainer(make_cfg("trainer.max_steps=20", "trainer.save_every=5", "trainer.log_every=5"), progress=False)
+    real = t.compute_loss
+
+    def poisoned(x, y):
+        loss = real(x, y)
+        return loss * float("nan") if t.step >= 7 else loss
+
+    monkeypatch.setattr(t, "compute_loss", poisoned)
+    with pytest.raises(NonFiniteLossError, match="inf/NaN"):
+        t.fit()
+    state = resume.load(resume.checkpoint_dir(tmp_path / "run") / resume.LATEST, torch.device("cpu"))
+    assert state["step"] == 5
+    assert all(torch.isfinite(v).all() for v in state["model"].values())
+
+
+def test_checkpoint_write_is_atomic(tmp_path, monkeypatch):
+    path = tmp_path / "latest.pt"
+    resume.save_atomic({"step": 1}, path)
+
+    def crash(*a, **k):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", crash)
+    with pytest.raises(OSError):
+        resume.save_atomic({"step": 2}, path)
+    assert torch.load(path)["step"] == 1
+
+
+def test_wandb_offline_run_holds_the_metrics(make_cfg, tmp_path):
+    train(make_cfg("logger.mode=offline", "trainer.max_steps=4", "trainer.log_every=2"), progress=False)
+    run_dir = tmp_path / "run"
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    for key in ("train/loss", "opt/lr", "opt/grad_norm", "perf/tokens_per_s", "perf/step_ms", "mem/rss_gb"):
+        assert key in records[-1], key
+    assert records[-1]["perf/tokens_per_s"] > 0 and records[-1]["mem/rss_gb"] > 0
+    # Offline runs keep their history in the run's binary .wandb log (protobuf records): the metric
+    # keys are stored there verbatim, once per logged step.
+    (log,) = (run_dir / "wandb").glob("offline-run-*/run-*.wandb")
+    history = log.read_bytes()
+    for key in ("train/loss", "perf/tokens_per_s", "mem/rss_gb"):
+        assert history.count(key.encode()) >= len(records), key
+
+
+def test_multirun_sweep_gives_one_run_per_cell(data_cache, tmp_path):
+    sweep = tmp_path / "sweep"
+    cmd = [sys.executable, str(REPO / "scripts" / "train.py"), "-m", "precision=fp32,bf16",
+           "checkpointing=none,full", "trainer.max_steps=2", "trainer.log_every=1", "trainer.batch_size=4",
+           "model.block_size=32", "trainer.warmup_steps=1", "trainer.eval_batches=1", "trainer.sample_tokens=0",
+           f"data.cache_dir={data_cache}", "logger.mode=disabled", f"hydra.sweep.dir={sweep}"]
+    subprocess.run(cmd, check=True, cwd=tmp_path, capture_output=True, timeout=600)
+    runs = sorted(sweep.glob("*/metrics.jsonl"))
+    assert len(runs) == 4, runs
+    cells = {tuple(sorted((run.parent / ".hydra" / "overrides.yaml").read_text().split("\n")[:2])) for run in runs}
+    assert ("- checkpointing=full", "- precision=bf16") in cells and len(cells) == 4
+
+
+def test_bad_config_fails_at_start_with_the_key(tmp_path):
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "train.py"), "model.n_head=5",
+                          f"hydra.run.dir={tmp_path}"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0
+    assert "model.n_embd" in out.stderr and "Traceback" not in out.stderr
