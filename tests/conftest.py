@@ -2,7 +2,10 @@
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+# MINITRAIN_TEST_DEVICE=cuda runs the kernel tests on a GPU with compiled kernels (scripts/gpu_suite.sh);
+# by default everything runs on the CPU, Triton through its interpreter.
+TEST_DEVICE = os.environ.get("MINITRAIN_TEST_DEVICE", "cpu")
+os.environ.setdefault("TRITON_INTERPRET", "0" if TEST_DEVICE == "cuda" else "1")  # before triton is imported
 os.environ.setdefault("WANDB_SILENT", "true")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -15,6 +18,11 @@ from minitrain.config import register_configs  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 register_configs()
+
+if TEST_DEVICE == "cuda":
+    import torch
+
+    torch.set_default_device("cuda")  # the kernel tests' random inputs are made on the GPU
 
 
 @pytest.fixture(scope="session")

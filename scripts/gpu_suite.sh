@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One GPU session's worth of checks and measurements, for the device machine (see docs/benchmarks.md).
+# Usage: scripts/gpu_suite.sh OUT_DIR [tests] [optimizer] [cross_entropy] [train] [step] [sweep]
+set -uo pipefail
+out=${1:?output dir}; shift
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1 WANDB_SILENT=true TOKENIZERS_PARALLELISM=false
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
+python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu.txt"
+for what in "$@"; do
+  echo "=== $what ==="
+  case $what in
+    tests) MINITRAIN_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q -x tests/test_optim.py tests/test_amp.py \
+             tests/test_cross_entropy.py 2>&1 | tail -25 ;;
+    optimizer) timeout 240 python3 scripts/bench_optimizer.py --out "$out/bench_optimizer.json" 2>&1 | tail -40 ;;
+    cross_entropy) timeout 400 python3 scripts/bench_cross_entropy.py --out "$out/bench_cross_entropy.json" 2>&1 | tail -40 ;;
+    train) timeout 300 python3 scripts/train.py model=gpt2-124m precision=bf16 trainer.batch_size=16 \
+             trainer.max_steps=60 trainer.log_every=10 trainer.eval_every=60 trainer.save_every=1000 \
+             trainer.warmup_steps=10 trainer.lr=6e-4 trainer.min_lr=6e-5 hydra.run.dir=/tmp/run-124m 2>&1 \
+             | grep -v "it/s\]\|step/s\]" | tail -25
+           cp /tmp/run-124m/metrics.jsonl "$out/train_124m_metrics.jsonl" ;;
+    step) timeout 500 python3 scripts/bench_step.py --out "$out/bench_step.json" 2>&1 | tail -40 ;;
+    sweep) timeout 550 python3 scripts/bench_memory.py --out "$out/bench_memory.json" 2>&1 | tail -40 ;;
+  esac
+done
