@@ -53,10 +53,13 @@ def memory_stats(device: torch.device) -> dict[str, float]:
 
 
 class Throughput:
-    """Tokens/s and MFU over the steps between two log points (the device is synced at each)."""
+    """Tokens/s, MFU and HFU over the steps between two log points (the device is synced at each).
+    HFU counts the FLOPs the hardware ran, recompute included; MFU only the model's."""
 
-    def __init__(self, tokens_per_step: int, flops_per_token: int, peak: Optional[float]):
-        self.tokens_per_step, self.flops_per_token, self.peak = tokens_per_step, flops_per_token, peak
+    def __init__(self, tokens_per_step: int, model_flops_per_token: int, hardware_flops_per_token: int,
+                 peak: Optional[float]):
+        self.tokens_per_step, self.peak = tokens_per_step, peak
+        self.model_flops, self.hardware_flops = model_flops_per_token, hardware_flops_per_token
         self.t0, self.steps = time.perf_counter(), 0
 
     def step(self) -> None:
@@ -73,6 +76,7 @@ class Throughput:
         tokens_per_s = self.tokens_per_step * self.steps / dt
         out = {"perf/step_ms": 1000 * dt / max(self.steps, 1), "perf/tokens_per_s": tokens_per_s}
         if self.peak:
-            out["perf/mfu"] = tokens_per_s * self.flops_per_token / self.peak
+            out["perf/mfu"] = tokens_per_s * self.model_flops / self.peak
+            out["perf/hfu"] = tokens_per_s * self.hardware_flops / self.peak
         self.restart()
         return out

@@ -9,6 +9,7 @@ the host: losses, grad norms and the non-finite flag are read at log steps only.
 from __future__ import annotations
 
 import contextlib
+import json
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,7 +18,7 @@ from typing import Any, Callable, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from . import checkpointing, resume
+from . import checkpointing, memory, resume
 from .config import Config, ConfigError, DType, LossImpl, OptimizerImpl, resolve
 from .data import Batches, TokenData, prepare_data
 from .logger import RunLogger
@@ -51,14 +52,25 @@ def model_config_for(cfg: Config, tokenizer_vocab: int):
     return cfg.model
 
 
+def loss_impl(cfg: Config, device: torch.device) -> str:
+    """`loss.impl` with `auto` settled: the Triton kernel on CUDA, the reference on CPU."""
+    if cfg.loss.impl == LossImpl.auto:
+        return "fused" if device.type == "cuda" else "torch"
+    return cfg.loss.impl.value
+
+
+def optimizer_impl(cfg: Config, device: torch.device) -> str:
+    """`optimizer.impl` with `auto` settled: the fused Triton kernel on CUDA, foreach on CPU."""
+    if cfg.optimizer.impl == OptimizerImpl.auto:
+        return "fused" if device.type == "cuda" else "foreach"
+    return cfg.optimizer.impl.value
+
+
 def build_loss(cfg: Config, device: torch.device) -> LossFn:
     """`loss.impl`: the fused linear cross-entropy (logits never in HBM) or F.cross_entropy on full logits."""
     from .ops import fused_linear_cross_entropy, linear_cross_entropy_reference
 
-    impl = cfg.loss.impl
-    if impl == LossImpl.auto:
-        impl = LossImpl.fused if device.type == "cuda" else LossImpl.torch
-    if impl == LossImpl.torch:
+    if loss_impl(cfg, device) == "torch":
         return linear_cross_entropy_reference
     chunk_bytes = cfg.loss.chunk_bytes
     return lambda h, w, y: fused_linear_cross_entropy(h, w, y, chunk_bytes=chunk_bytes)
@@ -78,8 +90,7 @@ def build_optimizer(cfg: Config, model: GPT, device: torch.device):
                                       backoff_factor=p.backoff_factor, growth_interval=p.growth_interval) \
             if p.loss_scaling else None
         return TorchAdamW(groups, **common), scaler
-    impl = o.impl.value if o.impl != OptimizerImpl.auto else ("fused" if device.type == "cuda" else "foreach")
-    optimizer = FusedAdamW(groups, impl=impl, master_weights=p.master_weights,
+    optimizer = FusedAdamW(groups, impl=optimizer_impl(cfg, device), master_weights=p.master_weights,
                            grad_dtype=p.grad_dtype.torch if p.grad_dtype else None, **common)
     scaler = DynamicLossScaler(init_scale=p.init_scale, growth_factor=p.growth_factor,
                                backoff_factor=p.backoff_factor, growth_interval=p.growth_interval,
@@ -132,6 +143,10 @@ class Trainer:
         self.train_batches = Batches(self.data.train, self.model_cfg.block_size, t.batch_size, t.seed, self.device)
         self.val_batches = Batches(self.data.val, self.model_cfg.block_size, self.micro_batch, t.seed + 1, self.device)
         self.compute_loss = torch.compile(self._compute_loss) if t.compile else self._compute_loss
+        self.memory_estimate = memory.predict(
+            self.model_cfg, cfg.precision, cfg.checkpointing, self.micro_batch, self.model_cfg.block_size,
+            loss_impl(cfg, self.device), cfg.loss.chunk_bytes, grad_accum=t.grad_accum,
+            device=self.device.type, optimizer_impl=optimizer_impl(cfg, self.device))
 
         self.step = 0
         ckpt_path = resume.find_checkpoint(t.resume, self.out_dir)
@@ -232,12 +247,18 @@ class Trainer:
         t = self.cfg.trainer
         compute = self.cfg.precision.compute_dtype.value
         peak = t.peak_flops or peak_flops(self.device, compute)
-        tokens_per_step = t.batch_size * self.model_cfg.block_size
-        throughput = Throughput(tokens_per_step, self.model.flops_per_token(self.model_cfg.block_size), peak)
+        T = self.model_cfg.block_size
+        tokens_per_step = t.batch_size * T
+        model_flops = self.model.flops_per_token(T)
+        recompute = checkpointing.recompute_flops_per_token(self.model_cfg, self.cfg.checkpointing, T)
+        throughput = Throughput(tokens_per_step, model_flops, model_flops + recompute, peak)
         self.logger.print(
             f"minitrain: {self.model_cfg.name} ({self.model.num_params() / 1e6:.2f}M params) on {self.device} | "
             f"precision={self.cfg.precision.name} checkpointing={self.cfg.checkpointing.policy.value} | "
             f"{tokens_per_step:,} tokens/step | run dir {self.out_dir}")
+        self.logger.print(self.memory_estimate.table())
+        self.logger.summary(self.memory_estimate.as_dict())
+        compared = False
         loss_sum = torch.zeros((), device=self.device)
         nonfinite = torch.zeros((), dtype=torch.bool, device=self.device)
         n_since_log, record = 0, {}
@@ -260,6 +281,9 @@ class Trainer:
                     record = self._log_record(loss_sum, n_since_log, throughput)
                     loss_sum.zero_()
                     n_since_log = 0
+                    if not compared and self.device.type == "cuda":
+                        self.logger.print(self._memory_comparison())
+                        compared = True
                 if evaluating:
                     record = record if logging else {"step": self.step}
                     record["val/loss"] = self.evaluate()
@@ -272,6 +296,7 @@ class Trainer:
                 if logging or evaluating or saving:
                     throughput.restart()  # eval and saving are not training time
             bar.close()
+            self._write_memory_json(record)
             record["sample"] = self.sample()
             self.logger.summary({k: v for k, v in record.items() if k != "step"})
             self.logger.finish()
@@ -280,6 +305,15 @@ class Trainer:
             self.logger.finish(exit_code=1)
             raise
         return record
+
+    def _memory_comparison(self) -> str:
+        s = torch.cuda.memory_stats(self.device)
+        return memory.compare(self.memory_estimate, s["allocated_bytes.all.peak"], s["reserved_bytes.all.peak"])
+
+    def _write_memory_json(self, record: dict[str, Any]) -> None:
+        """Predicted terms beside the measured peaks: what scripts/report.py reads per sweep cell."""
+        measured = {k: v for k, v in record.items() if k.startswith("mem/")}
+        (self.out_dir / "memory.json").write_text(json.dumps({**self.memory_estimate.as_dict(), **measured}, indent=1))
 
     def sample(self) -> str:
         """A short continuation of a fixed prompt: a human-readable check of what the model learned."""

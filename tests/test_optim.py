@@ -211,7 +211,10 @@ def test_impls_agree():
         out[impl] = snapshot(opt, ps) + [scaler.get_scale().clone()]
     assert_bit_identical(out["loop"], out["foreach"])
     for a, b in zip(out["fused"], out["foreach"]):
-        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+        if a.dtype == torch.float16:  # the compute copy: fp32 masters a rounding apart may round apart
+            torch.testing.assert_close(a, b, rtol=torch.finfo(a.dtype).eps, atol=0)
+        else:
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("impl", ["foreach", "fused"])

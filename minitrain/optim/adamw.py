@@ -188,7 +188,7 @@ class FusedAdamW:
         until the copy has run)."""
         host = [float(g[k]) for k in ("lr", "weight_decay") for g in self.param_groups]
         if host != self._hyper_host:
-            src = torch.tensor(host, dtype=torch.float32).view_as(self._hyper)
+            src = torch.tensor(host, dtype=torch.float32, device="cpu").view(self._hyper.shape)
             if self._hyper.is_cuda:
                 src = src.pin_memory()
             self._hyper.copy_(src, non_blocking=True)

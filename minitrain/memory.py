@@ -1,0 +1,244 @@
+"""Peak memory, predicted before step 0: persistent state + activations + the largest transient.
+
+    peak = weights + grads + fp32 masters + Adam m, v            the 16-18 B/param floor (persistent)
+         + activations saved for backward by the policy          the term checkpointing controls
+         + max(loss workspace, block-backward transient, optimizer transient)
+
+It is a model of eager PyTorch as this repo runs it, op by op; every byte count below names the op that
+holds it. Assumptions, checked by tests/test_memory.py on CPU and by the GPU sweep on the H200:
+  - the optimizer is minitrain.optim.FusedAdamW: grads live in its flat buffers for the whole run (so
+    they count during forward too), every tensor padded to ALIGN elements, one bucket per dtype;
+  - no torch.compile: Inductor's partitioner chooses its own saved set (usually smaller);
+  - SDPA runs a fused kernel (CUDA flash/efficient, CPU flash) that saves q, k, v, the output and an
+    fp32 logsumexp; only CPU with attention dropout takes the math path, which saves T x T matrices;
+  - the allocator is not modelled: reserved exceeds allocated by fragmentation, `compare` shows by how much;
+  - CUDA context, cuBLAS workspaces and Triton's own buffers are outside torch's counters, and ignored.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import asdict, dataclass, field
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+from .checkpointing import recomputed_blocks
+from .config import CheckpointingConfig, CheckpointPolicy, DType, ModelConfig, PrecisionConfig
+
+GB = 1e9
+_BYTES = {DType.fp32: 4, DType.bf16: 2, DType.fp16: 2}
+
+
+@dataclass
+class MemoryEstimate:
+    """Predicted bytes by term; `peak` is what the allocator's peak-allocated counter should read."""
+
+    n_params: int
+    weights: int
+    grads: int
+    masters: int
+    adam_m: int
+    adam_v: int
+    activations_per_layer: list[int]
+    activations_other: int  # embedding indices/masks and the final LayerNorm
+    activations_total: int
+    loss_workspace: int  # what the loss holds or allocates beyond the model's activations, at its peak
+    backward_transient: int  # inside the last block's backward: gradients in flight (+ recompute)
+    optimizer_transient: int
+    peak: int
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def state(self) -> int:
+        return self.weights + self.grads + self.masters + self.adam_m + self.adam_v
+
+    @property
+    def transient(self) -> int:
+        """The largest of the three moments that can set the peak on top of state + activations."""
+        return self.peak - self.state - self.activations_total
+
+    def rows(self) -> list[tuple[str, int]]:
+        blocks = self.activations_per_layer
+        kinds = sorted(set(blocks), reverse=True)
+        per_kind = [(f"  {blocks.count(b)} block(s) x {b / GB:.3f} GB", blocks.count(b) * b) for b in kinds]
+        return [("weights (compute copy)", self.weights), ("gradients", self.grads),
+                ("fp32 master weights", self.masters), ("Adam m", self.adam_m), ("Adam v", self.adam_v),
+                ("= persistent state", self.state), *per_kind,
+                ("  embedding + final norm", self.activations_other), ("= activations", self.activations_total),
+                ("loss workspace", self.loss_workspace), ("backward transient", self.backward_transient),
+                ("optimizer transient", self.optimizer_transient), ("= predicted peak", self.peak)]
+
+    def table(self) -> str:
+        """Aligned text: GB and bytes/param per term."""
+        rows = self.rows()
+        width = max(len(name) for name, _ in rows)
+        lines = [f"{'memory (predicted)':<{width}}  {'GB':>9}  {'B/param':>8}"]
+        lines += [f"{name:<{width}}  {b / GB:>9.3f}  {b / self.n_params:>8.2f}" for name, b in rows]
+        return "\n".join(lines + [f"({note})" for note in self.notes])
+
+    def as_dict(self) -> dict[str, float]:
+        """Flat `mem_pred/<term>_gb` keys for logging."""
+        d = {k: v for k, v in asdict(self).items() if isinstance(v, int) and k != "n_params"}
+        d.update(state=self.state, transient=self.transient,
+                 activations_per_layer_max=max(self.activations_per_layer, default=0))
+        return {f"mem_pred/{k}_gb": v / GB for k, v in d.items()}
+
+
+def compare(estimate: MemoryEstimate, measured_peak_allocated_bytes: int, measured_peak_reserved_bytes: int) -> str:
+    """One line: predicted peak beside the allocator's measured peaks, and their ratios."""
+    p, a, r = estimate.peak, measured_peak_allocated_bytes, measured_peak_reserved_bytes
+    return (f"memory: predicted peak {p / GB:.3f} GB | measured peak allocated {a / GB:.3f} GB "
+            f"(predicted/measured {p / max(a, 1):.3f}) | reserved {r / GB:.3f} GB "
+            f"(reserved/allocated {r / max(a, 1):.3f})")
+
+
+def param_numels(model_cfg: ModelConfig) -> list[tuple[list[int], bool]]:
+    """(numel of each parameter in one param group..., is the group decayed): the exact tensors the
+    optimizer sees, from the model itself built on the meta device (no memory, no duplicated shape math)."""
+    from .model import GPT
+
+    with torch.device("meta"):
+        model = GPT(model_cfg)
+    return [([p.numel() for p in g["params"]], g["weight_decay"] > 0) for g in model.param_groups(1.0)]
+
+
+def _padded(numel: int) -> int:
+    from .optim.adamw import ALIGN
+
+    return -(-numel // ALIGN) * ALIGN
+
+
+def _block_bytes(cfg: ModelConfig, tokens: int, seq_len: int, r: int, a: int, stats: int, device: str,
+                 kind: str) -> int:
+    """Bytes one block holds for backward. r: residual-stream (param) dtype; a: matmul (compute) dtype;
+    stats: LayerNorm mean/rstd dtype. kind: kept | recomputed | selective."""
+    C, H = cfg.n_embd, cfg.n_head
+    if kind == "recomputed":
+        return tokens * C * r  # checkpoint holds the block input only
+    dropout = cfg.dropout > 0
+    # CPU flash attention has no dropout: the math path runs instead, in fp32 whatever the input dtype.
+    math_attention = dropout and device == "cpu"
+    if kind == "selective":
+        # Input + the four matmul outputs (qkv 3C, attn proj C, fc 4C, mlp proj C) + attention: its fused
+        # kernel's output and logsumexp, or on the math path the two bmm outputs (scores and scores @ v).
+        attention = 4 * (C + H * seq_len) if math_attention else C * a + 4 * H
+        return tokens * (C * r + 9 * C * a + attention)
+    # kept: LN inputs x, x1 (r) and both LNs' mean/rstd; LN outputs (a: autocast casts them for the
+    # matmul); qkv (3C, SDPA's q/k/v views); attention output (C, also c_proj's input); fc out (4C, GELU's
+    # input); GELU out (4C, c_proj's input); per head an fp32 logsumexp, or on the math path fp32 q/k/v
+    # copies plus softmax, mask and dropped scores (3·H·T); two residual dropout masks.
+    mask = (1 if device == "cuda" else a) if dropout else 0  # CUDA: bool; CPU: x * mask in x's dtype
+    attention = C * a + (4 * 3 * (C + H * seq_len) if math_attention else 3 * C * a + 4 * H)
+    return tokens * (2 * C * r + 4 * stats + 2 * C * a + attention + 8 * C * a + 2 * C * mask)
+
+
+def predict(model_cfg: ModelConfig, precision_cfg: PrecisionConfig, ckpt_cfg: CheckpointingConfig,
+            micro_batch: int, seq_len: int, loss_impl: str, chunk_bytes: int | None, grad_accum: int = 1,
+            world_size: int = 1, sharded: bool = False, device: str = "cuda",
+            optimizer_impl: str = "fused") -> MemoryEstimate:
+    """Predicted memory of one training step. `loss_impl`, `optimizer_impl` as resolved for the device
+    (fused | torch; fused | foreach | loop). `sharded`: FSDP, the persistent state divided by `world_size`.
+    grad_accum does not change the peak: grads are persistent, activations are per micro-batch."""
+    p = _BYTES[precision_cfg.param_dtype]
+    a = _BYTES[precision_cfg.compute_dtype]
+    autocast = precision_cfg.autocast_dtype is not None
+    g = _BYTES[precision_cfg.grad_dtype] if precision_cfg.grad_dtype else p
+    C, V, N, T = model_cfg.n_embd, model_cfg.vocab_size, micro_batch * seq_len, seq_len
+    stats = 4 if device == "cuda" or autocast else p  # autocast runs LayerNorm in fp32
+    notes = []
+
+    # Persistent state: the model's params + FusedAdamW's flat, ALIGN-padded buffers.
+    groups = param_numels(model_cfg)
+    n_params = sum(sum(numels) for numels, _ in groups)
+    padded = sum(_padded(n) for numels, _ in groups for n in numels)
+    shard = world_size if sharded else 1
+    masters = 4 * padded if precision_cfg.master_weights else 0
+    weights, grads, adam_m, adam_v = n_params * p, padded * g, 4 * padded, 4 * padded
+    weights, grads, masters, adam_m, adam_v = (x // shard for x in (weights, grads, masters, adam_m, adam_v))
+    if sharded:
+        notes.append(f"FSDP: persistent state / {world_size}; gathered layers not modelled")
+
+    # Activations, block by block.
+    recomputed = recomputed_blocks(ckpt_cfg, model_cfg.n_layer)
+    selective = ckpt_cfg.policy == CheckpointPolicy.selective
+    kinds = ["selective" if selective else "recomputed" if rec else "kept" for rec in recomputed]
+    block = {k: _block_bytes(model_cfg, N, T, p, a, stats, device, k) for k in set(kinds) | {"kept"}}
+    # Autocast caches each weight's low-precision copy until the forward + loss region ends: with the
+    # loss's peak inside that region, every block holds its 12·C² copies then, whatever the policy.
+    per_layer = [block[k] + (12 * C * C * a if autocast else 0) for k in kinds]
+    dropout_mask = (1 if device == "cuda" else p) if model_cfg.dropout > 0 else 0
+    # Embedding saves the token ids (int64) and positions; the final LayerNorm its input and stats.
+    other = N * 8 + T * 8 + N * C * dropout_mask + N * (C * p + 2 * stats)
+    activations = sum(per_layer) + other
+
+    # The loss, beyond the activations: ln_f's output (hidden, param dtype) and the loss's own tensors.
+    hidden = N * C * p + (N * C * a if a != p else 0)  # + its autocast copy
+    if loss_impl == "fused":
+        from .ops.cross_entropy import DEFAULT_CHUNK_BYTES, chunk_rows
+
+        rows = min(N, chunk_rows(chunk_bytes or DEFAULT_CHUNK_BYTES, V, precision_cfg.compute_dtype.torch))
+        saved = N * C * a + V * C * 4  # grad_hidden + the fp32 grad_weight accumulator, kept for backward
+        forward = rows * V * a + N * 4 + (V * C * a if a != p else 0)  # logit workspace, row losses, weight cast
+        backward = N * C * a + V * C * p  # grad_hidden and grad_weight, scaled and cast
+        loss_workspace = hidden + saved + max(forward, backward)
+    else:
+        # F.cross_entropy on full logits: at log_softmax's backward, its fp32 output (saved), the incoming
+        # grad and the outgoing grad coexist (12·N·V); autocast saves a low-precision copy of the head.
+        loss_workspace = hidden + 12 * N * V + (V * C * a if autocast else 0)
+
+    # The top of backward in the last block: incoming grad, grads of the MLP hidden (GELU out, fc out),
+    # the block's recomputed activations, and the wte gradient produced by the loss before accumulation.
+    # selective recomputes LN outputs, x1, GELU out and the LN stats.
+    recompute = {"recomputed": block["kept"], "selective": N * (C * p + 6 * C * a + 4 * stats), "kept": 0}[kinds[-1]]
+    backward_transient = N * C * p + 8 * N * C * a + recompute + V * C * p
+
+    # Optimizer step temporaries (torch paths): fp32 grad copies, sqrt(v) and the update per group.
+    if optimizer_impl == "fused":
+        optimizer_transient = 0
+    else:
+        largest = max(sum(_padded(n) for n in numels) if optimizer_impl == "foreach" else max(numels)
+                      for numels, _ in groups)
+        upcast = 4 * padded if g != 4 else 0
+        low_no_master = 4 * padded if p != 4 and not precision_cfg.master_weights else 0
+        optimizer_transient = upcast + low_no_master + 8 * largest
+
+    peak = weights + grads + masters + adam_m + adam_v + max(
+        activations + max(loss_workspace, backward_transient), optimizer_transient)
+    return MemoryEstimate(n_params, weights, grads, masters, adam_m, adam_v, per_layer, other, activations,
+                          loss_workspace, backward_transient, optimizer_transient, peak, notes)
+
+
+class LiveBytes(TorchDispatchMode):
+    """Bytes of the tensor storages created inside the context that are still alive, and their peak.
+
+    An allocator-free measurement (it works on CPU) of what a step really holds: a storage counts from the
+    op that creates it until its last tensor dies, saved-for-backward ones included, because PyTorch keeps
+    a storage's Python object alive exactly as long as the storage. Views and in-place ops add nothing,
+    nor do storages made before the context (parameters).
+    """
+
+    def __init__(self):
+        super().__init__()
+        self.current = self.peak = 0
+        self._live: set[int] = set()
+
+    def _release(self, key: int, nbytes: int) -> None:
+        self._live.discard(key)
+        self.current -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+                storage = t.untyped_storage()
+                key, nbytes = storage.data_ptr(), storage.nbytes()
+                if nbytes and key not in self._live and key not in inputs:  # new, not a view or in-place
+                    self._live.add(key)
+                    self.current += nbytes
+                    self.peak = max(self.peak, self.current)
+                    weakref.finalize(storage, self._release, key, nbytes)
+        return out

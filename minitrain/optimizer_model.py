@@ -1,0 +1,123 @@
+"""How long an AdamW step takes, from two numbers: per-launch overhead and memory bandwidth.
+
+The optimizer does ~1 FLOP per byte, so its time is whichever is larger: launching its kernels
+(launches x overhead; the GPU idles in between) or moving its bytes (bytes / bandwidth). The three
+implementations of minitrain.optim.FusedAdamW sit at different points:
+
+  per-tensor  ~15 torch ops per parameter tensor, each a separate pass over memory
+  foreach     the same ~15 ops over tensor lists: a launch per op per list chunk, still 15 passes
+  fused       a norm pass + a finalize + one update pass: 3 launches, the minimum bytes
+
+The memory floor is what AdamW with fp32 state keeps per parameter: weights + grads + m + v
+(+ fp32 masters for low-precision weights): 16 B/param for fp32 or bf16 + masters, 18 with fp32 grads.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+OPS_PER_STEP = 15  # torch ops of one unfused AdamW update with clipping and unscaling (optim/adamw.py)
+FOREACH_TENSORS_PER_LAUNCH = 48  # tensors one CUDA foreach kernel covers (multi_tensor_apply chunking)
+FUSED_LAUNCHES = 3
+# Bytes per parameter per step. fused: bf16 grad read twice (norm + update), master, m, v read and
+# written, bf16 param written (scripts/bench_optimizer.py's BYTES_OURS). Unfused: each of the ~15 ops
+# reads and writes its fp32 operands (counted op by op from optim/adamw.py's _adamw_ and unscaling).
+BYTES_PER_PARAM = {"fused": 30, "foreach": 130, "per-tensor": 130}
+IMPLS = tuple(BYTES_PER_PARAM)
+DEFAULT_LAUNCH_S = 5e-6  # eager PyTorch op dispatch + launch, measured on the H200 host
+DEFAULT_BANDWIDTH = 4.0e12  # B/s: device-to-device copy on the H200 (4.8 TB/s nominal)
+
+
+@dataclass
+class Prediction:
+    impl: str
+    n_tensors: int
+    launches: int
+    launch_s: float
+    memory_s: float
+
+    @property
+    def seconds(self) -> float:
+        return max(self.launch_s, self.memory_s)
+
+    @property
+    def bound(self) -> str:
+        return "launch" if self.launch_s >= self.memory_s else "bandwidth"
+
+
+def launches(impl: str, n_tensors: int) -> int:
+    if impl == "fused":
+        return FUSED_LAUNCHES
+    if impl == "foreach":
+        return OPS_PER_STEP * math.ceil(n_tensors / FOREACH_TENSORS_PER_LAUNCH)
+    return OPS_PER_STEP * n_tensors
+
+
+def predict_step(impl: str, n_params: int, n_tensors: int, launch_s: float = DEFAULT_LAUNCH_S,
+                 bandwidth: float = DEFAULT_BANDWIDTH) -> Prediction:
+    n = launches(impl, n_tensors)
+    return Prediction(impl, n_tensors, n, n * launch_s, n_params * BYTES_PER_PARAM[impl] / bandwidth)
+
+
+def memory_floor(n_params: int, master_weights: bool = True, fp32_grads: bool = False) -> int:
+    """Bytes AdamW keeps for the whole run: 16 B/param (fp32, or 16-bit weights + fp32 masters), 18 with
+    fp32 main grads next to 16-bit weights."""
+    weights = 2 if master_weights else 4
+    grads = 4 if fp32_grads or not master_weights else 2
+    return n_params * (weights + grads + (4 if master_weights else 0) + 8)
+
+
+def table(n_params: int, n_tensors: int, launch_s: float = DEFAULT_LAUNCH_S,
+          bandwidth: float = DEFAULT_BANDWIDTH) -> str:
+    lines = [f"AdamW step, {n_params / 1e6:.1f}M params in {n_tensors} tensors, {launch_s * 1e6:.1f} us/launch, "
+             f"{bandwidth / 1e12:.2f} TB/s",
+             f"{'impl':<11} {'launches':>9} {'launch ms':>10} {'memory ms':>10} {'step ms':>9}  bound"]
+    for impl in IMPLS:
+        p = predict_step(impl, n_params, n_tensors, launch_s, bandwidth)
+        lines.append(f"{impl:<11} {p.launches:>9} {p.launch_s * 1e3:>10.3f} {p.memory_s * 1e3:>10.3f} "
+                     f"{p.seconds * 1e3:>9.3f}  {p.bound}")
+    lines.append(f"memory floor: {memory_floor(n_params) / 1e9:.2f} GB (16 B/param), "
+                 f"{memory_floor(n_params, fp32_grads=True) / 1e9:.2f} GB with fp32 grads (18 B/param)")
+    return "\n".join(lines)
+
+
+def measured_points(bench: dict) -> dict[str, list[tuple[int, float]]]:
+    """(n_tensors, ms) per impl from scripts/bench_optimizer.py's JSON (its loop row is per-tensor)."""
+    names = {"loop": "per-tensor", "foreach": "foreach", "fused (ours)": "fused"}
+    points: dict[str, list[tuple[int, float]]] = {}
+    for case in bench["cases"].values():
+        for row in case["rows"]:
+            if row["row"] in names:
+                points.setdefault(names[row["row"]], []).append((case["tensors"], row["ms"]))
+    return points
+
+
+def plot(n_params: int, path, launch_s: float = DEFAULT_LAUNCH_S, bandwidth: float = DEFAULT_BANDWIDTH,
+         measured: dict[str, list[tuple[int, float]]] | None = None, mark_tensors: int | None = None):
+    """Predicted step time against tensor count (fixed parameter count), measured points overlaid."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    counts = sorted({round(10 ** (e / 8)) for e in range(0, 8 * 5 + 1)})  # 1 .. 100k tensors
+    fig, ax = plt.subplots(figsize=(7.5, 5))
+    for impl, color in zip(IMPLS, ("tab:green", "tab:blue", "tab:red")):
+        ax.plot(counts, [predict_step(impl, n_params, n, launch_s, bandwidth).seconds * 1e3 for n in counts],
+                color=color, label=f"{impl} (model)")
+        if measured and impl in measured:
+            ax.scatter(*zip(*measured[impl]), color=color, marker="o", edgecolor="black", zorder=3,
+                       label=f"{impl} (measured)")
+    ax.axhline(n_params * BYTES_PER_PARAM["fused"] / bandwidth * 1e3, color="gray", ls=":",
+               label="bandwidth floor (fused bytes)")
+    if mark_tensors:
+        ax.axvline(mark_tensors, color="gray", ls="--", lw=0.8, label=f"{mark_tensors} tensors")
+    ax.set(xscale="log", yscale="log", xlabel="parameter tensors", ylabel="optimizer step (ms)",
+           title=f"AdamW step time, {n_params / 1e6:.0f}M params: launch-bound vs bandwidth-bound")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path

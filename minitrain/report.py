@@ -1,0 +1,186 @@
+"""A Hydra sweep as one table and two pictures: what each cell bought in memory and paid in speed.
+
+Reads each job dir of `<sweep>/<job_num>_<overrides>/`: `.hydra/overrides.yaml` (the cell's name),
+`metrics.jsonl` (one record per log step) and `memory.json` (predicted terms + measured peaks).
+Throughput is the median over log intervals after the first (which holds compilation and warm-up).
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+# The stacked bar's segments: `mem_pred/<key>_gb` keys of memory.MemoryEstimate.as_dict().
+BREAKDOWN = ("weights", "grads", "masters", "adam_m", "adam_v", "activations_total", "transient")
+
+
+@dataclass
+class Cell:
+    name: str
+    records: list[dict]
+    memory: dict = field(default_factory=dict)
+
+    def _median(self, key: str) -> Optional[float]:
+        values = [r[key] for r in self.records if key in r]
+        return statistics.median(values[1:] if len(values) > 1 else values) if values else None
+
+    def _last(self, key: str) -> Optional[float]:
+        return next((r[key] for r in reversed(self.records) if key in r), None)
+
+    @property
+    def tokens_per_s(self) -> Optional[float]:
+        return self._median("perf/tokens_per_s")
+
+    @property
+    def mfu(self) -> Optional[float]:
+        return self._median("perf/mfu")
+
+    @property
+    def hfu(self) -> Optional[float]:
+        return self._median("perf/hfu")
+
+    @property
+    def predicted_gb(self) -> Optional[float]:
+        return self.memory.get("mem_pred/peak_gb")
+
+    @property
+    def measured_gb(self) -> Optional[float]:
+        """The allocator's peak (CUDA), else the largest process RSS seen (CPU)."""
+        for key in ("mem/peak_allocated_gb", "mem/rss_gb"):
+            value = self.memory.get(key, max((r[key] for r in self.records if key in r), default=None))
+            if value is not None:
+                return value
+        return None
+
+    @property
+    def final_loss(self) -> Optional[float]:
+        return self._last("train/loss")
+
+
+def load_sweep(sweep_dir: Path) -> list[Cell]:
+    """Every job dir with a metrics.jsonl, in job order, named by the overrides that vary across the sweep.
+    Searched recursively: an override holding a path (data.cache_dir=/x) puts slashes in a job dir's name."""
+    sweep_dir = Path(sweep_dir)
+    jobs = sorted((p.parent for p in sweep_dir.rglob("metrics.jsonl")),
+                  key=lambda job: _job_num(job.relative_to(sweep_dir).parts[0]))
+    overrides = [_overrides(job) for job in jobs]
+    shared = set.intersection(*map(set, overrides)) if len(jobs) > 1 else set()
+    return [Cell(name=",".join(o for o in ov if o not in shared) or job.name,
+                 records=[json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines() if line.strip()],
+                 memory=json.loads((job / "memory.json").read_text()) if (job / "memory.json").exists() else {})
+            for job, ov in zip(jobs, overrides)]
+
+
+def _overrides(job: Path) -> list[str]:
+    path = job / ".hydra" / "overrides.yaml"
+    return (yaml.safe_load(path.read_text()) or []) if path.exists() else []
+
+
+def _job_num(top: str) -> tuple[int, str]:
+    head = top.split("_", 1)[0]
+    return (int(head), top) if head.isdigit() else (1 << 30, top)
+
+
+def _fmt(value: Optional[float], spec: str) -> str:
+    return "—" if value is None else format(value, spec)
+
+
+def markdown_table(cells: list[Cell]) -> str:
+    head = ("| cell | tokens/s | MFU | HFU | peak predicted (GB) | peak measured (GB) | predicted/measured "
+            "| final loss |\n|---|---:|---:|---:|---:|---:|---:|---:|")
+    rows = []
+    for c in cells:
+        ratio = c.predicted_gb / c.measured_gb if c.predicted_gb and c.measured_gb else None
+        rows.append(f"| {c.name} | {_fmt(c.tokens_per_s, ',.0f')} | {_fmt(c.mfu, '.1%')} | {_fmt(c.hfu, '.1%')} "
+                    f"| {_fmt(c.predicted_gb, '.3f')} | {_fmt(c.measured_gb, '.3f')} | {_fmt(ratio, '.3f')} "
+                    f"| {_fmt(c.final_loss, '.4f')} |")
+    return "\n".join([head, *rows])
+
+
+def plot_throughput_vs_memory(cells: list[Cell], path: Path) -> Path:
+    """One labelled point per cell: what a cell costs in memory against what it delivers."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    for c in cells:
+        memory = c.measured_gb if c.measured_gb is not None else c.predicted_gb
+        if memory is None or c.tokens_per_s is None:
+            continue
+        ax.scatter(memory, c.tokens_per_s, s=40)
+        ax.annotate(c.name, (memory, c.tokens_per_s), textcoords="offset points", xytext=(5, 4), fontsize=7)
+    ax.set(xlabel="peak memory (GB, measured; predicted where not measured)", ylabel="tokens/s",
+           title="Throughput against peak memory, one point per sweep cell")
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def plot_memory_breakdown(cells: list[Cell], path: Path) -> Path:
+    """The predicted peak of each cell, stacked by term, with the measured peak as a marker."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(cells) + 2), 5.5))
+    x = range(len(cells))
+    bottom = [0.0] * len(cells)
+    for term in BREAKDOWN:
+        heights = [c.memory.get(f"mem_pred/{term}_gb", 0.0) for c in cells]
+        ax.bar(x, heights, bottom=bottom, label=term.replace("_total", "").replace("_", " "))
+        bottom = [b + h for b, h in zip(bottom, heights)]
+    measured = [(i, c.measured_gb) for i, c in enumerate(cells) if c.measured_gb is not None]
+    if measured:
+        ax.scatter(*zip(*measured), marker="_", s=600, color="black", zorder=3, label="measured peak")
+    ax.set_xticks(list(x), [c.name for c in cells], rotation=35, ha="right", fontsize=7)
+    ax.set(ylabel="GB", title="Peak memory by term (predicted) and measured")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return path
+
+
+def log_to_wandb(sweep_dir: Path, files: dict[str, Path], table_md: str, mode: str, project: str) -> None:
+    """The plots into a `report` run in the sweep's wandb group (trainer.RunInfo's group name)."""
+    import wandb
+
+    sweep_dir = Path(sweep_dir).resolve()
+    run = wandb.init(project=project, group=f"{sweep_dir.parent.name}_{sweep_dir.name}", job_type="report",
+                     name="report", mode=mode, dir=str(sweep_dir))
+    run.log({name: wandb.Image(str(path)) for name, path in files.items()})
+    run.summary["report_markdown"] = table_md
+    run.finish()
+
+
+def write_report(sweep_dir: Path, out_dir: Optional[Path] = None, wandb_mode: Optional[str] = None,
+                 project: str = "minitrain") -> dict[str, Path]:
+    """report.md + throughput_vs_memory.png + memory_breakdown.png in `out_dir` (default: the sweep dir).
+    wandb_mode (offline | online): also log the plots to wandb; None: only if the jobs logged to wandb."""
+    sweep_dir = Path(sweep_dir)
+    out_dir = Path(out_dir or sweep_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cells = load_sweep(sweep_dir)
+    if not cells:
+        raise FileNotFoundError(f"no <job>/metrics.jsonl under {sweep_dir}: is it a sweep dir (-m)?")
+    table = markdown_table(cells)
+    plots = {"throughput_vs_memory": plot_throughput_vs_memory(cells, out_dir / "throughput_vs_memory.png"),
+             "memory_breakdown": plot_memory_breakdown(cells, out_dir / "memory_breakdown.png")}
+    report = out_dir / "report.md"
+    report.write_text(f"# Sweep report: {sweep_dir}\n\n{table}\n\n"
+                      + "".join(f"![{name}]({path.name})\n" for name, path in plots.items()))
+    if wandb_mode is None and any(sweep_dir.rglob("wandb")):
+        wandb_mode = "offline"
+    if wandb_mode:
+        log_to_wandb(sweep_dir, plots, table, wandb_mode, project)
+    return {"report": report, **plots}

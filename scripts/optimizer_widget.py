@@ -1,0 +1,42 @@
+"""Predict an AdamW step: per-tensor vs foreach vs fused, launch-bound vs bandwidth-bound, and its memory.
+
+`python scripts/optimizer_widget.py [--params N] [--tensors K] [--launch-us U] [--bandwidth-tbs B]
+[--measured bench_optimizer.json] [--out optimizer_widget.png]`; defaults: GPT-2 124M, H200 values.
+The model is minitrain/optimizer_model.py.
+"""
+
+import argparse
+import json
+
+from minitrain import optimizer_model as om
+from minitrain.config import ModelConfig
+from minitrain.memory import param_numels
+
+
+def gpt2_124m() -> tuple[int, int]:
+    numels = [n for group, _ in param_numels(ModelConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024,
+                                                           vocab_size=50304)) for n in group]
+    return sum(numels), len(numels)
+
+
+def main() -> None:
+    params, tensors = gpt2_124m()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--params", type=int, default=params)
+    ap.add_argument("--tensors", type=int, default=tensors)
+    ap.add_argument("--launch-us", type=float, default=om.DEFAULT_LAUNCH_S * 1e6)
+    ap.add_argument("--bandwidth-tbs", type=float, default=om.DEFAULT_BANDWIDTH / 1e12)
+    ap.add_argument("--measured", default=None, help="scripts/bench_optimizer.py's JSON, overlaid on the plot")
+    ap.add_argument("--out", default="optimizer_widget.png")
+    args = ap.parse_args()
+    launch_s, bandwidth = args.launch_us * 1e-6, args.bandwidth_tbs * 1e12
+    measured = None
+    if args.measured:
+        with open(args.measured) as f:
+            measured = om.measured_points(json.load(f))
+    print(om.table(args.params, args.tensors, launch_s, bandwidth))
+    print(f"plot: {om.plot(args.params, args.out, launch_s, bandwidth, measured, mark_tensors=args.tensors)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,132 @@
+import pytest
+import torch
+
+from minitrain.checkpointing import apply_policy
+from minitrain.config import CheckpointingConfig, CheckpointPolicy, DType, ModelConfig, PrecisionConfig
+from minitrain.memory import LiveBytes, compare, predict
+from minitrain.model import GPT
+from minitrain.ops import fused_linear_cross_entropy, linear_cross_entropy_reference
+from minitrain.optim import FusedAdamW
+
+B, T = 4, 32
+PRECISIONS = {
+    "fp32": PrecisionConfig(),
+    "bf16": PrecisionConfig(name="bf16", param_dtype=DType.bf16, master_weights=True),
+    "fp16": PrecisionConfig(name="fp16", param_dtype=DType.fp16, master_weights=True, loss_scaling=True),
+    "bf16_fp32_grads": PrecisionConfig(name="bf16", param_dtype=DType.bf16, master_weights=True, grad_dtype=DType.fp32),
+    "amp_bf16": PrecisionConfig(name="amp_bf16", autocast_dtype=DType.bf16),
+}
+POLICIES = {"none": CheckpointingConfig(CheckpointPolicy.none), "full": CheckpointingConfig(CheckpointPolicy.full),
+            "every_k": CheckpointingConfig(CheckpointPolicy.every_k, every_k=2),
+            "selective": CheckpointingConfig(CheckpointPolicy.selective)}
+
+
+def small(dropout=0.0, vocab=256) -> ModelConfig:
+    return ModelConfig(n_layer=2, n_head=4, n_embd=64, block_size=T, vocab_size=vocab, dropout=dropout)
+
+
+def optimizer(model, precision, impl="foreach"):
+    return FusedAdamW(model.param_groups(0.1), impl=impl, master_weights=precision.master_weights,
+                      grad_dtype=precision.grad_dtype.torch if precision.grad_dtype else None)
+
+
+@pytest.mark.parametrize("name", PRECISIONS)
+def test_parameter_and_optimizer_terms_are_exact(name):
+    precision, cfg = PRECISIONS[name], small()
+    model = GPT(cfg).to(precision.param_dtype.torch)
+    opt = optimizer(model, precision)
+    est = predict(cfg, precision, POLICIES["none"], B, T, "torch", None, device="cpu", optimizer_impl="foreach")
+    nbytes = lambda ts: sum(t.nbytes for t in ts)  # noqa: E731
+    assert est.weights == nbytes(model.parameters())
+    assert est.grads == nbytes(b.grad for b in opt.buckets)
+    assert est.masters == nbytes(b.master for b in opt.buckets if b.master is not None)
+    assert est.adam_m == nbytes(b.exp_avg for b in opt.buckets)
+    assert est.adam_v == nbytes(b.exp_avg_sq for b in opt.buckets)
+    per_param = est.state / est.n_params  # the floor: 16 B/param, 18 with fp32 grads next to bf16 weights
+    assert per_param == pytest.approx(18 if name == "bf16_fp32_grads" else 16, rel=0.02)
+
+
+@pytest.mark.parametrize("dropout", [0.0, 0.1])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("policy", POLICIES)
+def test_activations_match_what_forward_holds(policy, precision, dropout):
+    """Every storage the forward leaves alive (saved for backward, or held by a checkpoint) vs the model."""
+    cfg, prec = small(dropout), PRECISIONS[precision]
+    model = GPT(cfg).to(prec.param_dtype.torch)
+    apply_policy(model, POLICIES[policy])
+    with LiveBytes() as live:
+        hidden = model.forward_hidden(torch.randint(0, cfg.vocab_size, (B, T)))
+    est = predict(cfg, prec, POLICIES[policy], B, T, "torch", None, device="cpu")
+    assert est.activations_total + hidden.nbytes == pytest.approx(live.current, rel=0.10)
+
+
+def test_policies_order_activation_memory():
+    est = {p: predict(small(), PRECISIONS["bf16"], c, B, T, "fused", None).activations_total
+           for p, c in POLICIES.items()}
+    assert est["full"] < est["every_k"] < est["none"] and est["full"] < est["selective"] < est["none"]
+
+
+@pytest.mark.parametrize("loss_impl, precision, policy", [
+    ("torch", "fp32", "none"), ("torch", "fp32", "full"), ("torch", "amp_bf16", "selective"),
+    ("torch", "bf16_fp32_grads", "every_k"), ("fused", "fp32", "selective"), ("fused", "bf16", "none")])
+def test_peak_of_whole_training_steps(loss_impl, precision, policy):
+    """Model, optimizer and two steps created under LiveBytes: its peak is the step's true peak."""
+    cfg, prec = small(vocab=512), PRECISIONS[precision]
+    loss_fn = fused_linear_cross_entropy if loss_impl == "fused" else linear_cross_entropy_reference
+    autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=prec.autocast_dtype is not None)
+    with LiveBytes() as live:
+        model = GPT(cfg).to(prec.param_dtype.torch)
+        apply_policy(model, POLICIES[policy])
+        opt = optimizer(model, prec)
+        for _ in range(2):
+            tokens = torch.randint(0, cfg.vocab_size, (B, T + 1))
+            with autocast:
+                loss = loss_fn(model.forward_hidden(tokens[:, :-1]).flatten(0, 1), model.lm_head_weight,
+                               tokens[:, 1:].flatten())
+            loss.backward()
+            del loss
+            opt.step()
+            opt.zero_grad()
+    est = predict(cfg, prec, POLICIES[policy], B, T, loss_impl, None, device="cpu", optimizer_impl="foreach")
+    assert est.peak == pytest.approx(live.peak, rel=0.10)
+
+
+def test_fused_loss_workspace_follows_chunk_bytes():
+    cfg = small(vocab=4096)
+    small_chunks, big_chunks = (predict(cfg, PRECISIONS["bf16"], POLICIES["none"], 8, T, "fused", c).loss_workspace
+                                for c in (4096 * 2 * 128, 4096 * 2 * 256))
+    assert big_chunks - small_chunks == (256 - 128) * 4096 * 2  # the (rows, vocab) bf16 workspace
+
+
+def test_gpt2_124m_none_vs_full_and_sharding():
+    cfg = ModelConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304)
+    none, full = (predict(cfg, PRECISIONS["bf16"], POLICIES[p], 16, 1024, "fused", None) for p in ("none", "full"))
+    assert none.activations_total / full.activations_total > 5  # the issue's target for `full`
+    assert none.weights == 2 * none.n_params and none.state == pytest.approx(16 * none.n_params, rel=0.01)
+    sharded = predict(cfg, PRECISIONS["bf16"], POLICIES["none"], 16, 1024, "fused", None, world_size=4, sharded=True)
+    assert sharded.adam_m == none.adam_m // 4 and sharded.activations_total == none.activations_total
+
+
+def test_table_dict_and_compare_read_well():
+    est = predict(small(), PRECISIONS["bf16"], POLICIES["every_k"], B, T, "fused", None)
+    table = est.table()
+    assert "predicted peak" in table and "B/param" in table and "Adam m" in table
+    d = est.as_dict()
+    assert d["mem_pred/peak_gb"] == est.peak / 1e9 and "mem_pred/activations_total_gb" in d
+    assert d["mem_pred/state_gb"] + d["mem_pred/activations_total_gb"] + d["mem_pred/transient_gb"] == \
+        pytest.approx(d["mem_pred/peak_gb"])
+    line = compare(est, measured_peak_allocated_bytes=est.peak // 2, measured_peak_reserved_bytes=est.peak)
+    assert "predicted/measured 2.000" in line and "reserved/allocated 2.000" in line
+
+
+def test_live_bytes_counts_new_storages_not_views():
+    x = torch.ones(1000)
+    with LiveBytes() as live:
+        y = x * 2
+        view = y[:10].t()  # noqa: F841
+        y.mul_(2)
+        z = torch.empty(250)
+        assert live.current == 5000
+        del y, view
+        assert live.current == 1000
+    assert live.peak == 5000 and z.nbytes == 1000

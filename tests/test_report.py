@@ -1,0 +1,88 @@
+import json
+import subprocess
+import sys
+
+import pytest
+
+from minitrain import optimizer_model as om
+from minitrain.report import load_sweep, write_report
+
+from conftest import REPO
+
+CELLS = {"0_precision=fp32,checkpointing=none": (["precision=fp32", "checkpointing=none", "trainer.max_steps=3"],
+                                                 [900.0, 1000.0, 1100.0], 6.0, 5.5),
+         "1_precision=bf16,checkpointing=full": (["precision=bf16", "checkpointing=full", "trainer.max_steps=3"],
+                                                 [1500.0, 2500.0, 2700.0], 2.0, 2.2)}
+
+
+def fabricate_sweep(root):
+    """Job dirs as the trainer writes them: .hydra/overrides.yaml, metrics.jsonl, memory.json."""
+    for job, (overrides, tokens_per_s, predicted, measured) in CELLS.items():
+        d = root / job
+        (d / ".hydra").mkdir(parents=True)
+        (d / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
+        records = [{"step": i + 1, "train/loss": 5.0 - i, "perf/tokens_per_s": t, "perf/mfu": t / 1e4,
+                    "perf/hfu": t / 8e3} for i, t in enumerate(tokens_per_s)]
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        terms = {"weights": 0.1, "grads": 0.1, "masters": 0.2, "adam_m": 0.2, "adam_v": 0.2}
+        (d / "memory.json").write_text(json.dumps({
+            **{f"mem_pred/{k}_gb": v for k, v in terms.items()}, "mem_pred/activations_total_gb": predicted - 1.0,
+            "mem_pred/transient_gb": 0.2, "mem_pred/peak_gb": predicted, "mem/peak_allocated_gb": measured}))
+
+
+def test_report_from_fabricated_sweep(tmp_path):
+    fabricate_sweep(tmp_path)
+    cells = load_sweep(tmp_path)
+    assert [c.name for c in cells] == ["precision=fp32,checkpointing=none", "precision=bf16,checkpointing=full"]
+    assert cells[0].tokens_per_s == 1050.0  # median after the first (warm-up) interval
+    assert cells[1].final_loss == 3.0 and cells[1].measured_gb == 2.2
+    files = write_report(tmp_path, out_dir=tmp_path / "out", wandb_mode=None)
+    md = files["report"].read_text()
+    assert "| precision=bf16,checkpointing=full | 2,600 | 26.0% | 32.5% | 2.000 | 2.200 | 0.909 | 3.0000 |" in md
+    for name in ("throughput_vs_memory", "memory_breakdown"):
+        assert files[name].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_logs_plots_to_wandb_offline(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    fabricate_sweep(tmp_path)
+    write_report(tmp_path, wandb_mode="offline")
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].rglob("*.png"))
+
+
+def test_report_on_a_real_cpu_multirun(data_cache, tmp_path):
+    sweep = tmp_path / "sweep"
+    cmd = [sys.executable, str(REPO / "scripts" / "train.py"), "-m", "precision=fp32", "checkpointing=none,selective",
+           "trainer.max_steps=2", "trainer.log_every=1", "trainer.batch_size=4", "model.block_size=32",
+           "trainer.warmup_steps=1", "trainer.eval_batches=1", "trainer.sample_tokens=0",
+           f"data.cache_dir={data_cache}", "logger.mode=disabled", f"hydra.sweep.dir={sweep}"]
+    subprocess.run(cmd, check=True, cwd=tmp_path, capture_output=True, timeout=600)
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "report.py"), str(sweep)],
+                         check=True, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert "report.md" in out.stdout
+    md = (sweep / "report.md").read_text()
+    assert "| checkpointing=none |" in md and "| checkpointing=selective |" in md
+    assert (sweep / "throughput_vs_memory.png").exists() and (sweep / "memory_breakdown.png").exists()
+
+
+def test_optimizer_model_regimes():
+    params, bandwidth = 124_000_000, 4e12
+    fused = om.predict_step("fused", params, 148, bandwidth=bandwidth)
+    assert fused.bound == "bandwidth" and fused.seconds == pytest.approx(params * 30 / bandwidth)
+    assert om.predict_step("per-tensor", params, 100_000).bound == "launch"
+    assert om.predict_step("foreach", params, 148).launches < om.predict_step("per-tensor", params, 148).launches
+    assert om.memory_floor(params) == 16 * params and om.memory_floor(params, fp32_grads=True) == 18 * params
+    assert om.memory_floor(params, master_weights=False) == 16 * params
+
+
+def test_optimizer_widget_writes_table_and_plot(tmp_path):
+    bench = {"cases": {"gpt2-124m": {"tensors": 148, "params": 124_000_000, "rows": [
+        {"row": "loop", "ms": 12.0}, {"row": "foreach", "ms": 4.1}, {"row": "fused (ours)", "ms": 1.0},
+        {"row": "torch fused fp32", "ms": 1.3}]}}}
+    (tmp_path / "bench.json").write_text(json.dumps(bench))
+    assert om.measured_points(bench) == {"per-tensor": [(148, 12.0)], "foreach": [(148, 4.1)], "fused": [(148, 1.0)]}
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "optimizer_widget.py"), "--measured", "bench.json",
+                          "--out", "w.png"], check=True, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert "fused" in out.stdout and "148 tensors" in out.stdout and "16 B/param" in out.stdout
+    assert (tmp_path / "w.png").read_bytes()[:4] == b"\x89PNG"
