@@ -4,7 +4,7 @@
 set -uo pipefail
 out=${1:?output dir}; shift
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 WANDB_SILENT=true TOKENIZERS_PARALLELISM=false
+export PYTHONUNBUFFERED=1 WANDB_SILENT=true TOKENIZERS_PARALLELISM=false PYTHONPATH="$PWD:${PYTHONPATH:-}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu.txt"
 for what in "$@"; do
@@ -20,6 +20,14 @@ for what in "$@"; do
              | grep -v "it/s\]\|step/s\]" | tail -25
            cp /tmp/run-124m/metrics.jsonl "$out/train_124m_metrics.jsonl" ;;
     step) timeout 500 python3 scripts/bench_step.py --out "$out/bench_step.json" 2>&1 | tail -40 ;;
-    sweep) timeout 550 python3 scripts/bench_memory.py --out "$out/bench_memory.json" 2>&1 | tail -40 ;;
+    sweep)  # issue 5's 12-cell sweep, one process per cell so each cell's peak memory is its own
+      sw=/tmp/sweep-124m; rm -rf $sw; i=0
+      for p in fp32 bf16 fp16; do for c in none full every_k selective; do
+        timeout 120 python3 scripts/train.py model=gpt2-124m precision=$p checkpointing=$c trainer.batch_size=16 \
+          trainer.max_steps=30 trainer.log_every=10 trainer.eval_every=1000 trainer.save_every=1000 \
+          trainer.sample_tokens=0 trainer.warmup_steps=5 logger.group=sweep-124m hydra.run.dir=$sw/$i \
+          2>&1 | grep -E "^(step|memory|= pred|measured|predicted)" | tail -3
+        i=$((i+1)); done; done
+      python3 scripts/report.py $sw --out $out/sweep 2>&1 | tail -20 ;;
   esac
 done

@@ -1,0 +1,129 @@
+"""The assembled training step, two recipes side by side on one GPU, through the trainer's own code.
+
+reference: what a user writes with plain PyTorch — fp32 params under bf16 autocast, SDPA,
+           F.cross_entropy on full logits, torch.optim.AdamW(fused=True), torch.compile.
+minitrain: bf16 params + fp32 masters, fused linear cross-entropy, fused AdamW, torch.compile.
+
+Both are `minitrain.trainer.Trainer`s built from configs (precision=amp_bf16 loss=torch
+optimizer.impl=torch vs precision=bf16 loss=fused optimizer.impl=fused), so they see the same
+initialisation, the same data windows and the same step code; only the parts differ. Prints ms/step,
+tokens/s, MFU, peak memory and the loss after the timed steps, and writes JSON to --out.
+
+    python scripts/bench_step.py --models gpt2-124m --out bench_step.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+from hydra import compose, initialize_config_dir
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from minitrain.config import register_configs  # noqa: E402
+from minitrain.metrics import peak_flops  # noqa: E402
+from minitrain.trainer import Trainer  # noqa: E402
+
+RECIPES = {
+    "reference": ["precision=amp_bf16", "loss=torch", "optimizer.impl=torch"],
+    "minitrain": ["precision=bf16", "loss=fused", "optimizer.impl=fused"],
+}
+
+
+def build(model: str, batch: int, recipe: str, extra: list[str], out_dir: str) -> Trainer:
+    overrides = [f"model={model}", f"trainer.batch_size={batch}", "logger.mode=disabled", f"trainer.out_dir={out_dir}",
+                 "trainer.max_steps=100000", "trainer.warmup_steps=10", "trainer.lr=6e-4", "trainer.min_lr=6e-5",
+                 *RECIPES[recipe], *extra]
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
+        return Trainer(compose("config", overrides=overrides), progress=False)
+
+
+def measure(trainer: Trainer, warmup: int, steps: int) -> dict:
+    """Median-free, honest: total time of `steps` consecutive steps after `warmup` (compile included there)."""
+    losses = [trainer.train_step(s) for s in range(warmup)]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    losses += [trainer.train_step(s) for s in range(warmup, warmup + steps)]
+    end.record()
+    torch.cuda.synchronize()
+    ms = start.elapsed_time(end) / steps
+    cfg = trainer.cfg
+    T = trainer.model_cfg.block_size
+    tokens_per_s = cfg.trainer.batch_size * T / (ms / 1000)
+    peak = cfg.trainer.peak_flops or peak_flops(trainer.device, "bf16")
+    stats = torch.cuda.memory_stats()
+    return {
+        "ms_per_step": ms, "tokens_per_s": tokens_per_s,
+        "mfu": tokens_per_s * trainer.model.flops_per_token(T) / peak,
+        "peak_allocated_gb": stats["allocated_bytes.all.peak"] / 1e9,
+        "peak_reserved_gb": stats["reserved_bytes.all.peak"] / 1e9,
+        "losses": [float(x) for x in torch.stack(losses).tolist()],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", nargs="+", default=["gpt2-124m", "gpt2-1.5b"])
+    ap.add_argument("--batch", nargs="+", type=int, default=[16, 32], help="global batch per model")
+    ap.add_argument("--warmup", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--no-compile", action="store_true")
+    ap.add_argument("--minitrain-extra", nargs="*", default=[], help="extra overrides for the minitrain recipe")
+    ap.add_argument("--big-checkpointing", default="full", help="minitrain's policy for models > 1B params")
+    ap.add_argument("--out", default="bench_step.json")
+    args = ap.parse_args()
+    register_configs()
+    compile_flag = [f"trainer.compile={not args.no_compile}"]
+    results = []
+    for model, batch in zip(args.models, args.batch):
+        for recipe in RECIPES:
+            extra = list(compile_flag)
+            if recipe == "minitrain":
+                extra += args.minitrain_extra
+                if "1.5b" in model or "774m" in model:
+                    extra.append(f"checkpointing={args.big_checkpointing}")
+            with tempfile.TemporaryDirectory() as tmp:
+                try:
+                    trainer = build(model, batch, recipe, extra, tmp)
+                    row = {"model": model, "batch": batch, "recipe": recipe, "overrides": extra,
+                           **measure(trainer, args.warmup, args.steps)}
+                except torch.cuda.OutOfMemoryError as e:
+                    row = {"model": model, "batch": batch, "recipe": recipe, "overrides": extra, "error": f"OOM: {e}"[:200]}
+                trainer = None
+                gc.collect()
+                torch.cuda.empty_cache()
+                torch._dynamo.reset()
+            results.append(row)
+            print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
+    Path(args.out).write_text(json.dumps(results, indent=1))
+
+    print(f"\n{torch.cuda.get_device_name()}  torch {torch.__version__}  steps={args.steps} after {args.warmup} warm-up")
+    print(f"{'model':<10} {'B':>3} {'recipe':<10} {'ms/step':>8} {'tok/s':>10} {'MFU':>6} {'peak alloc':>10} "
+          f"{'peak resv':>9} {'loss@end':>8}")
+    for r in results:
+        if "error" in r:
+            print(f"{r['model']:<10} {r['batch']:>3} {r['recipe']:<10} {r['error']}")
+            continue
+        print(f"{r['model']:<10} {r['batch']:>3} {r['recipe']:<10} {r['ms_per_step']:>8.1f} {r['tokens_per_s']:>10,.0f} "
+              f"{r['mfu']:>6.1%} {r['peak_allocated_gb']:>8.2f}GB {r['peak_reserved_gb']:>7.2f}GB {r['losses'][-1]:>8.4f}")
+    for model in args.models:
+        ref, ours = (next((r for r in results if r["model"] == model and r["recipe"] == k and "error" not in r), None)
+                     for k in RECIPES)
+        if ref and ours:
+            gap = max(abs(a - b) for a, b in zip(ref["losses"], ours["losses"]))
+            print(f"{model}: minitrain {ours['tokens_per_s'] / ref['tokens_per_s']:.2f}x tokens/s, "
+                  f"{ours['peak_allocated_gb'] / ref['peak_allocated_gb']:.2f}x peak allocated; "
+                  f"max |loss gap| over {len(ref['losses'])} steps {gap:.3f}")
+
+
+if __name__ == "__main__":
+    main()
