@@ -4,7 +4,8 @@ Per shape and implementation: median ms (triton.testing.do_bench), TFLOP/s at
 6*N*H*V (the three matmuls), and peak memory above the inputs (the gradients
 included: every implementation must produce them). bf16 throughout.
 
-    python scripts/bench_cross_entropy.py [--out bench_cross_entropy.json] [--chunk-mib 256]
+    python scripts/bench_cross_entropy.py [--out bench_cross_entropy.json] [--chunk-mib 32 64 256]
+                                          [--shapes 16384x768x50304]
 """
 
 import argparse
@@ -57,22 +58,26 @@ def measure(loss_fn, hidden, weight, targets):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="bench_cross_entropy.json")
-    parser.add_argument("--chunk-mib", type=int, default=None, help="ours: logit workspace budget (default: library's)")
+    parser.add_argument("--chunk-mib", type=int, nargs="*", default=[],
+                        help="extra 'ours' rows with these logit workspace budgets (the 'ours' row uses the default)")
+    parser.add_argument("--shapes", nargs="*", default=None, help="NxHxV shapes (default: all 12)")
     args = parser.parse_args()
 
-    chunk_bytes = args.chunk_mib * 2**20 if args.chunk_mib else None
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes] if args.shapes else SHAPES
     torch._dynamo.config.cache_size_limit = 64
     impls = {
         "naive": naive,
         "naive+compile": torch.compile(naive, dynamic=True),
         "liger": liger(),
-        "ours": lambda h, w, y: fused_linear_cross_entropy(h, w, y, chunk_bytes=chunk_bytes),
+        "ours": fused_linear_cross_entropy,
     }
+    for mib in args.chunk_mib:
+        impls[f"ours@{mib}MiB"] = lambda h, w, y, b=mib * 2**20: fused_linear_cross_entropy(h, w, y, chunk_bytes=b)
     if impls["liger"] is None:
         print("note: liger-kernel not installed, its rows are skipped")
 
     results = []
-    for n, h, v in SHAPES:
+    for n, h, v in shapes:
         gen = torch.Generator(device="cuda").manual_seed(0)
         hidden = torch.randn(n, h, device="cuda", dtype=torch.bfloat16, generator=gen).requires_grad_()
         weight = (torch.randn(v, h, device="cuda", generator=gen) / h**0.5).bfloat16().requires_grad_()

@@ -37,9 +37,14 @@ RECIPES = {
 }
 
 
+# Peak learning rates as in GPT-3's table for these sizes (1.5b diverges at 124m's 6e-4 with this warmup).
+LR = {"gpt2-124m": 6e-4, "gpt2-350m": 3e-4, "gpt2-774m": 2.5e-4, "gpt2-1.5b": 2e-4}
+
+
 def build(model: str, batch: int, recipe: str, extra: list[str], out_dir: str) -> Trainer:
+    lr = LR.get(model, 6e-4)
     overrides = [f"model={model}", f"trainer.batch_size={batch}", "logger.mode=disabled", f"trainer.out_dir={out_dir}",
-                 "trainer.max_steps=100000", "trainer.warmup_steps=10", "trainer.lr=6e-4", "trainer.min_lr=6e-5",
+                 "trainer.max_steps=100000", "trainer.warmup_steps=10", f"trainer.lr={lr}", f"trainer.min_lr={lr / 10}",
                  *RECIPES[recipe], *extra]
     with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
         return Trainer(compose("config", overrides=overrides), progress=False)

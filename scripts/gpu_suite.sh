@@ -19,7 +19,11 @@ for what in "$@"; do
              trainer.warmup_steps=10 trainer.lr=6e-4 trainer.min_lr=6e-5 hydra.run.dir=/tmp/run-124m 2>&1 \
              | grep -v "it/s\]\|step/s\]" | tail -25
            cp /tmp/run-124m/metrics.jsonl "$out/train_124m_metrics.jsonl" ;;
-    step) timeout 500 python3 scripts/bench_step.py --out "$out/bench_step.json" 2>&1 | tail -40 ;;
+    step) timeout 500 python3 scripts/bench_step.py --batch 16 16 --out "$out/bench_step.json" 2>&1 | tail -40 ;;
+    step124) timeout 300 python3 scripts/bench_step.py --models gpt2-124m --batch 16 --out "$out/bench_step_124m.json" \
+               ${STEP_EXTRA:+--minitrain-extra $STEP_EXTRA} 2>&1 | tail -8 ;;
+    ce_chunks) timeout 200 python3 scripts/bench_cross_entropy.py --shapes 16384x768x50304 16384x2048x128256 \
+                 --chunk-mib 16 32 64 --out "$out/bench_ce_chunks.json" 2>&1 | tail -16 ;;
     sweep)  # issue 5's 12-cell sweep, one process per cell so each cell's peak memory is its own
       sw=/tmp/sweep-124m; rm -rf $sw; i=0
       for p in fp32 bf16 fp16; do for c in none full every_k selective; do
