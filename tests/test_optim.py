@@ -276,7 +276,7 @@ def test_fp32_main_grads_and_foreign_zero_grad(impl):
 def test_fused_on_cpu_needs_interpreter(monkeypatch):
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="foreach"):
-        FusedAdamW([torch.nn.Parameter(torch.randn(3))], impl="fused")
+        FusedAdamW([torch.nn.Parameter(torch.randn(3, device="cpu"))], impl="fused")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs are only observable on CUDA")
