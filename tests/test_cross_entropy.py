@@ -14,7 +14,7 @@ N, H, V = 47, 31, 123  # V is not a multiple of any block size
 
 
 def make_inputs(seed, n=N, h=H, v=V, ignore_fraction=0.25, dtype=torch.float32):
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(torch.get_default_device()).manual_seed(seed)
     hidden = torch.randn(n, h, generator=g).to(dtype)
     weight = (torch.randn(v, h, generator=g) / h**0.5).to(dtype)
     targets = torch.randint(0, v, (n,), generator=g)
