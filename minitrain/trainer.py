@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,7 +19,7 @@ from typing import Any, Callable, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from . import checkpointing, memory, resume
+from . import checkpointing, distributed, memory, resume
 from .config import Config, ConfigError, DType, LossImpl, OptimizerImpl, resolve
 from .data import Batches, TokenData, prepare_data
 from .logger import RunLogger
@@ -76,8 +77,9 @@ def build_loss(cfg: Config, device: torch.device) -> LossFn:
     return lambda h, w, y: fused_linear_cross_entropy(h, w, y, chunk_bytes=chunk_bytes)
 
 
-def build_optimizer(cfg: Config, model: GPT, device: torch.device):
-    """AdamW (fused / foreach / loop, or torch's own) and the loss scaler the precision asks for."""
+def build_optimizer(cfg: Config, model: GPT, device: torch.device, sharded: bool = False):
+    """AdamW (fused / foreach / loop, or torch's own) and the loss scaler the precision asks for.
+    sharded: the params are FSDP2 shards; the grad norm and overflow flag are agreed across ranks."""
     from .amp import DynamicLossScaler
     from .optim import FusedAdamW, TorchAdamW
 
@@ -89,9 +91,13 @@ def build_optimizer(cfg: Config, model: GPT, device: torch.device):
         scaler = torch.amp.GradScaler(device.type, init_scale=p.init_scale, growth_factor=p.growth_factor,
                                       backoff_factor=p.backoff_factor, growth_interval=p.growth_interval) \
             if p.loss_scaling else None
+        if sharded:
+            raise ConfigError("optimizer.impl=torch: distributed=fsdp runs minitrain's own AdamW on the local "
+                              "shards; use optimizer.impl=auto|fused|foreach|loop")
         return TorchAdamW(groups, **common), scaler
     optimizer = FusedAdamW(groups, impl=optimizer_impl(cfg, device), master_weights=p.master_weights,
-                           grad_dtype=p.grad_dtype.torch if p.grad_dtype else None, **common)
+                           grad_dtype=p.grad_dtype.torch if p.grad_dtype else None,
+                           reduce_sumsq=distributed.all_reduce_sum_ if sharded else None, **common)
     scaler = DynamicLossScaler(init_scale=p.init_scale, growth_factor=p.growth_factor,
                                backoff_factor=p.backoff_factor, growth_interval=p.growth_interval,
                                device=device) if p.loss_scaling else None
@@ -123,40 +129,45 @@ class RunInfo:
 class Trainer:
     def __init__(self, cfg: Config | DictConfig, run: RunInfo = RunInfo(), progress: bool = True):
         self.cfg = cfg = resolve(cfg)
-        self.progress = progress
-        self.device = pick_device(cfg.trainer.device.value)
+        self.dist, self.device = distributed.init(cfg, pick_device(cfg.trainer.device.value))
+        self.progress = progress and self.dist.is_main
         self.out_dir = Path(cfg.trainer.out_dir).expanduser()
         self.out_dir.mkdir(parents=True, exist_ok=True)
         torch.manual_seed(cfg.trainer.seed)
 
-        self.data: TokenData = prepare_data(cfg.data, cfg.model.block_size, progress=progress)
+        with distributed.main_first(self.dist):  # one rank builds the data cache, the others read it
+            self.data: TokenData = prepare_data(cfg.data, cfg.model.block_size, progress=self.progress)
         self.model_cfg = model_config_for(cfg, self.data.vocab_size)
         with torch.device(self.device):
             self.model = GPT(self.model_cfg)
-        self.model.to(dtype=cfg.precision.param_dtype.torch)
+        self.model.to(dtype=distributed.param_dtype(cfg.precision, self.dist))
         checkpointing.apply_policy(self.model, cfg.checkpointing)
         self.loss_fn = build_loss(cfg, self.device)
-        self.optimizer, self.scaler = build_optimizer(cfg, self.model, self.device)
+        self.loss_module = distributed.wrap(self.model, self.loss_fn, cfg.precision, self.dist)
+        self.optimizer, self.scaler = build_optimizer(cfg, self.model, self.device, sharded=self.dist.sharded)
 
-        t = cfg.trainer
-        self.micro_batch = t.batch_size // t.grad_accum
+        # Each rank takes its slices of the global batch: micro-batch m of rank r is part r*accum + m.
+        t, world = cfg.trainer, self.dist.world_size
+        self.micro_batch = t.batch_size // (t.grad_accum * world)
         self.train_batches = Batches(self.data.train, self.model_cfg.block_size, t.batch_size, t.seed, self.device)
-        self.val_batches = Batches(self.data.val, self.model_cfg.block_size, self.micro_batch, t.seed + 1, self.device)
+        self.val_batches = Batches(self.data.val, self.model_cfg.block_size, self.micro_batch * world, t.seed + 1,
+                                   self.device)
         self.compute_loss = torch.compile(self._compute_loss) if t.compile else self._compute_loss
         self.memory_estimate = memory.predict(
             self.model_cfg, cfg.precision, cfg.checkpointing, self.micro_batch, self.model_cfg.block_size,
-            loss_impl(cfg, self.device), cfg.loss.chunk_bytes, grad_accum=t.grad_accum,
-            device=self.device.type, optimizer_impl=optimizer_impl(cfg, self.device))
+            loss_impl(cfg, self.device), cfg.loss.chunk_bytes, grad_accum=t.grad_accum, world_size=world,
+            sharded=self.dist.sharded, device=self.device.type, optimizer_impl=optimizer_impl(cfg, self.device))
 
-        self.step = 0
-        ckpt_path = resume.find_checkpoint(t.resume, self.out_dir)
-        state = resume.load(ckpt_path, self.device) if ckpt_path else None
-        if state is not None:
-            self._load_state(state)
         self.config_dict = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True)
-        self.logger = RunLogger(cfg.logger, self.out_dir, self.config_dict,
-                                run_id=state["wandb_id"] if state else None, group=run.group, name=run.name)
-        if state is not None:
+        self.step, self.wandb_id = 0, None
+        ckpt_path = resume.find_checkpoint(t.resume, self.out_dir, sharded=self.dist.enabled)
+        if ckpt_path is not None:
+            self._load_state(resume.load_sharded(ckpt_path, self._state(), self.dist.rank) if self.dist.enabled
+                             else resume.load(ckpt_path, self.device))
+        self.logger = RunLogger(cfg.logger, self.out_dir, self.config_dict, run_id=self.wandb_id,
+                                group=run.group, name=run.name, enabled=self.dist.is_main)
+        self.wandb_id = self.logger.run_id
+        if ckpt_path is not None:
             self.logger.print(f"resumed from {ckpt_path} at step {self.step}")
 
     # -- the step ---------------------------------------------------------------------------------
@@ -168,18 +179,18 @@ class Trainer:
 
     def _compute_loss(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         with self._autocast():
-            hidden = self.model.forward_hidden(x)
-            return self.loss_fn(hidden.flatten(0, 1), self.model.lm_head_weight, y.flatten())
+            return self.loss_module(x, y)
 
     def train_step(self, step: int) -> torch.Tensor:
-        """One optimizer step over the global batch; returns its mean loss as a device tensor."""
-        accum = self.cfg.trainer.grad_accum
+        """One optimizer step over the global batch; returns this rank's mean loss as a device tensor."""
+        accum, rank, world = self.cfg.trainer.grad_accum, self.dist.rank, self.dist.world_size
         total = torch.zeros((), device=self.device)
-        for part in range(accum):
-            x, y = self.train_batches.get(step, part, accum)
-            loss = self.compute_loss(x, y)
-            scaled = loss / accum
-            (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+        for micro in range(accum):
+            x, y = self.train_batches.get(step, rank * accum + micro, world * accum)
+            with distributed.grad_sync(self.loss_module, sync=micro == accum - 1):
+                loss = self.compute_loss(x, y)
+                scaled = loss / accum
+                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             total += loss.detach().float()
         for group in self.optimizer.param_groups:
             group["lr"] = self.cfg.trainer.lr_at(step)
@@ -190,10 +201,11 @@ class Trainer:
     @torch.no_grad()
     def evaluate(self) -> float:
         self.model.eval()
-        losses = torch.stack([self.compute_loss(*self.val_batches.get(i)).float()
+        rank, world = self.dist.rank, self.dist.world_size
+        losses = torch.stack([self.compute_loss(*self.val_batches.get(i, rank, world)).float()
                               for i in range(self.cfg.trainer.eval_batches)])
         self.model.train()
-        return losses.mean().item()
+        return distributed.mean(losses.mean(), self.dist).item()
 
     # -- checkpoints ------------------------------------------------------------------------------
     def _state(self) -> dict[str, Any]:
@@ -204,7 +216,7 @@ class Trainer:
             "step": self.step,
             "rng": resume.rng_state(),
             "data": {"seed": self.cfg.trainer.seed, "next_step": self.step},
-            "wandb_id": self.logger.run_id,
+            "wandb_id": self.wandb_id,
             "config": self.config_dict,
         }
 
@@ -213,19 +225,23 @@ class Trainer:
         self.optimizer.load_state_dict(state["optimizer"])
         if self.scaler is not None and state["scaler"] is not None:
             self.scaler.load_state_dict(state["scaler"])
-        self.step = state["step"]
+        self.step, self.wandb_id = state["step"], state["wandb_id"]
         resume.set_rng_state(state["rng"])
 
     def save(self) -> Path:
-        path = resume.checkpoint_dir(self.out_dir) / resume.LATEST
-        resume.save_atomic(self._state(), path)
+        if self.dist.enabled:
+            path = resume.checkpoint_dir(self.out_dir) / resume.LATEST_SHARDED
+            resume.save_sharded(self._state(), path, self.dist.rank)
+        else:
+            path = resume.checkpoint_dir(self.out_dir) / resume.LATEST
+            resume.save_atomic(self._state(), path)
         return path
 
     # -- the loop ---------------------------------------------------------------------------------
     def _check_finite(self, nonfinite: torch.Tensor) -> None:
         if self.cfg.precision.loss_scaling:
             return  # overflow is the scaler's business: the step was skipped, nothing corrupted
-        if nonfinite.item():
+        if distributed.mean(nonfinite, self.dist).item():
             raise NonFiniteLossError(
                 f"the training loss became inf/NaN by step {self.step} ({self.cfg.precision.name}); "
                 f"stopping with the last good checkpoint kept in {resume.checkpoint_dir(self.out_dir)} — "
@@ -233,12 +249,17 @@ class Trainer:
 
     def _log_record(self, loss_sum: torch.Tensor, n: int, throughput: Throughput) -> dict[str, Any]:
         stats = self.optimizer.stats()
+        loss = distributed.mean(loss_sum / max(n, 1), self.dist)
         record = {"step": self.step, "tokens": self.step * self.cfg.trainer.batch_size * self.model_cfg.block_size,
-                  "train/loss": (loss_sum / max(n, 1)).item(), "opt/lr": self.cfg.trainer.lr_at(self.step - 1),
+                  "train/loss": loss.item(), "opt/lr": self.cfg.trainer.lr_at(self.step - 1),
                   "opt/grad_norm": float(stats["grad_norm"]),
                   "amp/loss_scale": float(stats["loss_scale"]), "amp/skipped_steps": float(stats["skipped_steps"])}
         record.update(throughput.read())
         record.update(memory_stats(self.device))
+        if self.dist.enabled:  # every rank's peak: under fsdp they should match, under imbalance they do not
+            key = "mem/peak_allocated_gb" if self.device.type == "cuda" else "mem/rss_gb"
+            for rank, value in enumerate(distributed.gather(record[key], self.dist)):
+                record[f"mem/rank{rank}/{key[4:]}"] = value
         return record
 
     def fit(self) -> dict[str, Any]:
@@ -251,9 +272,11 @@ class Trainer:
         tokens_per_step = t.batch_size * T
         model_flops = self.model.flops_per_token(T)
         recompute = checkpointing.recompute_flops_per_token(self.model_cfg, self.cfg.checkpointing, T)
-        throughput = Throughput(tokens_per_step, model_flops, model_flops + recompute, peak)
+        throughput = Throughput(tokens_per_step, model_flops, model_flops + recompute,
+                                peak and peak * self.dist.world_size)  # global tokens/s over all devices' peak
+        on = f"{self.dist.world_size} x {self.device.type} ({self.dist.mode.value})" if self.dist.enabled else self.device
         self.logger.print(
-            f"minitrain: {self.model_cfg.name} ({self.model.num_params() / 1e6:.2f}M params) on {self.device} | "
+            f"minitrain: {self.model_cfg.name} ({self.model.num_params() / 1e6:.2f}M params) on {on} | "
             f"precision={self.cfg.precision.name} checkpointing={self.cfg.checkpointing.policy.value} | "
             f"{tokens_per_step:,} tokens/step | run dir {self.out_dir}")
         self.logger.print(self.memory_estimate.table())
@@ -296,7 +319,8 @@ class Trainer:
                 if logging or evaluating or saving:
                     throughput.restart()  # eval and saving are not training time
             bar.close()
-            self._write_memory_json(record)
+            if self.dist.is_main:
+                self._write_memory_json(record)
             record["sample"] = self.sample()
             self.logger.summary({k: v for k, v in record.items() if k != "step"})
             self.logger.finish()
@@ -324,15 +348,25 @@ class Trainer:
         ids = torch.tensor([self.data.tokenizer.encode(prompt).ids], device=self.device)
         gen = torch.Generator(device=self.device).manual_seed(self.cfg.trainer.seed)
         self.model.eval()
-        with self._autocast():
+        with self._autocast():  # on every rank: under fsdp each forward all-gathers the weights
             out = self.model.generate(ids, n, generator=gen)
         self.model.train()
         text = self.data.decode(out[0].tolist())
-        (self.out_dir / "sample.txt").write_text(text)
+        if self.dist.is_main:
+            (self.out_dir / "sample.txt").write_text(text)
         self.logger.print(f"sample:\n{text}")
         return text
 
 
 def train(cfg: Config | DictConfig, run: RunInfo = RunInfo(), progress: bool = True) -> dict[str, Any]:
-    """Build everything from `cfg` and train; returns the last logged record."""
-    return Trainer(cfg, run, progress).fit()
+    """Build everything from `cfg` and train; returns the last logged record. Under torchrun a failing
+    rank names itself on stderr and leaves the process group, so its peers fail too instead of waiting."""
+    try:
+        return Trainer(cfg, run, progress).fit()
+    except BaseException as e:
+        if torch.distributed.is_initialized():
+            print(f"minitrain: rank {torch.distributed.get_rank()} failed: {type(e).__name__}: {e}",
+                  file=sys.stderr, flush=True)
+        raise
+    finally:
+        distributed.teardown()

@@ -17,6 +17,11 @@ with grad_dtype=fp32, a hook accumulates into an fp32 view and frees p.grad). It
 changes, so the fused kernels' tables are built once and a step touches no per-tensor Python.
 The price: zero_grad is a memset instead of a free, so gradients occupy memory during forward
 too, and the first micro-batch accumulates (`grad += new`) instead of stealing the new tensor.
+
+Under FSDP2 the parameters are DTensors sharded across ranks: every buffer above is built over
+their local shards (the ZeRO-3 layout: each rank updates 1/N of the model), p.grad is a DTensor
+over a view of the flat grad buffer (FSDP2 adds each reduce-scattered shard into it in place), and
+`reduce_sumsq` all-reduces the local sum of squares so the norm and the skip decision are global.
 """
 
 import math
@@ -24,6 +29,7 @@ import os
 from dataclasses import dataclass
 
 import torch
+from torch.distributed.tensor import DTensor
 
 IMPLS = ("loop", "foreach", "fused")
 ALIGN = 64  # elements: each view starts on a 256 B boundary of its fp32 buffer (vector loads)
@@ -33,16 +39,31 @@ def _dtype(d):
     return {"fp32": torch.float32, "float32": torch.float32}.get(d, d)
 
 
-class _Bucket:
-    """The params of one dtype and the flat buffers holding their grads and optimizer state."""
+def _local(t):
+    """This rank's shard of a DTensor (a view: writing it writes the parameter); a tensor itself."""
+    return t._local_tensor if isinstance(t, DTensor) else t
 
-    def __init__(self, params, groups, has_master, grad_dtype):
-        self.params, self.groups = params, groups
+
+def _like(p, t):
+    """`t`, a tensor shaped like p's local shard, as a tensor shaped like p: a DTensor over `t` when
+    p is one (for p.grad and for a state_dict torch.distributed.checkpoint can reshard)."""
+    if not isinstance(p, DTensor):
+        return t
+    return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
+
+
+class _Bucket:
+    """The params of one dtype and the flat buffers holding their grads and optimizer state.
+    `params` are the tensors the update writes (local shards under FSDP); `index` their positions
+    in the optimizer's parameter list."""
+
+    def __init__(self, params, groups, index, has_master, grad_dtype):
+        self.params, self.groups, self.index = [_local(p) for p in params], groups, index
         self.offsets, n = [], 0
-        for p in params:
+        for p in self.params:
             self.offsets.append(n)
             n += -(-p.numel() // ALIGN) * ALIGN
-        dev = params[0].device
+        dev = self.params[0].device
         self.grad = torch.zeros(n, dtype=grad_dtype, device=dev)
         self.exp_avg = torch.zeros(n, dtype=torch.float32, device=dev)
         self.exp_avg_sq = torch.zeros(n, dtype=torch.float32, device=dev)
@@ -51,7 +72,7 @@ class _Bucket:
         self.exp_avgs, self.exp_avg_sqs = self.views(self.exp_avg), self.views(self.exp_avg_sq)
         self.masters = self.views(self.master) if has_master else None
         if has_master:
-            torch._foreach_copy_(self.masters, [p.detach() for p in params])
+            torch._foreach_copy_(self.masters, [p.detach() for p in self.params])
         for p, g in zip(params, self.grads):
             _own_grad(p, g)
 
@@ -61,7 +82,14 @@ class _Bucket:
 
 def _own_grad(p, view):
     """Route p's gradient into `view`, whatever else sets p.grad (model.zero_grad(), ...)."""
-    if view.dtype != p.dtype:  # fp32 main grad: accumulate, then free the low-precision grad
+    if isinstance(p, DTensor):  # FSDP2 adds into an existing grad's local tensor, or sets a new one
+        p.grad = _like(p, view)
+
+        def hook(p):
+            if p.grad._local_tensor is not view:
+                view.copy_(p.grad._local_tensor)
+                p.grad = _like(p, view)
+    elif view.dtype != p.dtype:  # fp32 main grad: accumulate, then free the low-precision grad
         def hook(p):
             view.add_(p.grad)
             p.grad = None
@@ -116,10 +144,15 @@ class FusedAdamW:
     buffer when they change; the skip decision, clip coefficient, step count and loss-scale
     update are device tensors. Per-group lr and weight_decay; betas, eps and max_grad_norm are
     global.
+
+    reduce_sumsq: None, or an in-place function on the step's sum of squared (scaled) grads, a
+    one-element fp32 device tensor, run before anything is decided from it. With sharded params it
+    all-reduces (sums) across ranks: the norm becomes the global one, and since a sum holding an
+    inf/NaN is inf/NaN, every rank takes the same skip decision and loss-scale update.
     """
 
     def __init__(self, params, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-                 max_grad_norm=1.0, impl="fused", master_weights=None, grad_dtype=None):
+                 max_grad_norm=1.0, impl="fused", master_weights=None, grad_dtype=None, reduce_sumsq=None):
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
         groups = list(params)
@@ -130,19 +163,21 @@ class FusedAdamW:
                              for g in groups]
         self.defaults = {"lr": lr, "weight_decay": weight_decay}
         self.betas, self.eps, self.max_grad_norm, self.impl = tuple(betas), eps, max_grad_norm, impl
+        self.reduce_sumsq = reduce_sumsq
         self._params = [p for g in self.param_groups for p in g["params"]]
         self.device = self._params[0].device
         if impl == "fused" and self.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
             raise RuntimeError("impl='fused' runs Triton kernels, which need a GPU; on CPU use "
                                "impl='foreach', or set TRITON_INTERPRET=1 (slow, for tests)")
 
-        by_dtype = {}
+        by_dtype, i = {}, 0
         for gi, g in enumerate(self.param_groups):
             for p in g["params"]:
-                by_dtype.setdefault(p.dtype, []).append((p, gi))
+                by_dtype.setdefault(p.dtype, []).append((p, gi, i))
+                i += 1
         grad_dtype = _dtype(grad_dtype)
         self.buckets = [
-            _Bucket([p for p, _ in pg], [gi for _, gi in pg],
+            _Bucket([p for p, _, _ in pg], [gi for _, gi, _ in pg], [i for _, _, i in pg],
                     has_master=dtype != torch.float32 and master_weights is not False,
                     grad_dtype=grad_dtype or dtype)
             for dtype, pg in by_dtype.items()]
@@ -235,7 +270,10 @@ class FusedAdamW:
             units = [b.grad.float() for b in self.buckets]
             grads = [g for b, u in zip(self.buckets, units) for g in b.views(u)]
         norms = [n for idx in self._batches for n in torch._foreach_norm(_pick(grads, idx))]
-        s = self._step_scalars(torch.stack(norms).square().sum(), scaler)
+        sumsq = torch.stack(norms).square().sum()
+        if self.reduce_sumsq is not None:
+            self.reduce_sumsq(sumsq)
+        s = self._step_scalars(sumsq, scaler)
         for u in units:
             u.mul_(s.grad_mult).nan_to_num_(0.0, 0.0, 0.0)
 
@@ -262,18 +300,16 @@ class FusedAdamW:
         return {"grad_norm": self._grad_norm, "skipped_steps": self._skipped,
                 "loss_scale": self._scaler.get_scale() if self._scaler is not None else self._one}
 
-    def _bucket_index(self):
-        index = {p: i for i, p in enumerate(self._params)}
-        return [(b, [index[p] for p in b.params]) for b in self.buckets]
-
     def state_dict(self):
-        """torch-like layout: per-param views (torch.save stores each flat buffer once)."""
+        """torch-like layout: per-param views (torch.save stores each flat buffer once); DTensors
+        over the local views when the params are sharded."""
         state = {}
-        for b, idx in self._bucket_index():
-            for j, i in enumerate(idx):
-                state[i] = {"exp_avg": b.exp_avgs[j], "exp_avg_sq": b.exp_avg_sqs[j]}
+        for b in self.buckets:
+            for j, i in enumerate(b.index):
+                p = self._params[i]
+                state[i] = {"exp_avg": _like(p, b.exp_avgs[j]), "exp_avg_sq": _like(p, b.exp_avg_sqs[j])}
                 if b.master is not None:
-                    state[i]["master"] = b.masters[j]
+                    state[i]["master"] = _like(p, b.masters[j])
         index = {p: i for i, p in enumerate(self._params)}
         groups = [{**{k: v for k, v in g.items() if k != "params"},
                    "params": [index[p] for p in g["params"]]} for g in self.param_groups]
@@ -287,13 +323,13 @@ class FusedAdamW:
             raise ValueError("state_dict's param groups do not match this optimizer's")
         for g, saved in zip(self.param_groups, sd["param_groups"]):
             g.update({k: v for k, v in saved.items() if k != "params"})
-        for b, idx in self._bucket_index():
-            for j, i in enumerate(idx):
+        for b in self.buckets:
+            for j, i in enumerate(b.index):
                 saved = sd["state"][i]
-                b.exp_avgs[j].copy_(saved["exp_avg"])
-                b.exp_avg_sqs[j].copy_(saved["exp_avg_sq"])
+                b.exp_avgs[j].copy_(_local(saved["exp_avg"]))
+                b.exp_avg_sqs[j].copy_(_local(saved["exp_avg_sq"]))
                 if b.master is not None and "master" in saved:
-                    b.masters[j].copy_(saved["master"])
+                    b.masters[j].copy_(_local(saved["master"]))
                     b.params[j].copy_(b.masters[j])  # the compute copy is the master's cast
         self._step.copy_(sd["step"])
         self._skipped.copy_(sd["skipped_steps"])

@@ -148,7 +148,7 @@ def _work_table(bucket):
     """Rows (state offset, param offset, numel, group), one per BLOCK-chunk of each tensor.
     Param offsets count elements from the bucket's lowest param address, so they are >= 0;
     returns the table, that base param, and the alignment (elements) every param offset has."""
-    base = min(bucket.params, key=lambda p: p.data_ptr())
+    base = min((p for p in bucket.params if p.numel()), key=lambda p: p.data_ptr())  # an empty shard has no address
     size = base.element_size()
     rows, align = [], 16 // size
     for p, off, group in zip(bucket.params, bucket.offsets, bucket.groups):
@@ -186,6 +186,10 @@ class FusedStep:
             _sumsq_kernel[(n,)](b.grad, self.partials[start:], b.grad.numel(),
                                 BLOCK=SUMSQ_BLOCK, num_warps=NUM_WARPS)
             start += n
+        partials = self.partials
+        if opt.reduce_sumsq is not None:  # agree on one number across ranks, not on a partial per block
+            partials = partials.sum(0, keepdim=True)
+            opt.reduce_sumsq(partials)
         beta1, beta2 = opt.betas
         if scaler is None:
             scaling = (self.scalars, self.scalars, 1.0, 1.0, 1)  # placeholders, compiled out
@@ -194,7 +198,7 @@ class FusedStep:
                        scaler.backoff_factor, scaler.growth_interval)
         scale, tracker, growth, backoff, interval = scaling
         _finalize_kernel[(1,)](
-            self.partials, self.partials.numel(), self.scalars, opt._step, opt._skipped,
+            partials, partials.numel(), self.scalars, opt._step, opt._skipped,
             opt._grad_norm, scale, tracker, float(opt.max_grad_norm or 0.0),
             math.log2(beta1), math.log2(beta2), growth, backoff, interval,
             HAS_SCALER=scaler is not None, CLIP=bool(opt.max_grad_norm), BLOCK=FINALIZE_BLOCK)

@@ -1,0 +1,135 @@
+"""Data-parallel scaling on one host: 1 GPU vs N GPUs under ddp and fsdp, through the trainer's own code.
+
+For each model, three runs of `minitrain.trainer.Trainer` (precision=bf16, fused loss and AdamW), each
+launched by torchrun as this script's `--worker`: 1 GPU (distributed=none), N GPUs with ddp, N GPUs with
+fsdp. The micro-batch per GPU is fixed (weak scaling: the global batch is N x --micro-batch), so
+N x the single-GPU tokens/s is perfect scaling. Each rank reports its peak allocated memory and the
+bytes its optimizer state occupies (fp32 masters + Adam m, v as allocated), beside
+the memory model's prediction of the same terms (`memory.predict(..., world_size, sharded)`).
+
+    python scripts/bench_distributed.py --gpus 2 --out bench_distributed.json
+
+Checkpoints are not written (a 1.5b one is ~20 GB); the data cache is built once, before the runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+GB = 1e9
+STEPS = {"gpt2-124m": 30, "gpt2-1.5b": 16}
+MODES = [("none", 1), ("ddp", None), ("fsdp", None)]  # None: --gpus
+
+
+def overrides(model: str, mode: str, world: int, micro_batch: int, steps: int, out_dir: str) -> list[str]:
+    log_every = steps // 3
+    return [f"model={model}", "precision=bf16", "loss=fused", "optimizer.impl=fused", f"distributed={mode}",
+            f"trainer.batch_size={micro_batch * world}", f"trainer.max_steps={steps}",
+            f"trainer.log_every={log_every}", f"trainer.eval_every={steps}", "trainer.eval_batches=1",
+            f"trainer.save_every={steps}", "trainer.sample_tokens=0", "trainer.warmup_steps=2", "trainer.lr=3e-4",
+            "trainer.min_lr=3e-5", "logger.mode=disabled", f"trainer.out_dir={out_dir}"]
+
+
+def worker(args) -> None:
+    """One rank of one run: train, then write what this rank measured to --part."""
+    import torch
+    from hydra import compose, initialize_config_dir
+
+    from minitrain import distributed
+    from minitrain.config import register_configs
+    from minitrain.trainer import Trainer
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
+        cfg = compose("config", overrides=args.overrides)
+    trainer = Trainer(cfg, progress=False)
+    trainer.save = lambda: None  # timing the step, not the disk
+    record = trainer.fit()
+    # fp32 masters + Adam m, v as allocated; under fsdp the fp32 param shards are the masters.
+    state = sum(b.exp_avg.nbytes + b.exp_avg_sq.nbytes + (b.master.nbytes if b.master is not None else
+                sum(p.nbytes for p in b.params) if trainer.dist.sharded else 0) for b in trainer.optimizer.buckets)
+    est = trainer.memory_estimate
+    peak = torch.cuda.max_memory_allocated() / GB if torch.cuda.is_available() else 0.0
+    part = {"rank": trainer.dist.rank, "tokens_per_s": record["perf/tokens_per_s"], "mfu": record.get("perf/mfu"),
+            "peak_allocated_gb": peak, "optimizer_state_gb": state / GB,
+            "optimizer_state_pred_gb": (est.masters + est.adam_m + est.adam_v) / GB,
+            "peak_pred_gb": est.peak / GB, "loss": record["train/loss"]}
+    Path(f"{args.part}.rank{trainer.dist.rank}.json").write_text(json.dumps(part))
+    distributed.teardown()
+
+
+def launch(model: str, mode: str, world: int, args, scratch: Path) -> dict:
+    part = scratch / f"{model}-{mode}-{world}"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
+           __file__, "--worker", "--part", str(part), "--overrides",
+           *overrides(model, mode, world, args.micro_batch, args.steps or STEPS[model], str(part))]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=REPO,
+                         env={**os.environ, "OMP_NUM_THREADS": "4"})
+    if out.returncode != 0:
+        print(out.stderr[-4000:], file=sys.stderr)
+        return {"model": model, "mode": mode, "gpus": world, "error": f"exit {out.returncode}"}
+    ranks = [json.loads(Path(f"{part}.rank{r}.json").read_text()) for r in range(world)]
+    r0 = ranks[0]
+    return {"model": model, "mode": mode, "gpus": world, "tokens_per_s": r0["tokens_per_s"], "mfu": r0["mfu"],
+            "loss": r0["loss"], "peak_allocated_gb": [r["peak_allocated_gb"] for r in ranks],
+            "peak_pred_gb": r0["peak_pred_gb"], "optimizer_state_gb": [r["optimizer_state_gb"] for r in ranks],
+            "optimizer_state_pred_gb": r0["optimizer_state_pred_gb"]}
+
+
+def table(rows: list[dict]) -> str:
+    lines = [f"{'model':<10} {'mode':<5} {'gpus':>4} {'tok/s':>10} {'x 1 GPU':>7} {'MFU':>6} "
+             f"{'peak GB/GPU (pred)':>20} {'opt state GB/GPU (pred)':>24}"]
+    single = {r["model"]: r.get("tokens_per_s") for r in rows if r["gpus"] == 1}
+    for r in rows:
+        if "error" in r:
+            lines.append(f"{r['model']:<10} {r['mode']:<5} {r['gpus']:>4} {r['error']}")
+            continue
+        speedup = r["tokens_per_s"] / single[r["model"]] if single.get(r["model"]) else float("nan")
+        peak = f"{max(r['peak_allocated_gb']):.2f} ({r['peak_pred_gb']:.2f})"
+        opt = f"{max(r['optimizer_state_gb']):.2f} ({r['optimizer_state_pred_gb']:.2f})"
+        mfu = f"{r['mfu']:.1%}" if r["mfu"] else "-"
+        lines.append(f"{r['model']:<10} {r['mode']:<5} {r['gpus']:>4} {r['tokens_per_s']:>10,.0f} {speedup:>6.2f}x "
+                     f"{mfu:>6} {peak:>20} {opt:>24}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", nargs="+", default=["gpt2-124m", "gpt2-1.5b"])
+    ap.add_argument("--gpus", type=int, default=2)
+    ap.add_argument("--micro-batch", type=int, default=8, help="sequences per GPU per step")
+    ap.add_argument("--steps", type=int, default=None, help="default: per model, see STEPS")
+    ap.add_argument("--timeout", type=int, default=150, help="seconds per run")
+    ap.add_argument("--out", default="bench_distributed.json")
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--part", help=argparse.SUPPRESS)
+    ap.add_argument("--overrides", nargs="*", default=[], help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        return worker(args)
+
+    from minitrain.config import DataConfig
+    from minitrain.data import prepare_data
+
+    prepare_data(DataConfig(), 1024, progress=False)  # build the data cache once, before any rank needs it
+    rows = []
+    with tempfile.TemporaryDirectory() as scratch:
+        for model in args.models:
+            for mode, world in MODES:
+                rows.append(launch(model, mode, world or args.gpus, args, Path(scratch)))
+                print(table(rows).splitlines()[-1], flush=True)
+                Path(args.out).write_text(json.dumps(rows, indent=1))  # kept if a later run overruns the call
+    print(table(rows))
+
+
+if __name__ == "__main__":
+    main()

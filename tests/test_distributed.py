@@ -1,0 +1,193 @@
+"""ddp and fsdp on the CPU (gloo), against the single-process run of the same global batch.
+
+One 2-process job (torch.multiprocessing, the environment torchrun would set) runs every distributed
+trainer these tests need, one after another in the same process group; each test then checks its
+part against a reference computed in this process. The data cache is built here first, so the ranks
+never race to build it.
+"""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from hydra import compose, initialize_config_dir
+
+from minitrain.trainer import Trainer
+
+from conftest import REPO
+
+WORLD = 2
+TIMEOUT_S = 300  # bounds the whole 2-process job; a hang fails the test instead of the suite
+COMMON = ("trainer.batch_size=8", "model.block_size=32", "trainer.max_steps=10", "trainer.log_every=1",
+          "trainer.eval_every=10", "trainer.save_every=5", "trainer.sample_tokens=4", "distributed.timeout_s=60")
+
+
+def overrides(data_cache, out_dir, *extra):
+    return [f"data.cache_dir={data_cache}", f"trainer.out_dir={out_dir}", "logger.mode=disabled",
+            "trainer.warmup_steps=2", "trainer.eval_batches=2", *COMMON, *extra]
+
+
+def compose_cfg(args):
+    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
+        return compose("config", overrides=list(args))
+
+
+class Crash(Exception):
+    pass
+
+
+def full_params(trainer):
+    """The whole model, gathered from the shards under fsdp (a collective: every rank calls it)."""
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for k, v in trainer.model.state_dict().items()}
+
+
+def run_job(trainer, job):
+    """Run one trainer as the job asks; returns what this rank reports."""
+    if job.get("crash_at") is not None:
+        real_step = trainer.train_step
+
+        def step_then_crash(step):
+            if step == job["crash_at"]:
+                raise Crash
+            return real_step(step)
+
+        trainer.train_step = step_then_crash
+    if job.get("overflow_at") is not None:  # an inf in one gradient of rank 1's shard only
+        real_opt_step = trainer.optimizer.step
+
+        def poisoned_step(scaler=None):
+            if trainer.step == job["overflow_at"] and trainer.dist.rank == 1:
+                trainer.optimizer.buckets[0].grad[0] = float("inf")
+            real_opt_step(scaler=scaler)
+
+        trainer.optimizer.step = poisoned_step
+    try:
+        trainer.fit()
+    except Crash:
+        return {"crashed_at": trainer.step}
+    stats = trainer.optimizer.stats()
+    state_bytes = sum(t.numel() * t.element_size() for b in trainer.optimizer.buckets
+                      for t in (b.exp_avg, b.exp_avg_sq, b.master) if t is not None)
+    return {"skipped": int(stats["skipped_steps"]), "loss_scale": float(stats["loss_scale"]),
+            "optimizer_state_bytes": state_bytes, "params": full_params(trainer)}
+
+
+def worker(rank, port, jobs, results_dir):
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from minitrain.config import register_configs
+
+    register_configs()
+    for name, job in jobs.items():
+        report = run_job(Trainer(compose_cfg(job["overrides"]), progress=False), job)
+        torch.save(report, f"{results_dir}/{name}.rank{rank}.pt")
+    torch.distributed.destroy_process_group()
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def read_losses(out_dir):
+    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["train/loss"] for r in records if "train/loss" in r], [r["val/loss"] for r in records if "val/loss" in r]
+
+
+@pytest.fixture(scope="module")
+def runs(data_cache, tmp_path_factory):
+    """The single-process reference and every 2-process job, run once for the module."""
+    root = tmp_path_factory.mktemp("dist")
+    reference = Trainer(compose_cfg(overrides(data_cache, root / "single")), progress=False)  # builds the cache
+    reference.fit()
+    fsdp = overrides(data_cache, root / "fsdp", "distributed=fsdp")
+    jobs = {
+        "ddp": {"overrides": overrides(data_cache, root / "ddp", "distributed=ddp", "trainer.grad_accum=2")},
+        "fsdp": {"overrides": fsdp},
+        "fsdp_crash": {"overrides": overrides(data_cache, root / "resumed", "distributed=fsdp"), "crash_at": 7},
+        "fsdp_resumed": {"overrides": overrides(data_cache, root / "resumed", "distributed=fsdp",
+                                                "trainer.resume=auto")},
+        "fsdp_fp16": {"overrides": overrides(data_cache, root / "fp16", "distributed=fsdp", "precision=fp16",
+                                             "trainer.max_steps=4"), "overflow_at": 2},
+    }
+    ctx = mp.start_processes(worker, args=(free_port(), jobs, str(root)), nprocs=WORLD, join=False,
+                             start_method="spawn")
+    for _ in range(TIMEOUT_S):
+        if ctx.join(timeout=1):
+            break
+    else:
+        for p in ctx.processes:
+            p.kill()
+        pytest.fail(f"the 2-process job did not finish in {TIMEOUT_S} s")
+    reports = {f"{name}.{r}": torch.load(root / f"{name}.rank{r}.pt") for name in jobs for r in range(WORLD)}
+    return root, reference, reports
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+def test_losses_match_the_single_process_run(runs, mode):
+    root, reference, reports = runs
+    train_ref, val_ref = read_losses(root / "single")
+    train_dist, val_dist = read_losses(root / mode)
+    assert len(train_dist) == len(train_ref) == 10
+    torch.testing.assert_close(train_dist, train_ref, rtol=1e-5, atol=1e-5)
+    if mode == "fsdp":  # (eval batches are global micro-batches: ddp's grad_accum=2 halves them)
+        torch.testing.assert_close(val_dist, val_ref, rtol=1e-5, atol=1e-5)
+    ref = full_params(reference)
+    for rank in range(WORLD):
+        params = reports[f"{mode}.{rank}"]["params"]
+        for k in ref:
+            torch.testing.assert_close(params[k], ref[k], rtol=1e-4, atol=1e-5, msg=f"rank {rank}: {k}")
+
+
+def test_fsdp_ranks_each_hold_half_the_optimizer_state(runs):
+    _, reference, reports = runs
+    single = sum(t.numel() * 4 for b in reference.optimizer.buckets for t in (b.exp_avg, b.exp_avg_sq))
+    for rank in range(WORLD):
+        assert reports[f"ddp.{rank}"]["optimizer_state_bytes"] == single  # replicated
+        held = reports[f"fsdp.{rank}"]["optimizer_state_bytes"]
+        assert 0.49 < held / single < 0.52, held / single  # half, plus each shard's ALIGN padding
+
+
+def test_fsdp_resume_reproduces_the_uninterrupted_run(runs):
+    root, _, reports = runs
+    assert reports["fsdp_crash.0"] == reports["fsdp_crash.1"] == {"crashed_at": 7}
+    straight, resumed = read_losses(root / "fsdp"), read_losses(root / "resumed")
+    assert resumed[0][-3:] == straight[0][-3:] and resumed[1] == straight[1]  # steps 8-10 and the eval
+    for rank in range(WORLD):
+        a, b = reports[f"fsdp.{rank}"]["params"], reports[f"fsdp_resumed.{rank}"]["params"]
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_fp16_overflow_on_one_rank_skips_the_step_on_both(runs):
+    _, _, reports = runs
+    for rank in range(WORLD):
+        report = reports[f"fsdp_fp16.{rank}"]
+        assert report["skipped"] == 1
+        assert report["loss_scale"] == 65536.0 / 2  # backed off once, together
+    a, b = (reports[f"fsdp_fp16.{r}"]["params"] for r in range(WORLD))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_torchrun_launch(data_cache, tmp_path):
+    """The command users run: torchrun + scripts/train.py, the run dir written by rank 0 only."""
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
+           str(REPO / "scripts" / "train.py"), "distributed=ddp", f"data.cache_dir={data_cache}",
+           "logger.mode=disabled", "trainer.batch_size=4", "model.block_size=32", "trainer.max_steps=2",
+           "trainer.warmup_steps=1", "trainer.log_every=1", "trainer.eval_batches=1", "trainer.sample_tokens=0",
+           f"hydra.run.dir={run_dir}"]
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT_S,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stderr[-3000:]
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if "train/loss" in r] == [1, 2]
+    assert {"mem/rank0/rss_gb", "mem/rank1/rss_gb"} <= records[-1].keys()
+    assert (run_dir / "checkpoints" / "latest" / ".metadata").exists()
