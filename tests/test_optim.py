@@ -298,3 +298,22 @@ def test_step_never_syncs(impl):
             opt.zero_grad()
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_compute_copy_rounds_ties_to_even(impl):
+    """Masters exactly halfway between two bf16 neighbours: the compute copy must round as torch's
+    cast does (to nearest, ties to even), which random data almost never exercises."""
+    torch.manual_seed(8)
+    below = torch.randn(BLOCK + 11).bfloat16()
+    above = (below.view(torch.int16) + 1).view(torch.bfloat16)  # the next bf16 away from zero
+    ties = (below.float() + above.float()) / 2  # exact in fp32: bf16 has 16 fewer mantissa bits
+    p = torch.nn.Parameter(torch.zeros_like(below))
+    opt = FusedAdamW([p], lr=0.0, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, max_grad_norm=None, impl=impl)
+    sd = opt.state_dict()
+    sd["state"][0]["master"] = ties
+    opt.load_state_dict(sd)
+    p.grad = torch.zeros_like(p)
+    opt.step()  # lr 0: the master stays, the kernel writes its rounding into the compute copy
+    assert torch.equal(state(opt, 0, "master"), ties)
+    assert torch.equal(p.detach().view(torch.int16), ties.bfloat16().view(torch.int16))
