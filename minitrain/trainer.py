@@ -130,6 +130,8 @@ class Trainer:
     def __init__(self, cfg: Config | DictConfig, run: RunInfo = RunInfo(), progress: bool = True):
         self.cfg = cfg = resolve(cfg)
         self.dist, self.device = distributed.init(cfg, pick_device(cfg.trainer.device.value))
+        if self.device.type == "cuda":  # each job of a multirun reports its own peaks
+            torch.cuda.reset_peak_memory_stats(self.device)
         self.progress = progress and self.dist.is_main
         self.out_dir = Path(cfg.trainer.out_dir).expanduser()
         self.out_dir.mkdir(parents=True, exist_ok=True)
