@@ -155,3 +155,20 @@ def test_bad_config_fails_at_start_with_the_key(tmp_path):
                           f"hydra.run.dir={tmp_path}"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.returncode != 0
     assert "model.n_embd" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs are only observable on CUDA")
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_train_step_never_syncs_with_the_host(make_cfg, precision):
+    """The whole step — data, forward, fused loss, backward, fused AdamW, loss scaling — queues work
+    without waiting on the GPU: device values reach the host at log steps only."""
+    t = Trainer(make_cfg(f"precision={precision}", "trainer.device=cuda", "loss=fused", "optimizer.impl=fused"),
+                progress=False)
+    t.train_step(0)  # first-call work (kernel compilation, workspace allocation) happens once
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for step in range(1, 4):
+            t.train_step(step)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
