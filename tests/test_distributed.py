@@ -191,3 +191,28 @@ def test_torchrun_launch(data_cache, tmp_path):
     assert [r["step"] for r in records if "train/loss" in r] == [1, 2]
     assert {"mem/rank0/rss_gb", "mem/rank1/rss_gb"} <= records[-1].keys()
     assert (run_dir / "checkpoints" / "latest" / ".metadata").exists()
+
+
+def test_a_failing_rank_ends_the_job_with_a_clear_message(data_cache, tmp_path):
+    """Rank 1 raises mid-run while rank 0 waits in the gradient all-reduce: the job must end, non-zero,
+    saying which rank failed, instead of hanging."""
+    script = tmp_path / "fail_on_rank1.py"
+    script.write_text(
+        "import runpy, sys\n"
+        "from minitrain.trainer import Trainer\n"
+        "real_step = Trainer.train_step\n"
+        "def train_step(self, step):\n"
+        "    if step == 2 and self.dist.rank == 1:\n"
+        "        raise RuntimeError('simulated failure')\n"
+        "    return real_step(self, step)\n"
+        "Trainer.train_step = train_step\n"
+        f"sys.argv[0] = {str(REPO / 'scripts' / 'train.py')!r}\n"
+        "runpy.run_path(sys.argv[0], run_name='__main__')\n")
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}", str(script),
+           "distributed=ddp", f"data.cache_dir={data_cache}", "logger.mode=disabled", "trainer.batch_size=4",
+           "model.block_size=32", "trainer.max_steps=5", "trainer.warmup_steps=1", "trainer.eval_batches=1",
+           "trainer.sample_tokens=0", "distributed.timeout_s=30", f"hydra.run.dir={tmp_path / 'run'}"]
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT_S,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode != 0
+    assert "rank 1 failed: RuntimeError: simulated failure" in out.stdout + out.stderr
