@@ -59,29 +59,31 @@ def _digest(*parts) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def corpus_identity(cfg: DataConfig) -> str:
+    """What the cache key knows of the corpus, found without reading it: local files by path, size and
+    mtime (an edited file rebuilds the cache); a hub dataset by name, config, split and column."""
+    if cfg.source == DataSource.hub:
+        return _digest("hub", cfg.hub_name, cfg.hub_config, cfg.hub_split, cfg.text_column)
+    return _digest("files", [(f, os.path.getsize(f), os.stat(f).st_mtime_ns) for f in _local_files(cfg)])
+
+
 def load_corpus(cfg: DataConfig):
-    """The corpus as a `datasets.Dataset` with one document per row in column `text`, and a
-    fingerprint of its contents' identity for the cache key."""
+    """The corpus as a `datasets.Dataset` with one document per row in column `text`."""
     import datasets
 
-    if cfg.source == DataSource.hub:
-        try:
-            ds = datasets.load_dataset(cfg.hub_name, cfg.hub_config, split=cfg.hub_split)
-        except Exception as e:  # the hub's errors are long; say which setting to look at first
-            raise DataError(f"data.hub_name={cfg.hub_name!r} (config {cfg.hub_config!r}, split "
-                            f"{cfg.hub_split!r}) could not be loaded: {e}") from e
-        if cfg.text_column not in ds.column_names:
-            raise DataError(f"data.text_column={cfg.text_column!r} is not a column of {cfg.hub_name}; "
-                            f"columns: {ds.column_names}")
-        ds = ds.select_columns([cfg.text_column]).rename_column(cfg.text_column, "text") \
-            if cfg.text_column != "text" else ds.select_columns(["text"])
-        return ds, _digest("hub", cfg.hub_name, cfg.hub_config, cfg.hub_split, cfg.text_column, ds._fingerprint)
-
-    files = _local_files(cfg)
-    ds = datasets.load_dataset("text", data_files=files, sample_by="document", split="train",
-                               encoding_errors="replace")
-    identity = [(f, os.path.getsize(f), os.stat(f).st_mtime_ns) for f in files]
-    return ds, _digest("files", identity)
+    if cfg.source != DataSource.hub:
+        return datasets.load_dataset("text", data_files=_local_files(cfg), sample_by="document", split="train",
+                                     encoding_errors="replace")
+    try:
+        ds = datasets.load_dataset(cfg.hub_name, cfg.hub_config, split=cfg.hub_split)
+    except Exception as e:  # the hub's errors are long; say which setting to look at first
+        raise DataError(f"data.hub_name={cfg.hub_name!r} (config {cfg.hub_config!r}, split "
+                        f"{cfg.hub_split!r}) could not be loaded: {e}") from e
+    if cfg.text_column not in ds.column_names:
+        raise DataError(f"data.text_column={cfg.text_column!r} is not a column of {cfg.hub_name}; "
+                        f"columns: {ds.column_names}")
+    return ds.select_columns([cfg.text_column]).rename_column(cfg.text_column, "text") \
+        if cfg.text_column != "text" else ds.select_columns(["text"])
 
 
 def _train_tokenizer(ds, vocab_size: int, progress: bool):
@@ -154,10 +156,10 @@ def prepare_data(cfg: DataConfig, block_size: int, progress: bool = True) -> Tok
     """Tokenizer and token file for `cfg`, built once and cached; checks the corpus fits `block_size`."""
     from tokenizers import Tokenizer
 
-    ds, fingerprint = load_corpus(cfg)
-    key = _digest(_FORMAT_VERSION, fingerprint, cfg.vocab_size, cfg.val_fraction)
+    key = _digest(_FORMAT_VERSION, corpus_identity(cfg), cfg.vocab_size, cfg.val_fraction)
     final = Path(os.path.expanduser(cfg.cache_dir)) / f"{cfg.name}-{key}"
-    if not (final / "meta.json").exists():
+    if not (final / "meta.json").exists():  # the corpus is read only to build the cache
+        ds = load_corpus(cfg)
         if len(ds) == 0:
             raise DataError(f"the {cfg.name} corpus has no documents")
         tmp = final.with_name(final.name + f".tmp{os.getpid()}")

@@ -29,8 +29,9 @@ def test_tokenizer_round_trip(stdlib_data):
 
 def test_cache_is_reused(data_cache, stdlib_data, monkeypatch):
     def fail(*a, **k):
-        raise AssertionError("retrained the tokenizer instead of using the cache")
+        raise AssertionError("read the corpus again instead of using the cache")
 
+    monkeypatch.setattr(data_mod, "load_corpus", fail)
     monkeypatch.setattr(data_mod, "_train_tokenizer", fail)
     again = prepare_data(DataConfig(cache_dir=str(data_cache)), block_size=64, progress=False)
     assert again.path == stdlib_data.path
