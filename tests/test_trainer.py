@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from minitrain import resume
+from minitrain.config import ConfigError
 from minitrain.trainer import NonFiniteLossError, Trainer, train
 
 from conftest import REPO
@@ -172,3 +173,8 @@ def test_train_step_never_syncs_with_the_host(make_cfg, precision):
             t.train_step(step)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_vocab_larger_than_the_model_fails_naming_both(make_cfg):
+    with pytest.raises(ConfigError, match=r"model\.vocab_size=512 is smaller than the tokenizer's vocabulary \(4096"):
+        Trainer(make_cfg("model.vocab_size=512"), progress=False)
