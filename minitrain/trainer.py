@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import sys
-import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Optional
@@ -20,7 +19,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from . import checkpointing, distributed, memory, resume
-from .config import Config, ConfigError, DType, LossImpl, OptimizerImpl, resolve
+from .config import Config, ConfigError, LossImpl, OptimizerImpl, resolve
 from .data import Batches, TokenData, prepare_data
 from .logger import RunLogger
 from .metrics import Throughput, memory_stats, peak_flops
