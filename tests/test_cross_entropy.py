@@ -151,3 +151,17 @@ def test_cpu_without_interpreter_raises(monkeypatch):
     hidden, weight, targets = make_inputs(10)
     with pytest.raises(RuntimeError, match="loss.impl=torch"):
         fused_linear_cross_entropy(hidden, weight, targets)
+
+
+def test_backward_allocates_no_second_fp32_weight_sized_buffer():
+    """Backward turns the fp32 weight-gradient accumulator into weight's dtype; the only fp32 buffer of
+    V x H is that accumulator (made in forward), never a temporary beside it."""
+    hidden, weight, targets = make_inputs(11, dtype=torch.bfloat16)
+    hidden.requires_grad_()
+    weight.requires_grad_()
+    loss = fused_linear_cross_entropy(hidden, weight, targets, chunk_bytes=8 * V * 2)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        loss.backward()
+    largest = max(e.cpu_memory_usage for e in prof.events() if e.cpu_memory_usage > 0)
+    assert largest < V * H * 4, largest
+    assert weight.grad.dtype == torch.bfloat16

@@ -182,6 +182,7 @@ def _setup_context(ctx, inputs, output):
     hidden, weight, targets, ignore_index, reduction, label_smoothing, z_loss, rows, _ = inputs
     _, grad_hidden, grad_weight = output
     ctx.mark_non_differentiable(grad_hidden, grad_weight)
+    ctx.set_materialize_grads(False)  # else autograd hands backward zeros as large as those two outputs
     # mean/sum keep only the finished gradients; "none" needs the inputs to rerun the loop.
     ctx.save_for_backward(*(hidden, weight) if reduction == "none" else (grad_hidden, grad_weight), targets)
     ctx.args = (ignore_index, reduction, label_smoothing, z_loss, rows)
@@ -203,12 +204,18 @@ def _backward(ctx, grad_loss, _grad_hidden, _grad_weight):
         scale = grad_loss.float()
         if not _scale_in_forward(grad_hidden.dtype):
             scale = scale * _reduction_scale(targets, ignore_index, reduction)
-    # Multiply and cast to weight's dtype in one pass: no scaled fp32 copy of grad_weight.
-    return (
-        grad_hidden * scale,
-        torch.mul(grad_weight, scale, out=torch.empty_like(grad_weight, dtype=ctx.weight_dtype)),
-        None, None, None, None, None, None, None,
-    )
+    return (grad_hidden * scale, _scaled_cast(grad_weight, scale, ctx.weight_dtype, rows),
+            None, None, None, None, None, None, None)
+
+
+def _scaled_cast(src: Tensor, scale: Tensor, dtype: torch.dtype, rows: int) -> Tensor:
+    """src * scale in `dtype`, rounded once. A mixed-dtype `out=` makes TensorIterator compute into an
+    fp32 temporary of the output's size before casting; row slices keep that temporary chunk-sized
+    instead of a second V x H fp32 buffer beside the accumulator."""
+    out = torch.empty_like(src, dtype=dtype)
+    for start in range(0, src.shape[0], rows):
+        torch.mul(src[start:start + rows], scale, out=out[start:start + rows])
+    return out
 
 
 _linear_cross_entropy.register_autograd(_backward, setup_context=_setup_context)
