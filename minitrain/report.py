@@ -1,6 +1,6 @@
 """A Hydra sweep as one table and two pictures: what each cell bought in memory and paid in speed.
 
-Reads each job dir of `<sweep>/<job_num>_<overrides>/`: `.hydra/overrides.yaml` (the cell's name),
+Reads each job dir of `<sweep>/<job_num>/`: `.hydra/overrides.yaml` (the cell's name),
 `metrics.jsonl` (one record per log step) and `memory.json` (predicted terms + measured peaks).
 Throughput is the median over log intervals after the first (which holds compilation and warm-up).
 """
@@ -63,11 +63,8 @@ class Cell:
 
 
 def load_sweep(sweep_dir: Path) -> list[Cell]:
-    """Every job dir with a metrics.jsonl, in job order, named by the overrides that vary across the sweep.
-    Searched recursively: an override holding a path (data.cache_dir=/x) puts slashes in a job dir's name."""
-    sweep_dir = Path(sweep_dir)
-    jobs = sorted((p.parent for p in sweep_dir.rglob("metrics.jsonl")),
-                  key=lambda job: _job_num(job.relative_to(sweep_dir).parts[0]))
+    """Every job dir with a metrics.jsonl, in job order, named by the overrides that vary across the sweep."""
+    jobs = sorted((p.parent for p in Path(sweep_dir).glob("*/metrics.jsonl")), key=_job_order)
     overrides = [_overrides(job) for job in jobs]
     shared = set.intersection(*map(set, overrides)) if len(jobs) > 1 else set()
     return [Cell(name=",".join(o for o in ov if o not in shared) or job.name,
@@ -81,9 +78,9 @@ def _overrides(job: Path) -> list[str]:
     return (yaml.safe_load(path.read_text()) or []) if path.exists() else []
 
 
-def _job_num(top: str) -> tuple[int, str]:
-    head = top.split("_", 1)[0]
-    return (int(head), top) if head.isdigit() else (1 << 30, top)
+def _job_order(job: Path) -> tuple[int, str]:
+    """Hydra numbers a sweep's job dirs 0, 1, ...: sort 10 after 9, not after 1."""
+    return (int(job.name), "") if job.name.isdigit() else (1 << 30, job.name)
 
 
 def _fmt(value: Optional[float], spec: str) -> str:

@@ -11,7 +11,7 @@ from minitrain.report import write_report
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("sweep_dir", help="a Hydra multirun dir: <sweep>/<job_num>_<overrides>/metrics.jsonl")
+    ap.add_argument("sweep_dir", help="a Hydra multirun dir: <sweep>/<job_num>/metrics.jsonl")
     ap.add_argument("--out", default=None, help="where to write (default: the sweep dir)")
     ap.add_argument("--wandb", choices=["offline", "online"], default=None,
                     help="log the plots to wandb (default: offline if the jobs have wandb dirs, else not)")
