@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 from enum import Enum
+from pathlib import Path
 from typing import List, Optional
 
 from hydra.core.config_store import ConfigStore
@@ -276,9 +277,22 @@ class Config:
                      "torch.amp.GradScaler cannot unscale fp16 gradients; use fp16 autocast over fp32 params")
 
 
+CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
+
+
 def register_configs() -> None:
     """Make the dataclasses the schema Hydra validates `configs/` against."""
     ConfigStore.instance().store(name="config_schema", node=Config)
+
+
+def compose_config(overrides: list[str]) -> DictConfig:
+    """`configs/config.yaml` with `overrides`, composed as `scripts/train.py` would (for tests and
+    benchmarks that build a Trainer in-process)."""
+    from hydra import compose, initialize_config_dir
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        return compose("config", overrides=list(overrides))
 
 
 def resolve(cfg: DictConfig | Config) -> Config:

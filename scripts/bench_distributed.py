@@ -42,16 +42,11 @@ def overrides(model: str, mode: str, world: int, micro_batch: int, steps: int, o
 def worker(args) -> None:
     """One rank of one run: train, then write what this rank measured to --part."""
     import torch
-    from hydra import compose, initialize_config_dir
-
     from minitrain import distributed
-    from minitrain.config import register_configs
+    from minitrain.config import compose_config
     from minitrain.trainer import Trainer
 
-    register_configs()
-    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
-        cfg = compose("config", overrides=args.overrides)
-    trainer = Trainer(cfg, progress=False)
+    trainer = Trainer(compose_config(args.overrides), progress=False)
     trainer.save = lambda: None  # timing the step, not the disk
     record = trainer.fit()
     # fp32 masters + Adam m, v as allocated; under fsdp the fp32 param shards are the masters.

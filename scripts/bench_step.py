@@ -22,12 +22,11 @@ import tempfile
 from pathlib import Path
 
 import torch
-from hydra import compose, initialize_config_dir
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from minitrain.config import register_configs  # noqa: E402
+from minitrain.config import compose_config  # noqa: E402
 from minitrain.metrics import peak_flops  # noqa: E402
 from minitrain.trainer import Trainer  # noqa: E402
 
@@ -46,8 +45,7 @@ def build(model: str, batch: int, recipe: str, extra: list[str], out_dir: str) -
     overrides = [f"model={model}", f"trainer.batch_size={batch}", "logger.mode=disabled", f"trainer.out_dir={out_dir}",
                  "trainer.max_steps=100000", "trainer.warmup_steps=10", f"trainer.lr={lr}", f"trainer.min_lr={lr / 10}",
                  *RECIPES[recipe], *extra]
-    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
-        return Trainer(compose("config", overrides=overrides), progress=False)
+    return Trainer(compose_config(overrides), progress=False)
 
 
 def measure(trainer: Trainer, warmup: int, steps: int) -> dict:
@@ -86,7 +84,6 @@ def main() -> None:
     ap.add_argument("--big-checkpointing", default="full", help="minitrain's policy for models > 1B params")
     ap.add_argument("--out", default="bench_step.json")
     args = ap.parse_args()
-    register_configs()
     compile_flag = [f"trainer.compile={not args.no_compile}"]
     results = []
     for model, batch in zip(args.models, args.batch):

@@ -12,12 +12,9 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
-from hydra import compose, initialize_config_dir  # noqa: E402
-
-from minitrain.config import register_configs  # noqa: E402
+from minitrain.config import compose_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
-register_configs()
 
 if TEST_DEVICE == "cuda":
     import torch
@@ -40,7 +37,6 @@ def make_cfg(data_cache, tmp_path):
                 "trainer.batch_size=8", "model.block_size=64", "trainer.max_steps=10", "trainer.warmup_steps=2",
                 "trainer.log_every=5", "trainer.eval_every=10", "trainer.save_every=10", "trainer.eval_batches=2",
                 "trainer.sample_tokens=8"]
-        with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
-            return compose("config", overrides=base + list(overrides))
+        return compose_config(base + list(overrides))
 
     return _make

@@ -15,8 +15,8 @@ import sys
 import pytest
 import torch
 import torch.multiprocessing as mp
-from hydra import compose, initialize_config_dir
 
+from minitrain.config import compose_config
 from minitrain.trainer import Trainer
 
 from conftest import REPO
@@ -30,11 +30,6 @@ COMMON = ("trainer.batch_size=8", "model.block_size=32", "trainer.max_steps=10",
 def overrides(data_cache, out_dir, *extra):
     return [f"data.cache_dir={data_cache}", f"trainer.out_dir={out_dir}", "logger.mode=disabled",
             "trainer.warmup_steps=2", "trainer.eval_batches=2", *COMMON, *extra]
-
-
-def compose_cfg(args):
-    with initialize_config_dir(config_dir=str(REPO / "configs"), version_base=None):
-        return compose("config", overrides=list(args))
 
 
 class Crash(Exception):
@@ -82,11 +77,8 @@ def worker(rank, port, jobs, results_dir):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
-    from minitrain.config import register_configs
-
-    register_configs()
     for name, job in jobs.items():
-        report = run_job(Trainer(compose_cfg(job["overrides"]), progress=False), job)
+        report = run_job(Trainer(compose_config(job["overrides"]), progress=False), job)
         torch.save(report, f"{results_dir}/{name}.rank{rank}.pt")
     torch.distributed.destroy_process_group()
 
@@ -106,7 +98,7 @@ def read_losses(out_dir):
 def runs(data_cache, tmp_path_factory):
     """The single-process reference and every 2-process job, run once for the module."""
     root = tmp_path_factory.mktemp("dist")
-    reference = Trainer(compose_cfg(overrides(data_cache, root / "single")), progress=False)  # builds the cache
+    reference = Trainer(compose_config(overrides(data_cache, root / "single")), progress=False)  # builds the cache
     reference.fit()
     fsdp = overrides(data_cache, root / "fsdp", "distributed=fsdp")
     jobs = {
