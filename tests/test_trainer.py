@@ -90,7 +90,8 @@ def test_precision_modes_train(make_cfg, precision, tmp_path):
     dtype = {"amp_bf16": torch.float32, "fp16": torch.float16}.get(precision, torch.bfloat16)
     assert t.model.wte.weight.dtype == dtype
     record = t.fit()
-    assert record["train/loss"] < 9.0 and record["amp/skipped_steps"] >= 0
+    assert record["train/loss"] < 9.0
+    assert record["amp/skipped_steps"] < 5  # the steps ran (fp16 may skip an overflow or two, not all)
 
 
 def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(make_cfg, tmp_path, monkeypatch):
