@@ -193,7 +193,11 @@ class OptimizerConfig:
 @dataclass
 class LossConfig:
     impl: LossImpl = LossImpl.auto
-    chunk_bytes: Optional[int] = None  # fused: logit workspace budget (None: the kernel's default)
+    chunk_bytes: Optional[int] = None  # fused: logit workspace budget in bytes (None: as large as the hidden states)
+
+    def __post_init__(self):
+        _require(self.chunk_bytes is None or self.chunk_bytes > 0, "loss.chunk_bytes",
+                 f"must be a positive number of bytes or null, got {self.chunk_bytes}")
 
 
 @dataclass

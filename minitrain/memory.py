@@ -176,13 +176,15 @@ def predict(model_cfg: ModelConfig, precision_cfg: PrecisionConfig, ckpt_cfg: Ch
     # The loss, beyond the activations: ln_f's output (hidden, param dtype) and the loss's own tensors.
     hidden = N * C * p + (N * C * a if a != p else 0)  # + its autocast copy
     if loss_impl == "fused":
-        from .ops.cross_entropy import DEFAULT_CHUNK_BYTES, chunk_rows
+        from .ops.cross_entropy import block_columns
 
-        rows = min(N, chunk_rows(chunk_bytes or DEFAULT_CHUNK_BYTES, V, precision_cfg.compute_dtype.torch))
-        saved = N * C * a + V * C * 4  # grad_hidden + the fp32 grad_weight accumulator, kept for backward
-        forward = rows * V * a + N * 4 + (V * C * a if a != p else 0)  # logit workspace, row losses, weight cast
-        backward = N * C * a + V * C * p  # grad_hidden and grad_weight, scaled and cast
-        loss_workspace = hidden + saved + max(forward, backward)
+        # Both gradients are made in forward and kept for backward, which scales them in place; pass A
+        # borrows grad_weight's storage, pass B one workspace (default: as large as hidden).
+        saved = N * C * a + V * C * p
+        cols = min(V, block_columns(chunk_bytes or N * C * a, N, precision_cfg.compute_dtype.torch))
+        # workspace, row losses and log-sum-exps, and under autocast the weight's cast and a block's result
+        forward = N * cols * a + N * 8 + ((V + cols) * C * a if a != p else 0)
+        loss_workspace = hidden + saved + forward
     else:
         # F.cross_entropy on full logits: at log_softmax's backward, its fp32 output (saved), the incoming
         # grad and the outgoing grad coexist (12·N·V); autocast saves a low-precision copy of the head.

@@ -73,6 +73,29 @@ def measure(trainer: Trainer, warmup: int, steps: int) -> dict:
     }
 
 
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy ")
+
+
+def profile_steps(trainer: Trainer, first: int, steps: int = 3) -> dict:
+    """The profiler over `steps` more steps: GPU time by kernel (the next cost to attack) and host syncs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for s in range(first, first + steps):
+            trainer.train_step(s)
+        torch.cuda.synchronize()
+    events = prof.key_averages()
+    kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
+                     key=lambda e: e.self_device_time_total, reverse=True)
+    total = sum(e.self_device_time_total for e in kernels)
+    syncs = {e.key: e.count for e in events if any(e.key.startswith(c.strip()) for c in SYNC_CALLS)}
+    top = [{"kernel": e.key[:90], "calls_per_step": e.count / steps, "ms_per_step": e.self_device_time_total / 1e3 / steps,
+            "share": e.self_device_time_total / total} for e in kernels[:25]]
+    return {"gpu_ms_per_step": total / 1e3 / steps, "top_kernels": top,
+            "syncs_per_step": {k: v / steps for k, v in syncs.items()}}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="+", default=["gpt2-124m", "gpt2-1.5b"])
@@ -82,6 +105,7 @@ def main() -> None:
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--minitrain-extra", nargs="*", default=[], help="extra overrides for the minitrain recipe")
     ap.add_argument("--big-checkpointing", default="full", help="minitrain's policy for models > 1B params")
+    ap.add_argument("--profile", action="store_true", help="also profile 3 steps of each recipe: kernels, host syncs")
     ap.add_argument("--out", default="bench_step.json")
     args = ap.parse_args()
     compile_flag = [f"trainer.compile={not args.no_compile}"]
@@ -98,6 +122,8 @@ def main() -> None:
                     trainer = build(model, batch, recipe, extra, tmp)
                     row = {"model": model, "batch": batch, "recipe": recipe, "overrides": extra,
                            **measure(trainer, args.warmup, args.steps)}
+                    if args.profile:
+                        row["profile"] = profile_steps(trainer, args.warmup + args.steps)
                 except torch.cuda.OutOfMemoryError as e:
                     row = {"model": model, "batch": batch, "recipe": recipe, "overrides": extra, "error": f"OOM: {e}"[:200]}
                 trainer = None
@@ -105,7 +131,12 @@ def main() -> None:
                 torch.cuda.empty_cache()
                 torch._dynamo.reset()
             results.append(row)
-            print(json.dumps({k: v for k, v in row.items() if k != "losses"}), flush=True)
+            print(json.dumps({k: v for k, v in row.items() if k not in ("losses", "profile")}), flush=True)
+            if "profile" in row:
+                prof = row["profile"]
+                print(f"  GPU busy {prof['gpu_ms_per_step']:.2f} ms/step; host syncs/step {prof['syncs_per_step']}")
+                for k in prof["top_kernels"]:
+                    print(f"  {k['ms_per_step']:7.3f} ms {k['share']:6.1%} x{k['calls_per_step']:5.1f}  {k['kernel']}")
     Path(args.out).write_text(json.dumps(results, indent=1))
 
     print(f"\n{torch.cuda.get_device_name()}  torch {torch.__version__}  steps={args.steps} after {args.warmup} warm-up")

@@ -48,6 +48,7 @@ def test_bad_type_fails_naming_key(make_cfg, override, names):
     (["precision=fp32", "precision.master_weights=true"], "precision.master_weights"),
     (["data.vocab_size=100"], "data.vocab_size"),
     (["data=files"], "data.paths"),
+    (["loss.chunk_bytes=0"], "loss.chunk_bytes"),
 ])
 def test_bad_value_fails_naming_key(make_cfg, overrides, names):
     with pytest.raises(ConfigError, match=names.replace(".", r"\.")):

@@ -1,105 +1,113 @@
 """Fused linear cross-entropy: the LM head's logits never exist in full.
 
 The logits of one batch (tokens x vocab) are the largest activation of a GPT
-and are used once. Here they live only in one reused chunk-sized workspace:
+and are used once. Here the loss and both gradients come out of two passes
+over the logits, each holding only a slice of them:
 
-    for each chunk of rows:
-        workspace = h_chunk @ W.T                  cuBLAS, input dtype
-        loss rows, workspace <- dloss/dlogits      Triton, fp32 math, in place
-        grad_h[chunk] = workspace @ W              cuBLAS
-        grad_W       += workspace.T @ h_chunk      cuBLAS, fp32 accumulator
+    pass A, row chunks (all V columns):
+        chunk  = h[rows] @ W.T           cuBLAS, in grad_W's storage, not yet written
+        loss, lse of the rows; chunk <- dloss/dlogits          Triton, fp32 math
+        grad_h[rows] = chunk @ W         cuBLAS, one GEMM over all of V
+    pass B, vocab blocks (all N rows):
+        block  = h @ W[cols].T           cuBLAS, the workspace
+        block <- dloss/dlogits from lse  Triton, fp32 math
+        grad_W[cols] = block.T @ h       cuBLAS, one GEMM over all N rows
 
-The logit gradient is computed in the forward pass (no recompute), so
-backward is two scalings by grad_output. Everything stays on the device: the
-mean's 1/n_valid is a tensor, no host sync. reduction="none" is the
-exception: a per-row grad_output cannot be folded into grad_W after the sum
-over rows, so its backward reruns the loop with the rows pre-scaled.
+Every gradient element is one GEMM's fp32 accumulation, rounded once: no
+accumulation across chunks, hence no V x H fp32 accumulator. The price is
+a fourth GEMM (pass B recomputes the logits), the gain is memory: beyond the
+two gradients the loss holds one workspace, by default as large as `hidden`.
+
+The gradients are computed in the forward pass; backward scales them by
+grad_output in place. Everything stays on the device: the mean's 1/n_valid is
+a tensor, no host sync. reduction="none" is the exception: a per-row
+grad_output cannot be applied to grad_W after the sum over rows, so its
+backward reruns both passes with the rows pre-scaled.
 
 Ignored rows cost their share of the matmuls (dropping them without knowing
 their count on the host would need a sync) but skip the softmax passes and
 contribute exact zeros.
 """
 
-import functools
+import math
 import os
 
 import torch
 from torch import Tensor
 
-from minitrain.ops.cross_entropy_triton import cross_entropy_rows
-
-DEFAULT_CHUNK_BYTES = 256 * 2**20
-"""Logit workspace budget (2560 rows at V=50304 bf16). Not yet tuned on the GPU:
-sweep with `scripts/bench_cross_entropy.py --chunk-mib`."""
+from minitrain.ops.cross_entropy_triton import cross_entropy_rows, logit_grad_block
 
 _REDUCTIONS = ("mean", "sum", "none")
 
 
-def chunk_rows(chunk_bytes: int, vocab: int, dtype: torch.dtype) -> int:
-    """Rows per chunk so that a (rows, vocab) workspace fits the byte budget.
+def block_columns(chunk_bytes: int, rows: int, dtype: torch.dtype) -> int:
+    """Vocab columns per pass-B block so that a (rows, columns) workspace fits the byte budget.
 
-    Rounded down to a multiple of 128 when possible so every chunk's GEMM
-    tiles evenly.
+    Rounded down to a multiple of 128 when possible so every block's GEMM tiles evenly.
     """
-    rows = max(1, chunk_bytes // (vocab * dtype.itemsize))
-    return rows - rows % 128 if rows >= 128 else rows
+    cols = max(1, chunk_bytes // (rows * dtype.itemsize))
+    return cols - cols % 128 if cols >= 128 else cols
 
 
-@functools.cache
-def _addmm_has_fp32_out(device_type: str, dtype: torch.dtype) -> bool:
-    """Whether addmm can add low-precision products straight into an fp32 tensor.
-
-    `addmm(out_dtype=float32)` is a CUDA-only overload (torch >= 2.8), and some
-    versions still insist that `self` has the inputs' dtype; probe once.
-    """
-    acc = torch.zeros(2, 2, device=device_type)
-    a = torch.ones(2, 2, device=device_type, dtype=dtype)
-    try:
-        torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
-    except (RuntimeError, TypeError):
-        return False
-    return True
+def default_chunk_bytes(hidden: Tensor) -> int:
+    """As large as `hidden` itself: pass B's GEMMs then have H columns, wide enough to be compute-bound."""
+    return hidden.numel() * hidden.element_size()
 
 
-def _accumulate_fp32(acc: Tensor, a: Tensor, b: Tensor) -> None:
-    """acc += a @ b with acc fp32, without an fp32 temporary of acc's size."""
-    if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
-    elif _addmm_has_fp32_out(acc.device.type, a.dtype):
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+def _weight_grad_alpha(n: int, dtype: torch.dtype) -> float:
+    """Factor pass B's GEMM folds into grad_W: a power of two >= 1/n for fp16, whose range cannot hold
+    an unscaled sum over n rows; 1 otherwise. Exact, and undone in backward."""
+    return 2.0 ** -math.ceil(math.log2(n)) if dtype == torch.float16 and n > 1 else 1.0
+
+
+def _matmul_into(out: Tensor, a: Tensor, b: Tensor, alpha: float) -> None:
+    """out = alpha * a @ b, rounded once into out's dtype (a block-sized temporary if it differs)."""
+    if out.dtype != a.dtype:
+        out.copy_(torch.mm(a, b) if alpha == 1.0 else torch.addmm(a.new_empty(()), a, b, beta=0, alpha=alpha))
+    elif alpha == 1.0:
+        torch.mm(a, b, out=out)
     else:
-        # CPU / older torch: fp32 copies of the chunk operands (workspace-sized,
-        # not V x H) and an fp32 GEMM; slower, equally exact.
-        acc.addmm_(a.float(), b.float())
+        torch.addmm(out, a, b, beta=0, alpha=alpha, out=out)
 
 
-def _chunked_loss_and_grads(hidden, weight, targets, grad_scale, ignore_index, label_smoothing, z_loss, rows, grads):
-    """Per-row losses (fp32) and, if `grads`, grad_hidden and fp32 grad_weight times `grad_scale`."""
-    n = hidden.shape[0]
+def _loss_and_grads(hidden, weight, targets, grad_scale, ignore_index, label_smoothing, z_loss, chunk_bytes,
+                    grads):
+    """Per-row losses (fp32) and, if `grads`, grad_hidden and alpha * grad_weight times `grad_scale`."""
+    n, (vocab, _) = hidden.shape[0], weight.shape
     w = weight.to(hidden.dtype)
     losses = torch.empty(n, device=hidden.device, dtype=torch.float32)
-    grad_hidden = torch.empty_like(hidden) if grads else None
-    grad_weight = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32) if grads else None
-    workspace = hidden.new_empty(min(rows, n), weight.shape[0])
+    lse = torch.empty_like(losses)
+    softmax_args = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss)
+    grad_hidden = grad_weight = None
+    if grads:
+        grad_hidden = torch.empty_like(hidden)
+        grad_weight = torch.empty(weight.shape, device=weight.device, dtype=weight.dtype)
+    # Pass A's chunks borrow grad_weight's storage (free until pass B) when it holds one row or more.
+    if grads and grad_weight.element_size() >= hidden.element_size():
+        scratch = grad_weight.view(-1).view(hidden.dtype)
+    else:
+        scratch = hidden.new_empty(min(n, chunk_bytes // (vocab * hidden.element_size()) or 1) * vocab)
+    rows = min(n, scratch.numel() // vocab)
     with torch.autocast(hidden.device.type, enabled=False):
         for start in range(0, n, rows):
             chunk = slice(start, min(start + rows, n))
-            h = hidden[chunk]
-            logits = workspace[: h.shape[0]]
-            torch.mm(h, w.T, out=logits)
-            cross_entropy_rows(
-                logits,
-                targets[chunk],
-                losses[chunk],
-                grad_scale[chunk] if grad_scale.dim() else grad_scale,
-                ignore_index=ignore_index,
-                label_smoothing=label_smoothing,
-                z_loss=z_loss,
-                write_grad=grads,
-            )
+            logits = scratch[: (chunk.stop - start) * vocab].view(-1, vocab)
+            torch.mm(hidden[chunk], w.T, out=logits)
+            cross_entropy_rows(logits, targets[chunk], losses[chunk], lse[chunk],
+                               grad_scale[chunk] if grad_scale.dim() else grad_scale, write_grad=grads,
+                               **softmax_args)
             if grads:
                 torch.mm(logits, w, out=grad_hidden[chunk])
-                _accumulate_fp32(grad_weight, logits.T, h)
+        if grads:
+            alpha = _weight_grad_alpha(n, hidden.dtype)
+            cols = min(vocab, block_columns(chunk_bytes, n, hidden.dtype))
+            workspace = hidden.new_empty(n * cols)
+            for col0 in range(0, vocab, cols):
+                block_cols = slice(col0, min(col0 + cols, vocab))
+                block = workspace[: n * (block_cols.stop - col0)].view(n, -1)
+                torch.mm(hidden, w[block_cols].T, out=block)
+                logit_grad_block(block, col0, vocab, targets, lse, grad_scale, **softmax_args)
+                _matmul_into(grad_weight[block_cols], block.T, hidden, alpha)
     return losses, grad_hidden, grad_weight
 
 
@@ -129,30 +137,30 @@ def _linear_cross_entropy(
     reduction: str,
     label_smoothing: float,
     z_loss: float,
-    rows: int,
+    chunk_bytes: int,
     grads: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """Returns (loss, grad_hidden, grad_weight_fp32); grads lack grad_output and are empty unless computed."""
+    """Returns (loss, grad_hidden, grad_weight); grads lack grad_output and are empty unless computed."""
     grads = grads and reduction != "none"
     scale = _reduction_scale(targets, ignore_index, reduction)
     grad_scale = scale if _scale_in_forward(hidden.dtype) else torch.ones_like(scale)
-    losses, grad_hidden, grad_weight = _chunked_loss_and_grads(
-        hidden, weight, targets, grad_scale, ignore_index, label_smoothing, z_loss, rows, grads
+    losses, grad_hidden, grad_weight = _loss_and_grads(
+        hidden, weight, targets, grad_scale, ignore_index, label_smoothing, z_loss, chunk_bytes, grads
     )
     if reduction != "none":
         losses = losses.sum() * scale
     if not grads:
-        grad_hidden, grad_weight = hidden.new_empty(0), weight.new_empty(0, dtype=torch.float32)
+        grad_hidden, grad_weight = hidden.new_empty(0), weight.new_empty(0)
     return losses, grad_hidden, grad_weight
 
 
 @_linear_cross_entropy.register_fake
-def _(hidden, weight, targets, ignore_index, reduction, label_smoothing, z_loss, rows, grads):
+def _(hidden, weight, targets, ignore_index, reduction, label_smoothing, z_loss, chunk_bytes, grads):
     grads = grads and reduction != "none"
     loss = hidden.new_empty(hidden.shape[:1] if reduction == "none" else (), dtype=torch.float32)
     if not grads:
-        return loss, hidden.new_empty(0), weight.new_empty(0, dtype=torch.float32)
-    return loss, torch.empty_like(hidden), weight.new_empty(weight.shape, dtype=torch.float32)
+        return loss, hidden.new_empty(0), weight.new_empty(0)
+    return loss, torch.empty_like(hidden), torch.empty_like(weight)
 
 
 @torch.library.custom_op("minitrain::linear_cross_entropy_backward", mutates_args=())
@@ -164,58 +172,54 @@ def _linear_cross_entropy_backward(
     ignore_index: int,
     label_smoothing: float,
     z_loss: float,
-    rows: int,
+    chunk_bytes: int,
 ) -> tuple[Tensor, Tensor]:
-    """reduction="none" backward: the forward loop again, each gradient row scaled by `grad_scale`."""
-    _, grad_hidden, grad_weight = _chunked_loss_and_grads(
-        hidden, weight, targets, grad_scale, ignore_index, label_smoothing, z_loss, rows, True
+    """reduction="none" backward: both passes again, each gradient row scaled by `grad_scale`."""
+    _, grad_hidden, grad_weight = _loss_and_grads(
+        hidden, weight, targets, grad_scale, ignore_index, label_smoothing, z_loss, chunk_bytes, True
     )
     return grad_hidden, grad_weight
 
 
 @_linear_cross_entropy_backward.register_fake
-def _(hidden, weight, targets, grad_scale, ignore_index, label_smoothing, z_loss, rows):
-    return torch.empty_like(hidden), weight.new_empty(weight.shape, dtype=torch.float32)
+def _(hidden, weight, targets, grad_scale, ignore_index, label_smoothing, z_loss, chunk_bytes):
+    return torch.empty_like(hidden), torch.empty_like(weight)
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, targets, ignore_index, reduction, label_smoothing, z_loss, rows, _ = inputs
+    hidden, weight, targets, ignore_index, reduction, label_smoothing, z_loss, chunk_bytes, _ = inputs
     _, grad_hidden, grad_weight = output
     ctx.mark_non_differentiable(grad_hidden, grad_weight)
     ctx.set_materialize_grads(False)  # else autograd hands backward zeros as large as those two outputs
-    # mean/sum keep only the finished gradients; "none" needs the inputs to rerun the loop.
+    # mean/sum keep only the finished gradients; "none" needs the inputs to rerun both passes.
     ctx.save_for_backward(*(hidden, weight) if reduction == "none" else (grad_hidden, grad_weight), targets)
-    ctx.args = (ignore_index, reduction, label_smoothing, z_loss, rows)
-    ctx.weight_dtype = weight.dtype
+    ctx.args = (ignore_index, reduction, label_smoothing, z_loss, chunk_bytes)
 
 
 def _backward(ctx, grad_loss, _grad_hidden, _grad_weight):
     first, second, targets = ctx.saved_tensors
-    ignore_index, reduction, label_smoothing, z_loss, rows = ctx.args
+    ignore_index, reduction, label_smoothing, z_loss, chunk_bytes = ctx.args
     if reduction == "none":
         # Rows are scaled by grad/max|grad| (so |scale| <= 1 and an fp16 workspace
         # cannot overflow under a loss scale); max|grad| is applied below.
         scale = grad_loss.abs().amax().float().clamp_min(torch.finfo(torch.float32).tiny)
         grad_hidden, grad_weight = _linear_cross_entropy_backward(
-            first, second, targets, grad_loss.float() / scale, ignore_index, label_smoothing, z_loss, rows
+            first, second, targets, grad_loss.float() / scale, ignore_index, label_smoothing, z_loss, chunk_bytes
         )
+        dtype = first.dtype
     else:
         grad_hidden, grad_weight = first, second
+        dtype = grad_hidden.dtype
         scale = grad_loss.float()
-        if not _scale_in_forward(grad_hidden.dtype):
+        if not _scale_in_forward(dtype):
             scale = scale * _reduction_scale(targets, ignore_index, reduction)
-    return (grad_hidden * scale, _scaled_cast(grad_weight, scale, ctx.weight_dtype, rows),
-            None, None, None, None, None, None, None)
-
-
-def _scaled_cast(src: Tensor, scale: Tensor, dtype: torch.dtype, rows: int) -> Tensor:
-    """src * scale in `dtype`, rounded once. A mixed-dtype `out=` makes TensorIterator compute into an
-    fp32 temporary of the output's size before casting; row slices keep that temporary chunk-sized
-    instead of a second V x H fp32 buffer beside the accumulator."""
-    out = torch.empty_like(src, dtype=dtype)
-    for start in range(0, src.shape[0], rows):
-        torch.mul(src[start:start + rows], scale, out=out[start:start + rows])
-    return out
+        if torch.compiler.is_compiling():
+            # Traced: the compiler plans the buffers, and an in-place op on saved tensors would be copied.
+            grad_hidden, grad_weight = grad_hidden.clone(), grad_weight.clone()
+        # Eager scales the saved gradients in place: a second backward (retain_graph) then fails
+        # autograd's version check instead of scaling twice.
+    weight_scale = scale / _weight_grad_alpha(grad_hidden.shape[0], dtype)
+    return (grad_hidden.mul_(scale), grad_weight.mul_(weight_scale), None, None, None, None, None, None, None)
 
 
 _linear_cross_entropy.register_autograd(_backward, setup_context=_setup_context)
@@ -243,8 +247,9 @@ def fused_linear_cross_entropy(
 
     hidden (N, H), weight (V, H), targets (N,) int64. Matmuls run in hidden's
     dtype (the autocast dtype under autocast); softmax math is fp32; the weight
-    gradient is accumulated in fp32 and returned in weight's dtype. `chunk_bytes`
-    bounds the logit workspace (default DEFAULT_CHUNK_BYTES).
+    gradient is accumulated in fp32 (one GEMM per vocab block) and returned in
+    weight's dtype. `chunk_bytes` bounds the logit workspace (default: the size
+    of `hidden`).
     """
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
@@ -252,7 +257,6 @@ def fused_linear_cross_entropy(
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
         hidden = hidden.to(torch.get_autocast_dtype(device_type))
-    rows = chunk_rows(chunk_bytes or DEFAULT_CHUNK_BYTES, weight.shape[0], hidden.dtype)
     grads = torch.is_grad_enabled() and (hidden.requires_grad or weight.requires_grad)
     loss, _, _ = _linear_cross_entropy(
         hidden.contiguous(),
@@ -262,7 +266,7 @@ def fused_linear_cross_entropy(
         reduction,
         float(label_smoothing),
         float(z_loss),
-        rows,
+        chunk_bytes or default_chunk_bytes(hidden),
         grads,
     )
     return loss

@@ -1,9 +1,12 @@
-"""Row-wise cross-entropy kernel over a chunk of logits already in HBM.
+"""The two softmax kernels of the fused linear cross-entropy, over logits a cuBLAS GEMM just wrote.
 
-The matmuls stay in cuBLAS; this kernel is the only pass that touches the
-logits after they are written: two streaming reads (online max/log-sum-exp,
-then softmax) and, when gradients are wanted, one in-place write of
-d(loss)/d(logits). All math is fp32 whatever the logits' dtype.
+_cross_entropy_rows_kernel   whole rows (all V columns): online max / log-sum-exp, the row's loss
+                             and log-sum-exp, and, when gradients are wanted, d(loss)/d(logits)
+                             written in place (two streaming reads, one write).
+_logit_grad_block_kernel     a block of columns of every row, given each row's log-sum-exp:
+                             d(loss)/d(logits) in place (one read, one write).
+
+All math is fp32 whatever the logits' dtype.
 """
 
 import os
@@ -30,6 +33,7 @@ def _cross_entropy_rows_kernel(
     stride_row,
     targets_ptr,  # (M,) int64
     loss_ptr,  # (M,) fp32 out: per-row loss, 0 for ignored rows
+    lse_ptr,  # (M,) fp32 out: per-row log-sum-exp, 0 for ignored rows
     grad_scale_ptr,  # fp32 factor of each gradient row: one scalar (stride 0) or one per row
     scale_stride,
     V,
@@ -49,6 +53,7 @@ def _cross_entropy_rows_kernel(
         # Ignored rows skip the exp passes; their zero gradient row makes them
         # contribute nothing to either matmul that follows.
         tl.store(loss_ptr + row, 0.0)
+        tl.store(lse_ptr + row, 0.0)
         if WRITE_GRAD:
             for start in range(0, V, BLOCK):
                 offs = start + cols
@@ -70,27 +75,62 @@ def _cross_entropy_rows_kernel(
         x_target = tl.load(row_ptr + target).to(tl.float32)
         loss = lse - (1.0 - label_smoothing) * x_target - label_smoothing * x_sum / V + z_loss * lse * lse
         tl.store(loss_ptr + row, loss)
+        tl.store(lse_ptr + row, lse)
 
         if WRITE_GRAD:
-            # d/dx_j = p_j * (1 + 2 z lse) - eps / V - (1 - eps) [j == target]
-            p_coef = 1.0 + 2.0 * z_loss * lse
-            uniform = label_smoothing / V
             scale = tl.load(grad_scale_ptr + row * scale_stride)
             for start in range(0, V, BLOCK):
                 offs = start + cols
                 x = tl.load(row_ptr + offs, mask=offs < V, other=0.0).to(tl.float32)
-                g = tl.exp(x - lse) * p_coef - uniform - tl.where(offs == target, 1.0 - label_smoothing, 0.0)
-                g = g * scale
-                if ROUND_BF16:
-                    g = _round_to_bf16_in_fp32(g)
+                g = _logit_grad(x, offs, target, lse, scale, V, label_smoothing, z_loss, ROUND_BF16)
                 tl.store(row_ptr + offs, g.to(logits_ptr.dtype.element_ty), mask=offs < V)
 
 
-def cross_entropy_rows(logits, targets, losses, grad_scale, *, ignore_index, label_smoothing, z_loss, write_grad):
-    """Per-row loss into `losses`; if `write_grad`, `logits` becomes its gradient times `grad_scale`.
+@triton.jit
+def _logit_grad(x, cols, target, lse, scale, V, label_smoothing, z_loss, ROUND_BF16: tl.constexpr):
+    """scale * d(loss)/d(x_j) = scale * (p_j (1 + 2 z lse) - eps / V - (1 - eps) [j == target])."""
+    g = tl.exp(x - lse) * (1.0 + 2.0 * z_loss * lse) - label_smoothing / V
+    g = (g - tl.where(cols == target, 1.0 - label_smoothing, 0.0)) * scale
+    if ROUND_BF16:
+        g = _round_to_bf16_in_fp32(g)
+    return g
 
-    `grad_scale` is a 0-dim or (M,) fp32 device tensor (no host sync).
-    """
+
+@triton.jit
+def _logit_grad_block_kernel(
+    logits_ptr,  # (M, C) workspace: the logits of vocab columns [col0, col0 + C); overwritten with their gradient
+    C,
+    col0,
+    targets_ptr,
+    lse_ptr,  # (M,) fp32, from _cross_entropy_rows_kernel
+    grad_scale_ptr,
+    scale_stride,
+    V,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    ROUND_BF16: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < C
+    ptrs = logits_ptr + row * C + offs
+    target = tl.load(targets_ptr + row)
+    if target == ignore_index:
+        tl.store(ptrs, tl.zeros([BLOCK], logits_ptr.dtype.element_ty), mask=mask)
+    else:
+        lse = tl.load(lse_ptr + row)
+        scale = tl.load(grad_scale_ptr + row * scale_stride)
+        x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+        g = _logit_grad(x, col0 + offs, target, lse, scale, V, label_smoothing, z_loss, ROUND_BF16)
+        tl.store(ptrs, g.to(logits_ptr.dtype.element_ty), mask=mask)
+
+
+def cross_entropy_rows(logits, targets, losses, lse, grad_scale, *, ignore_index, label_smoothing, z_loss,
+                       write_grad):
+    """Per-row loss and log-sum-exp into `losses`, `lse`; if `write_grad`, `logits` becomes its gradient
+    times `grad_scale`, a 0-dim or (M,) fp32 device tensor (no host sync)."""
     rows, vocab = logits.shape
     block = min(triton.next_power_of_2(vocab), 4096)
     _cross_entropy_rows_kernel[(rows,)](
@@ -98,6 +138,7 @@ def cross_entropy_rows(logits, targets, losses, grad_scale, *, ignore_index, lab
         logits.stride(0),
         targets,
         losses,
+        lse,
         grad_scale,
         grad_scale.stride(0) if grad_scale.dim() else 0,
         vocab,
@@ -108,4 +149,27 @@ def cross_entropy_rows(logits, targets, losses, grad_scale, *, ignore_index, lab
         ROUND_BF16=_ROUND_BF16 and logits.dtype == torch.bfloat16,
         BLOCK=block,
         num_warps=8 if block >= 2048 else 4,
+    )
+
+
+def logit_grad_block(logits, col0, vocab, targets, lse, grad_scale, *, ignore_index, label_smoothing, z_loss):
+    """`logits` (M, C) contiguous, vocab columns [col0, col0 + C) of every row, becomes its gradient
+    times `grad_scale`, from the rows' log-sum-exp."""
+    rows, cols = logits.shape
+    block = min(triton.next_power_of_2(cols), 2048)
+    _logit_grad_block_kernel[(rows, triton.cdiv(cols, block))](
+        logits,
+        cols,
+        col0,
+        targets,
+        lse,
+        grad_scale,
+        grad_scale.stride(0) if grad_scale.dim() else 0,
+        vocab,
+        ignore_index,
+        float(label_smoothing),
+        float(z_loss),
+        ROUND_BF16=_ROUND_BF16 and logits.dtype == torch.bfloat16,
+        BLOCK=block,
+        num_warps=4,
     )
