@@ -193,7 +193,8 @@ class OptimizerConfig:
 @dataclass
 class LossConfig:
     impl: LossImpl = LossImpl.auto
-    chunk_bytes: Optional[int] = None  # fused: logit workspace budget in bytes (None: as large as the hidden states)
+    chunk_bytes: Optional[int] = None  # fused: logit workspace budget in bytes (None: the kernel's default)
+    low_memory: bool = False  # fused: no fp32 V x H weight-grad accumulator, for a fourth GEMM
 
     def __post_init__(self):
         _require(self.chunk_bytes is None or self.chunk_bytes > 0, "loss.chunk_bytes",

@@ -136,6 +136,7 @@ def _block_bytes(cfg: ModelConfig, tokens: int, seq_len: int, r: int, a: int, st
 
 def predict(model_cfg: ModelConfig, precision_cfg: PrecisionConfig, ckpt_cfg: CheckpointingConfig,
             micro_batch: int, seq_len: int, loss_impl: str, chunk_bytes: int | None, grad_accum: int = 1,
+            loss_low_memory: bool = False,
             world_size: int = 1, sharded: bool = False, device: str = "cuda",
             optimizer_impl: str = "fused") -> MemoryEstimate:
     """Predicted memory of one training step. `loss_impl`, `optimizer_impl` as resolved for the device
@@ -176,14 +177,18 @@ def predict(model_cfg: ModelConfig, precision_cfg: PrecisionConfig, ckpt_cfg: Ch
     # The loss, beyond the activations: ln_f's output (hidden, param dtype) and the loss's own tensors.
     hidden = N * C * p + (N * C * a if a != p else 0)  # + its autocast copy
     if loss_impl == "fused":
-        from .ops.cross_entropy import block_columns
+        from .ops.cross_entropy import DEFAULT_CHUNK_BYTES, fitting
 
-        # Both gradients are made in forward and kept for backward, which scales them in place; pass A
-        # borrows grad_weight's storage, pass B one workspace (default: as large as hidden).
+        # Both gradients are made in forward and kept for backward, which scales them in place.
         saved = N * C * a + V * C * p
-        cols = min(V, block_columns(chunk_bytes or N * C * a, N, precision_cfg.compute_dtype.torch))
-        # workspace, row losses and log-sum-exps, and under autocast the weight's cast and a block's result
-        forward = N * cols * a + N * 8 + ((V + cols) * C * a if a != p else 0)
+        compute = precision_cfg.compute_dtype.torch
+        cast = V * C * a if a != p else 0  # the weight's autocast copy
+        if loss_low_memory:  # row chunks borrow grad_weight's storage; vocab blocks of all N rows
+            cols = min(V, fitting(chunk_bytes or N * C * a, N, compute))
+            forward = N * cols * a + N * 8 + cast + (cols * C * a if a != p else 0)
+        else:  # row chunks beside the fp32 accumulator
+            rows = min(N, fitting(chunk_bytes or DEFAULT_CHUNK_BYTES, V, compute))
+            forward = rows * V * a + N * 8 + cast + V * C * 4
         loss_workspace = hidden + saved + forward
     else:
         # F.cross_entropy on full logits: at log_softmax's backward, its fp32 output (saved), the incoming

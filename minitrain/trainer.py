@@ -72,8 +72,8 @@ def build_loss(cfg: Config, device: torch.device) -> LossFn:
 
     if loss_impl(cfg, device) == "torch":
         return linear_cross_entropy_reference
-    chunk_bytes = cfg.loss.chunk_bytes
-    return lambda h, w, y: fused_linear_cross_entropy(h, w, y, chunk_bytes=chunk_bytes)
+    chunk_bytes, low_memory = cfg.loss.chunk_bytes, cfg.loss.low_memory
+    return lambda h, w, y: fused_linear_cross_entropy(h, w, y, chunk_bytes=chunk_bytes, low_memory=low_memory)
 
 
 def build_optimizer(cfg: Config, model: GPT, device: torch.device, sharded: bool = False):
@@ -156,7 +156,8 @@ class Trainer:
         self.compute_loss = torch.compile(self._compute_loss) if t.compile else self._compute_loss
         self.memory_estimate = memory.predict(
             self.model_cfg, cfg.precision, cfg.checkpointing, self.micro_batch, self.model_cfg.block_size,
-            loss_impl(cfg, self.device), cfg.loss.chunk_bytes, grad_accum=t.grad_accum, world_size=world,
+            loss_impl(cfg, self.device), cfg.loss.chunk_bytes, loss_low_memory=cfg.loss.low_memory,
+            grad_accum=t.grad_accum, world_size=world,
             sharded=self.dist.sharded, device=self.device.type, optimizer_impl=optimizer_impl(cfg, self.device))
 
         self.config_dict = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True)

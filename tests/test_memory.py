@@ -93,10 +93,14 @@ def test_peak_of_whole_training_steps(loss_impl, precision, policy):
 
 def test_fused_loss_workspace_follows_chunk_bytes():
     cfg = small(vocab=4096)
-    N = 8 * T
     small_chunks, big_chunks = (predict(cfg, PRECISIONS["bf16"], POLICIES["none"], 8, T, "fused", c).loss_workspace
-                                for c in (N * 2 * 128, N * 2 * 256))
-    assert big_chunks - small_chunks == (256 - 128) * N * 2  # the (tokens, vocab columns) bf16 workspace
+                                for c in (4096 * 2 * 128, 4096 * 2 * 256))
+    assert big_chunks - small_chunks == (256 - 128) * 4096 * 2  # the (rows, vocab) bf16 workspace
+    N, C = 8 * T, cfg.n_embd
+    small_blocks, big_blocks = (predict(cfg, PRECISIONS["bf16"], POLICIES["none"], 8, T, "fused", c,
+                                        loss_low_memory=True).loss_workspace for c in (N * 2 * 128, N * 2 * 256))
+    assert big_blocks - small_blocks == (256 - 128) * N * 2  # the (tokens, vocab columns) bf16 workspace
+    assert big_chunks - big_blocks > 4096 * C * 4  # low_memory drops the fp32 V x C accumulator
 
 
 def test_gpt2_124m_none_vs_full_and_sharding():

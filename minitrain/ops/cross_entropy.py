@@ -1,34 +1,41 @@
 """Fused linear cross-entropy: the LM head's logits never exist in full.
 
 The logits of one batch (tokens x vocab) are the largest activation of a GPT
-and are used once. Here the loss and both gradients come out of two passes
-over the logits, each holding only a slice of them:
+and are used once. Here they only ever exist one slice at a time, in a
+workspace whose size comes from a byte budget (`chunk_bytes`):
 
-    pass A, row chunks (all V columns):
-        chunk  = h[rows] @ W.T           cuBLAS, in grad_W's storage, not yet written
-        loss, lse of the rows; chunk <- dloss/dlogits          Triton, fp32 math
-        grad_h[rows] = chunk @ W         cuBLAS, one GEMM over all of V
-    pass B, vocab blocks (all N rows):
-        block  = h @ W[cols].T           cuBLAS, the workspace
-        block <- dloss/dlogits from lse  Triton, fp32 math
-        grad_W[cols] = block.T @ h       cuBLAS, one GEMM over all N rows
+    row chunks (all V columns):
+        chunk  = h[rows] @ W.T                     cuBLAS
+        loss, lse of the rows; chunk <- dloss/dlogits        Triton, fp32 math
+        grad_h[rows] = chunk @ W                   cuBLAS, one GEMM over all of V
+        default:     acc_W += chunk.T @ h[rows]    cuBLAS, into an fp32 V x H accumulator
 
-Every gradient element is one GEMM's fp32 accumulation, rounded once: no
-accumulation across chunks, hence no V x H fp32 accumulator. The price is
-a fourth GEMM (pass B recomputes the logits), the gain is memory: beyond the
-two gradients the loss holds one workspace, by default as large as `hidden`.
+    low_memory: no accumulator; then vocab blocks (all N rows):
+        block  = h @ W[cols].T                     cuBLAS (the logits again)
+        block <- dloss/dlogits from lse            Triton, fp32 math
+        grad_W[cols] = block.T @ h                 cuBLAS, one GEMM over all N rows
+
+The weight gradient sums over every row. Summing chunk by chunk in bf16
+would round at every chunk, so the default keeps an fp32 accumulator (4 V H
+bytes) and rounds once. low_memory rounds once too, without that state: each
+block of grad_W is one GEMM whose fp32 accumulation covers all N rows. It
+pays a fourth GEMM (the logits are recomputed) and gains the memory of the
+accumulator, and the row chunks borrow grad_W's own storage before pass B
+writes it: beyond the two gradients it holds one workspace, by default as
+large as `hidden`. Measured trade-off: docs/benchmarks.md.
 
 The gradients are computed in the forward pass; backward scales them by
 grad_output in place. Everything stays on the device: the mean's 1/n_valid is
 a tensor, no host sync. reduction="none" is the exception: a per-row
 grad_output cannot be applied to grad_W after the sum over rows, so its
-backward reruns both passes with the rows pre-scaled.
+backward reruns the passes with the rows pre-scaled.
 
 Ignored rows cost their share of the matmuls (dropping them without knowing
 their count on the host would need a sync) but skip the softmax passes and
 contribute exact zeros.
 """
 
+import functools
 import math
 import os
 
@@ -37,27 +44,60 @@ from torch import Tensor
 
 from minitrain.ops.cross_entropy_triton import cross_entropy_rows, logit_grad_block
 
+DEFAULT_CHUNK_BYTES = 256 * 2**20
+"""Row-chunk workspace of the default schedule (2560 rows at V=50304 bf16): every chunk also reads
+and writes the fp32 accumulator, so fewer, larger chunks are faster (docs/benchmarks.md)."""
+
 _REDUCTIONS = ("mean", "sum", "none")
 
 
-def block_columns(chunk_bytes: int, rows: int, dtype: torch.dtype) -> int:
-    """Vocab columns per pass-B block so that a (rows, columns) workspace fits the byte budget.
+def default_chunk_bytes(hidden: Tensor, low_memory: bool) -> int:
+    """low_memory: as large as `hidden`, so pass B's blocks have H columns, wide enough for the GEMMs
+    to be compute-bound; else DEFAULT_CHUNK_BYTES."""
+    return hidden.numel() * hidden.element_size() if low_memory else DEFAULT_CHUNK_BYTES
 
-    Rounded down to a multiple of 128 when possible so every block's GEMM tiles evenly.
+
+def fitting(chunk_bytes: int, length: int, dtype: torch.dtype) -> int:
+    """Rows (or columns) of `length` elements that fit the byte budget, at least one.
+
+    Rounded down to a multiple of 128 when possible so every chunk's GEMM tiles evenly.
     """
-    cols = max(1, chunk_bytes // (rows * dtype.itemsize))
-    return cols - cols % 128 if cols >= 128 else cols
-
-
-def default_chunk_bytes(hidden: Tensor) -> int:
-    """As large as `hidden` itself: pass B's GEMMs then have H columns, wide enough to be compute-bound."""
-    return hidden.numel() * hidden.element_size()
+    count = max(1, chunk_bytes // (length * dtype.itemsize))
+    return count - count % 128 if count >= 128 else count
 
 
 def _weight_grad_alpha(n: int, dtype: torch.dtype) -> float:
-    """Factor pass B's GEMM folds into grad_W: a power of two >= 1/n for fp16, whose range cannot hold
-    an unscaled sum over n rows; 1 otherwise. Exact, and undone in backward."""
+    """Factor folded into grad_W before it is rounded to the input dtype: a power of two >= 1/n for
+    fp16, whose range cannot hold an unscaled sum over n rows; 1 otherwise. Exact, undone in backward."""
     return 2.0 ** -math.ceil(math.log2(n)) if dtype == torch.float16 and n > 1 else 1.0
+
+
+@functools.cache
+def _addmm_has_fp32_out(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether addmm can add low-precision products straight into an fp32 tensor.
+
+    `addmm(out_dtype=float32)` is a CUDA-only overload (torch >= 2.8), and some
+    versions still insist that `self` has the inputs' dtype; probe once.
+    """
+    acc = torch.zeros(2, 2, device=device_type)
+    a = torch.ones(2, 2, device=device_type, dtype=dtype)
+    try:
+        torch.addmm(acc, a, a, out_dtype=torch.float32, out=acc)
+    except (RuntimeError, TypeError):
+        return False
+    return True
+
+
+def _accumulate_fp32(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """acc += a @ b with acc fp32, without an fp32 temporary of acc's size."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif _addmm_has_fp32_out(acc.device.type, a.dtype):
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        # CPU / older torch: fp32 copies of the chunk operands (workspace-sized,
+        # not V x H) and an fp32 GEMM; slower, equally exact.
+        acc.addmm_(a.float(), b.float())
 
 
 def _matmul_into(out: Tensor, a: Tensor, b: Tensor, alpha: float) -> None:
@@ -71,22 +111,25 @@ def _matmul_into(out: Tensor, a: Tensor, b: Tensor, alpha: float) -> None:
 
 
 def _loss_and_grads(hidden, weight, targets, grad_scale, ignore_index, label_smoothing, z_loss, chunk_bytes,
-                    grads):
+                    grads, low_memory):
     """Per-row losses (fp32) and, if `grads`, grad_hidden and alpha * grad_weight times `grad_scale`."""
     n, (vocab, _) = hidden.shape[0], weight.shape
-    w = weight.to(hidden.dtype)
+    dtype = hidden.dtype
+    w = weight.to(dtype)
     losses = torch.empty(n, device=hidden.device, dtype=torch.float32)
     lse = torch.empty_like(losses)
     softmax_args = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss)
-    grad_hidden = grad_weight = None
+    grad_hidden = grad_weight = accumulator = None
     if grads:
         grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.empty(weight.shape, device=weight.device, dtype=weight.dtype)
-    # Pass A's chunks borrow grad_weight's storage (free until pass B) when it holds one row or more.
-    if grads and grad_weight.element_size() >= hidden.element_size():
-        scratch = grad_weight.view(-1).view(hidden.dtype)
+        grad_weight = torch.empty_like(weight)
+        alpha = _weight_grad_alpha(n, dtype)
+        if not low_memory:
+            accumulator = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32)
+    if grads and low_memory and grad_weight.element_size() >= hidden.element_size():
+        scratch = grad_weight.view(-1).view(dtype)  # free until pass B writes it: >= H rows
     else:
-        scratch = hidden.new_empty(min(n, chunk_bytes // (vocab * hidden.element_size()) or 1) * vocab)
+        scratch = hidden.new_empty(min(n, fitting(chunk_bytes, vocab, dtype)) * vocab)
     rows = min(n, scratch.numel() // vocab)
     with torch.autocast(hidden.device.type, enabled=False):
         for start in range(0, n, rows):
@@ -98,9 +141,16 @@ def _loss_and_grads(hidden, weight, targets, grad_scale, ignore_index, label_smo
                                **softmax_args)
             if grads:
                 torch.mm(logits, w, out=grad_hidden[chunk])
-        if grads:
-            alpha = _weight_grad_alpha(n, hidden.dtype)
-            cols = min(vocab, block_columns(chunk_bytes, n, hidden.dtype))
+            if accumulator is not None:
+                _accumulate_fp32(accumulator, logits.T, hidden[chunk])
+        del scratch
+        if accumulator is not None:
+            # Rounded once into weight's dtype; row slices keep the fp32 temporary of a mixed-dtype
+            # `out=` chunk-sized.
+            for start in range(0, vocab, rows):
+                torch.mul(accumulator[start:start + rows], alpha, out=grad_weight[start:start + rows])
+        elif grads:
+            cols = min(vocab, fitting(chunk_bytes, n, dtype))
             workspace = hidden.new_empty(n * cols)
             for col0 in range(0, vocab, cols):
                 block_cols = slice(col0, min(col0 + cols, vocab))
@@ -118,14 +168,16 @@ def _reduction_scale(targets: Tensor, ignore_index: int, reduction: str) -> Tens
     return torch.ones((), device=targets.device)
 
 
-def _scale_in_forward(dtype: torch.dtype) -> bool:
-    """Whether the mean's 1/n_valid goes into the logit gradient in forward.
+def _headroom(dtype: torch.dtype) -> float:
+    """Power of two the gradients carry from forward until backward divides it out (exactly).
 
-    It saves grad_hidden a second rounding (bf16 is then exactly as close to the
-    truth as naive autograd), but fp16's range cannot hold softmax/n_valid
-    (1e-9 at GPT-2 scale): there it waits for backward and the loss scale.
+    The mean's 1/n_valid goes into the logit gradient in forward, so grad_hidden
+    is rounded as often as naive autograd rounds it. fp16's range cannot hold
+    softmax/n_valid (1e-9 at GPT-2 scale), so there the gradients are kept
+    2^14 times larger, as a loss scale would (and still below fp16's max:
+    |d loss/d logits| <= 2 per row).
     """
-    return dtype != torch.float16
+    return 2.0**14 if dtype == torch.float16 else 1.0
 
 
 @torch.library.custom_op("minitrain::linear_cross_entropy", mutates_args=())
@@ -138,14 +190,15 @@ def _linear_cross_entropy(
     label_smoothing: float,
     z_loss: float,
     chunk_bytes: int,
+    low_memory: bool,
     grads: bool,
 ) -> tuple[Tensor, Tensor, Tensor]:
     """Returns (loss, grad_hidden, grad_weight); grads lack grad_output and are empty unless computed."""
     grads = grads and reduction != "none"
     scale = _reduction_scale(targets, ignore_index, reduction)
-    grad_scale = scale if _scale_in_forward(hidden.dtype) else torch.ones_like(scale)
+    grad_scale = scale * _headroom(hidden.dtype)
     losses, grad_hidden, grad_weight = _loss_and_grads(
-        hidden, weight, targets, grad_scale, ignore_index, label_smoothing, z_loss, chunk_bytes, grads
+        hidden, weight, targets, grad_scale, ignore_index, label_smoothing, z_loss, chunk_bytes, grads, low_memory
     )
     if reduction != "none":
         losses = losses.sum() * scale
@@ -155,7 +208,7 @@ def _linear_cross_entropy(
 
 
 @_linear_cross_entropy.register_fake
-def _(hidden, weight, targets, ignore_index, reduction, label_smoothing, z_loss, chunk_bytes, grads):
+def _(hidden, weight, targets, ignore_index, reduction, label_smoothing, z_loss, chunk_bytes, low_memory, grads):
     grads = grads and reduction != "none"
     loss = hidden.new_empty(hidden.shape[:1] if reduction == "none" else (), dtype=torch.float32)
     if not grads:
@@ -173,53 +226,53 @@ def _linear_cross_entropy_backward(
     label_smoothing: float,
     z_loss: float,
     chunk_bytes: int,
+    low_memory: bool,
 ) -> tuple[Tensor, Tensor]:
     """reduction="none" backward: both passes again, each gradient row scaled by `grad_scale`."""
     _, grad_hidden, grad_weight = _loss_and_grads(
-        hidden, weight, targets, grad_scale, ignore_index, label_smoothing, z_loss, chunk_bytes, True
+        hidden, weight, targets, grad_scale, ignore_index, label_smoothing, z_loss, chunk_bytes, True, low_memory
     )
     return grad_hidden, grad_weight
 
 
 @_linear_cross_entropy_backward.register_fake
-def _(hidden, weight, targets, grad_scale, ignore_index, label_smoothing, z_loss, chunk_bytes):
+def _(hidden, weight, targets, grad_scale, ignore_index, label_smoothing, z_loss, chunk_bytes, low_memory):
     return torch.empty_like(hidden), torch.empty_like(weight)
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, targets, ignore_index, reduction, label_smoothing, z_loss, chunk_bytes, _ = inputs
+    hidden, weight, targets, ignore_index, reduction, label_smoothing, z_loss, chunk_bytes, low_memory, _ = inputs
     _, grad_hidden, grad_weight = output
     ctx.mark_non_differentiable(grad_hidden, grad_weight)
     ctx.set_materialize_grads(False)  # else autograd hands backward zeros as large as those two outputs
     # mean/sum keep only the finished gradients; "none" needs the inputs to rerun both passes.
     ctx.save_for_backward(*(hidden, weight) if reduction == "none" else (grad_hidden, grad_weight), targets)
-    ctx.args = (ignore_index, reduction, label_smoothing, z_loss, chunk_bytes)
+    ctx.args = (ignore_index, reduction, label_smoothing, z_loss, chunk_bytes, low_memory)
 
 
 def _backward(ctx, grad_loss, _grad_hidden, _grad_weight):
     first, second, targets = ctx.saved_tensors
-    ignore_index, reduction, label_smoothing, z_loss, chunk_bytes = ctx.args
+    ignore_index, reduction, label_smoothing, z_loss, chunk_bytes, low_memory = ctx.args
     if reduction == "none":
         # Rows are scaled by grad/max|grad| (so |scale| <= 1 and an fp16 workspace
         # cannot overflow under a loss scale); max|grad| is applied below.
         scale = grad_loss.abs().amax().float().clamp_min(torch.finfo(torch.float32).tiny)
         grad_hidden, grad_weight = _linear_cross_entropy_backward(
-            first, second, targets, grad_loss.float() / scale, ignore_index, label_smoothing, z_loss, chunk_bytes
+            first, second, targets, grad_loss.float() / scale, ignore_index, label_smoothing, z_loss, chunk_bytes,
+            low_memory,
         )
         dtype = first.dtype
     else:
         grad_hidden, grad_weight = first, second
         dtype = grad_hidden.dtype
-        scale = grad_loss.float()
-        if not _scale_in_forward(dtype):
-            scale = scale * _reduction_scale(targets, ignore_index, reduction)
+        scale = grad_loss.float() / _headroom(dtype)
         if torch.compiler.is_compiling():
             # Traced: the compiler plans the buffers, and an in-place op on saved tensors would be copied.
             grad_hidden, grad_weight = grad_hidden.clone(), grad_weight.clone()
         # Eager scales the saved gradients in place: a second backward (retain_graph) then fails
         # autograd's version check instead of scaling twice.
     weight_scale = scale / _weight_grad_alpha(grad_hidden.shape[0], dtype)
-    return (grad_hidden.mul_(scale), grad_weight.mul_(weight_scale), None, None, None, None, None, None, None)
+    return (grad_hidden.mul_(scale), grad_weight.mul_(weight_scale), *[None] * 8)
 
 
 _linear_cross_entropy.register_autograd(_backward, setup_context=_setup_context)
@@ -242,14 +295,15 @@ def fused_linear_cross_entropy(
     label_smoothing: float = 0.0,
     z_loss: float = 0.0,
     chunk_bytes: int | None = None,
+    low_memory: bool = False,
 ) -> Tensor:
     """cross_entropy(hidden @ weight.T, targets) + z_loss * logsumexp^2, logits never materialised.
 
     hidden (N, H), weight (V, H), targets (N,) int64. Matmuls run in hidden's
     dtype (the autocast dtype under autocast); softmax math is fp32; the weight
-    gradient is accumulated in fp32 (one GEMM per vocab block) and returned in
-    weight's dtype. `chunk_bytes` bounds the logit workspace (default: the size
-    of `hidden`).
+    gradient is accumulated in fp32 and returned in weight's dtype. `chunk_bytes`
+    bounds the logit workspace; `low_memory` trades a fourth GEMM for the fp32
+    V x H accumulator (see the module docstring).
     """
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
@@ -266,7 +320,8 @@ def fused_linear_cross_entropy(
         reduction,
         float(label_smoothing),
         float(z_loss),
-        chunk_bytes or default_chunk_bytes(hidden),
+        chunk_bytes or default_chunk_bytes(hidden, low_memory),
+        low_memory,
         grads,
     )
     return loss
