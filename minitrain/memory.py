@@ -2,12 +2,14 @@
 
     peak = weights + grads + fp32 masters + Adam m, v            the 16-18 B/param floor (persistent)
          + activations saved for backward by the policy          the term checkpointing controls
-         + max(loss workspace, block-backward transient, optimizer transient)
+         + max(loss workspace - grads, block-backward transient, optimizer transient)
+
+(grads exist from the first backward to zero_grad: with one micro-batch, none at the loss's forward.)
 
 It is a model of eager PyTorch as this repo runs it, op by op; every byte count below names the op that
 holds it. Assumptions, checked by tests/test_memory.py on CPU and by the GPU sweep on the H200:
-  - the optimizer is minitrain.optim.FusedAdamW: grads live in its flat buffers for the whole run (so
-    they count during forward too), every tensor padded to ALIGN elements, one bucket per dtype;
+  - the optimizer is minitrain.optim.FusedAdamW: grads live in its flat buffers from prepare_grads
+    (before backward) to zero_grad, every tensor padded to ALIGN elements, one bucket per dtype;
   - no torch.compile: Inductor's partitioner chooses its own saved set (usually smaller);
   - SDPA runs a fused kernel (CUDA flash/efficient, CPU flash) that saves q, k, v, the output and an
     fp32 logsumexp; only CPU with attention dropout takes the math path, which saves T x T matrices;
@@ -141,7 +143,7 @@ def predict(model_cfg: ModelConfig, precision_cfg: PrecisionConfig, ckpt_cfg: Ch
             optimizer_impl: str = "fused") -> MemoryEstimate:
     """Predicted memory of one training step. `loss_impl`, `optimizer_impl` as resolved for the device
     (fused | torch; fused | foreach | loop). `sharded`: FSDP, the persistent state divided by `world_size`.
-    grad_accum does not change the peak: grads are persistent, activations are per micro-batch."""
+    grad_accum > 1 adds the grads to the loss's forward moment (micro-batches after the first)."""
     p = _BYTES[precision_cfg.param_dtype]
     a = _BYTES[precision_cfg.compute_dtype]
     autocast = precision_cfg.autocast_dtype is not None
@@ -180,15 +182,16 @@ def predict(model_cfg: ModelConfig, precision_cfg: PrecisionConfig, ckpt_cfg: Ch
         from .ops.cross_entropy import DEFAULT_CHUNK_BYTES, fitting
 
         # Both gradients are made in forward and kept for backward, which scales them in place.
-        saved = N * C * a + V * C * p
         compute = precision_cfg.compute_dtype.torch
         cast = V * C * a if a != p else 0  # the weight's autocast copy
         if loss_low_memory:  # row chunks borrow grad_weight's storage; vocab blocks of all N rows
             cols = min(V, fitting(chunk_bytes or N * C * a, N, compute))
+            saved = N * C * a + V * C * p
             forward = N * cols * a + N * 8 + cast + (cols * C * a if a != p else 0)
-        else:  # row chunks beside the fp32 accumulator
+        else:  # row chunks beside the fp32 accumulator; grad_weight made after the workspace is gone
             rows = min(N, fitting(chunk_bytes or DEFAULT_CHUNK_BYTES, V, compute))
-            forward = rows * V * a + N * 8 + cast + V * C * 4
+            saved = N * C * a + V * C * 4
+            forward = max(rows * V * a, V * C * p) + N * 8 + cast
         loss_workspace = hidden + saved + forward
     else:
         # F.cross_entropy on full logits: at log_softmax's backward, its fp32 output (saved), the incoming
@@ -211,8 +214,9 @@ def predict(model_cfg: ModelConfig, precision_cfg: PrecisionConfig, ckpt_cfg: Ch
         low_no_master = 4 * padded if p != 4 and not precision_cfg.master_weights else 0
         optimizer_transient = upcast + low_no_master + 8 * largest
 
+    grads_in_forward = grads if grad_accum > 1 else 0
     peak = weights + grads + masters + adam_m + adam_v + max(
-        activations + max(loss_workspace, backward_transient), optimizer_transient)
+        activations + max(loss_workspace - grads + grads_in_forward, backward_transient), optimizer_transient)
     return MemoryEstimate(n_params, weights, grads, masters, adam_m, adam_v, per_layer, other, activations,
                           loss_workspace, backward_transient, optimizer_transient, peak, notes)
 

@@ -317,3 +317,28 @@ def test_compute_copy_rounds_ties_to_even(impl):
     opt.step()  # lr 0: the master stays, the kernel writes its rounding into the compute copy
     assert torch.equal(state(opt, 0, "master"), ties)
     assert torch.equal(p.detach().view(torch.int16), ties.bfloat16().view(torch.int16))
+
+
+@pytest.mark.parametrize("impl", ["foreach", "fused"])
+def test_zero_grad_frees_the_buffer_and_backward_without_prepare_still_lands(impl):
+    """set_to_none frees the flat grad buffer (no grads during forward); a backward with or without
+    prepare_grads() then steps exactly like torch's AdamW."""
+    torch.manual_seed(3)
+    init = [torch.randn(s) for s in SHAPES]
+    ps, ref = params_like(init, torch.float32), params_like(init, torch.float32)
+    opt = FusedAdamW(two_groups(ps), max_grad_norm=None, impl=impl, **HP)
+    torch_opt = torch.optim.AdamW(two_groups(ref), **HP)
+    for step in range(3):
+        opt.zero_grad(set_to_none=True)
+        torch_opt.zero_grad(set_to_none=True)
+        assert all(b.grad is None for b in opt.buckets) and all(p.grad is None for p in ps)
+        if step == 1:
+            opt.prepare_grads()
+        xs = [torch.randn(s) for s in SHAPES]
+        for params in (ps, ref):
+            sum((p * x).square().sum() for p, x in zip(params, xs)).backward()
+        assert all(p.grad is g for b in opt.buckets for p, g in zip(b.owners, b.grads))
+        opt.step()
+        torch_opt.step()
+    for p, r in zip(ps, ref):
+        torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-5, atol=1e-6)

@@ -122,9 +122,10 @@ def _loss_and_grads(hidden, weight, targets, grad_scale, ignore_index, label_smo
     grad_hidden = grad_weight = accumulator = None
     if grads:
         grad_hidden = torch.empty_like(hidden)
-        grad_weight = torch.empty_like(weight)
         alpha = _weight_grad_alpha(n, dtype)
-        if not low_memory:
+        if low_memory:
+            grad_weight = torch.empty_like(weight)
+        else:
             accumulator = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32)
     if grads and low_memory and grad_weight.element_size() >= hidden.element_size():
         scratch = grad_weight.view(-1).view(dtype)  # free until pass B writes it: >= H rows
@@ -145,8 +146,9 @@ def _loss_and_grads(hidden, weight, targets, grad_scale, ignore_index, label_smo
                 _accumulate_fp32(accumulator, logits.T, hidden[chunk])
         del scratch
         if accumulator is not None:
-            # Rounded once into weight's dtype; row slices keep the fp32 temporary of a mixed-dtype
-            # `out=` chunk-sized.
+            # Rounded once into weight's dtype (made now, not beside the workspace); row slices keep
+            # the fp32 temporary of a mixed-dtype `out=` chunk-sized.
+            grad_weight = torch.empty_like(weight)
             for start in range(0, vocab, rows):
                 torch.mul(accumulator[start:start + rows], alpha, out=grad_weight[start:start + rows])
         elif grads:

@@ -12,11 +12,13 @@ Memory layout, shared by all three: per parameter dtype, a bucket of flat buffer
 optimizer -- gradients, fp32 masters (low-precision params only), m and v -- with each parameter
 a view at an ALIGN-aligned offset. The model's parameters stay where the model put them.
 
-Gradients live in the flat buffer for the optimizer's whole life (p.grad is a view of it, or,
-with grad_dtype=fp32, a hook accumulates into an fp32 view and frees p.grad). Its address never
-changes, so the fused kernels' tables are built once and a step touches no per-tensor Python.
-The price: zero_grad is a memset instead of a free, so gradients occupy memory during forward
-too, and the first micro-batch accumulates (`grad += new`) instead of stealing the new tensor.
+Gradients live in a flat buffer too (p.grad is a view of it, or, with grad_dtype=fp32, a hook
+accumulates into an fp32 view and frees p.grad). The fused kernels' tables hold offsets into it,
+not addresses, so the buffer can come and go: zero_grad(set_to_none=True) frees it, which keeps
+2 B/param out of the forward pass (where a step's memory peaks), and prepare_grads(), called
+before backward, makes a zeroed one and points every p.grad at its view again (DDP and FSDP2 then
+find the grads they add into). A gradient that arrives with no buffer (backward without
+prepare_grads) makes one and is copied in.
 
 Under FSDP2 the parameters are DTensors sharded across ranks: every buffer above is built over
 their local shards (the ZeRO-3 layout: each rank updates 1/N of the model), p.grad is a DTensor
@@ -64,43 +66,55 @@ class _Bucket:
             self.offsets.append(n)
             n += -(-p.numel() // ALIGN) * ALIGN
         dev = self.params[0].device
-        self.grad = torch.zeros(n, dtype=grad_dtype, device=dev)
+        self.size, self.grad_dtype = n, grad_dtype
         self.exp_avg = torch.zeros(n, dtype=torch.float32, device=dev)
         self.exp_avg_sq = torch.zeros(n, dtype=torch.float32, device=dev)
         self.master = torch.zeros(n, dtype=torch.float32, device=dev) if has_master else None
-        self.grads = self.views(self.grad)
         self.exp_avgs, self.exp_avg_sqs = self.views(self.exp_avg), self.views(self.exp_avg_sq)
         self.masters = self.views(self.master) if has_master else None
         if has_master:
             torch._foreach_copy_(self.masters, [p.detach() for p in self.params])
-        for p, g in zip(params, self.grads):
-            _own_grad(p, g)
+        self.owners = list(params)  # what p.grad is set on (DTensors under FSDP2)
+        self.grad = self.grads = None
+        self.prepare_grads()
+        for i, p in enumerate(self.owners):
+            p.register_post_accumulate_grad_hook(self._route_grad(i))
 
     def views(self, flat):
         return [flat[o:o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]
 
-
-def _own_grad(p, view):
-    """Route p's gradient into `view`, whatever else sets p.grad (model.zero_grad(), ...)."""
-    if isinstance(p, DTensor):  # FSDP2 adds into an existing grad's local tensor, or sets a new one
-        p.grad = _like(p, view)
-
-        def hook(p):
-            if p.grad._local_tensor is not view:
-                view.copy_(p.grad._local_tensor)
+    def prepare_grads(self):
+        """A zeroed flat grad buffer, with every p.grad a view of it (fp32 main grads: p.grad stays
+        None, the hook adds into the view); no-op while one exists."""
+        if self.grad is not None:
+            return
+        self.grad = torch.zeros(self.size, dtype=self.grad_dtype, device=self.exp_avg.device)
+        self.grads = self.views(self.grad)
+        for p, view in zip(self.owners, self.grads):
+            if view.dtype == p.dtype:
                 p.grad = _like(p, view)
-    elif view.dtype != p.dtype:  # fp32 main grad: accumulate, then free the low-precision grad
-        def hook(p):
-            view.add_(p.grad)
+
+    def release_grads(self):
+        self.grad = self.grads = None
+        for p in self.owners:
             p.grad = None
-    else:  # autograd accumulates in place into an existing p.grad
-        p.grad = view
+
+    def _route_grad(self, i):
+        """Post-accumulate hook of parameter i: land its gradient in view i, whatever else set p.grad
+        (model.zero_grad(), FSDP2 assigning a new sharded grad, backward without prepare_grads)."""
 
         def hook(p):
-            if p.grad is not view:
-                view.copy_(p.grad)
-                p.grad = view
-    p.register_post_accumulate_grad_hook(hook)
+            incoming = p.grad
+            self.prepare_grads()
+            view = self.grads[i]
+            if view.dtype != p.dtype:  # fp32 main grad: accumulate, then free the low-precision grad
+                view.add_(incoming)
+                p.grad = None
+            elif _local(incoming) is not view:
+                view.copy_(_local(incoming))
+                p.grad = _like(p, view)
+
+        return hook
 
 
 @dataclass
@@ -208,6 +222,7 @@ class FusedAdamW:
 
     @torch.no_grad()
     def step(self, scaler=None):
+        self.prepare_grads()  # no backward since zero_grad: zero grads, as torch's optimizers see them
         self._upload_hyper()
         if scaler is not None:
             scaler.to(self.device)
@@ -290,10 +305,18 @@ class FusedAdamW:
     # -- the rest of the optimizer interface ------------------------------------------------------
 
     def zero_grad(self, set_to_none=True):
-        """One memset per bucket. set_to_none is accepted for torch compatibility but the
-        buffer is kept: its fixed address is what lets the fused step skip per-tensor work."""
+        """set_to_none frees the grad buffers until prepare_grads() or the next gradient; else one
+        memset per bucket."""
         for b in self.buckets:
-            b.grad.zero_()
+            if set_to_none:
+                b.release_grads()
+            elif b.grad is not None:
+                b.grad.zero_()
+
+    def prepare_grads(self):
+        """Zeroed grad buffers, every p.grad a view of them: call before backward (the trainer does)."""
+        for b in self.buckets:
+            b.prepare_grads()
 
     def stats(self):
         """Live 0-d device tensors; read (or clone) them at log steps only."""
