@@ -234,6 +234,8 @@ class TrainerConfig:
     resume: str = "none"  # none | auto (latest checkpoint in out_dir) | a checkpoint path
     device: Device = Device.auto
     compile: bool = False
+    # torch.compile mode: default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
+    compile_mode: str = "default"
     # Peak FLOP/s of one device for MFU; None: looked up by GPU name and compute dtype.
     peak_flops: Optional[float] = None
 
@@ -248,6 +250,8 @@ class TrainerConfig:
                  f"must be in [0, trainer.max_steps={self.max_steps}], got {self.warmup_steps}")
         _require(self.sample_tokens >= 0, "trainer.sample_tokens", f"must be >= 0, got {self.sample_tokens}")
         _require(self.peak_flops is None or self.peak_flops > 0, "trainer.peak_flops", "must be > 0")
+        modes = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+        _require(self.compile_mode in modes, "trainer.compile_mode", f"one of {modes}, got {self.compile_mode!r}")
 
     def lr_at(self, step: int) -> float:
         """Linear warmup to `lr`, then cosine decay to `min_lr` at `max_steps`."""

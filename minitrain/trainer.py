@@ -153,7 +153,7 @@ class Trainer:
         self.train_batches = Batches(self.data.train, self.model_cfg.block_size, t.batch_size, t.seed, self.device)
         self.val_batches = Batches(self.data.val, self.model_cfg.block_size, self.micro_batch * world, t.seed + 1,
                                    self.device)
-        self.compute_loss = torch.compile(self._compute_loss) if t.compile else self._compute_loss
+        self.compute_loss = torch.compile(self._compute_loss, mode=t.compile_mode) if t.compile else self._compute_loss
         self.memory_estimate = memory.predict(
             self.model_cfg, cfg.precision, cfg.checkpointing, self.micro_batch, self.model_cfg.block_size,
             loss_impl(cfg, self.device), cfg.loss.chunk_bytes, loss_low_memory=cfg.loss.low_memory,

@@ -49,6 +49,7 @@ def test_bad_type_fails_naming_key(make_cfg, override, names):
     (["data.vocab_size=100"], "data.vocab_size"),
     (["data=files"], "data.paths"),
     (["loss.chunk_bytes=0"], "loss.chunk_bytes"),
+    (["trainer.compile_mode=fastest"], "trainer.compile_mode"),
 ])
 def test_bad_value_fails_naming_key(make_cfg, overrides, names):
     with pytest.raises(ConfigError, match=names.replace(".", r"\.")):

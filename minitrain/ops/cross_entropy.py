@@ -88,16 +88,18 @@ def _addmm_has_fp32_out(device_type: str, dtype: torch.dtype) -> bool:
     return True
 
 
-def _accumulate_fp32(acc: Tensor, a: Tensor, b: Tensor) -> None:
-    """acc += a @ b with acc fp32, without an fp32 temporary of acc's size."""
+def _accumulate_fp32(acc: Tensor, a: Tensor, b: Tensor, first: bool) -> None:
+    """acc += a @ b (acc = a @ b if `first`: no zero-fill, no read) with acc fp32, without an fp32
+    temporary of acc's size."""
+    beta = 0.0 if first else 1.0
     if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
+        acc.addmm_(a, b, beta=beta)
     elif _addmm_has_fp32_out(acc.device.type, a.dtype):
-        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+        torch.addmm(acc, a, b, beta=beta, out_dtype=torch.float32, out=acc)
     else:
         # CPU / older torch: fp32 copies of the chunk operands (workspace-sized,
         # not V x H) and an fp32 GEMM; slower, equally exact.
-        acc.addmm_(a.float(), b.float())
+        acc.addmm_(a.float(), b.float(), beta=beta)
 
 
 def _matmul_into(out: Tensor, a: Tensor, b: Tensor, alpha: float) -> None:
@@ -126,7 +128,7 @@ def _loss_and_grads(hidden, weight, targets, grad_scale, ignore_index, label_smo
         if low_memory:
             grad_weight = torch.empty_like(weight)
         else:
-            accumulator = torch.zeros(weight.shape, device=weight.device, dtype=torch.float32)
+            accumulator = torch.empty(weight.shape, device=weight.device, dtype=torch.float32)
     if grads and low_memory and grad_weight.element_size() >= hidden.element_size():
         scratch = grad_weight.view(-1).view(dtype)  # free until pass B writes it: >= H rows
     else:
@@ -143,14 +145,17 @@ def _loss_and_grads(hidden, weight, targets, grad_scale, ignore_index, label_smo
             if grads:
                 torch.mm(logits, w, out=grad_hidden[chunk])
             if accumulator is not None:
-                _accumulate_fp32(accumulator, logits.T, hidden[chunk])
+                _accumulate_fp32(accumulator, logits.T, hidden[chunk], first=start == 0)
         del scratch
         if accumulator is not None:
             # Rounded once into weight's dtype (made now, not beside the workspace); row slices keep
-            # the fp32 temporary of a mixed-dtype `out=` chunk-sized.
+            # the fp32 temporary of a mixed-dtype `out=` mul chunk-sized (copy_ casts without one).
             grad_weight = torch.empty_like(weight)
-            for start in range(0, vocab, rows):
-                torch.mul(accumulator[start:start + rows], alpha, out=grad_weight[start:start + rows])
+            if alpha == 1.0:
+                grad_weight.copy_(accumulator)
+            else:
+                for start in range(0, vocab, rows):
+                    torch.mul(accumulator[start:start + rows], alpha, out=grad_weight[start:start + rows])
         elif grads:
             cols = min(vocab, fitting(chunk_bytes, n, dtype))
             workspace = hidden.new_empty(n * cols)
