@@ -66,8 +66,10 @@ def find_checkpoint(resume: str, out_dir: Path, sharded: bool = False) -> Option
     if resume == "none":
         return None
     if resume == "auto":
-        path = checkpoint_dir(out_dir) / name
-        return path if path.exists() else None
+        # A sharded save swaps directories in two renames (latest -> latest.old, latest.tmp -> latest);
+        # a crash between them leaves the previous checkpoint, complete, as latest.old.
+        candidates = (name, name + ".old") if sharded else (name,)
+        return next((checkpoint_dir(out_dir) / c for c in candidates if (checkpoint_dir(out_dir) / c).exists()), None)
     path = Path(resume).expanduser()
     if path.is_dir() and not (path / ".metadata").exists():
         path = checkpoint_dir(path) / name if (checkpoint_dir(path) / name).exists() else path / name

@@ -179,3 +179,14 @@ def test_train_step_never_syncs_with_the_host(make_cfg, precision):
 def test_vocab_larger_than_the_model_fails_naming_both(make_cfg):
     with pytest.raises(ConfigError, match=r"model\.vocab_size=512 is smaller than the tokenizer's vocabulary \(4096"):
         Trainer(make_cfg("model.vocab_size=512"), progress=False)
+
+
+def test_auto_resume_finds_a_sharded_checkpoint_left_mid_swap(tmp_path):
+    """A crash between save_sharded's two renames leaves only latest.old: resume=auto takes it."""
+    ckpts = resume.checkpoint_dir(tmp_path)
+    assert resume.find_checkpoint("auto", tmp_path, sharded=True) is None
+    (ckpts / "latest.old").mkdir(parents=True)
+    assert resume.find_checkpoint("auto", tmp_path, sharded=True) == ckpts / "latest.old"
+    (ckpts / "latest").mkdir()
+    assert resume.find_checkpoint("auto", tmp_path, sharded=True) == ckpts / "latest"
+    assert resume.find_checkpoint("auto", tmp_path) is None  # single-process: latest.pt only
