@@ -8,8 +8,9 @@
 
 It is a model of eager PyTorch as this repo runs it, op by op; every byte count below names the op that
 holds it. Assumptions, checked by tests/test_memory.py on CPU and by the GPU sweep on the H200:
-  - the optimizer is minitrain.optim.FusedAdamW: grads live in its flat buffers from prepare_grads
-    (before backward) to zero_grad, every tensor padded to ALIGN elements, one bucket per dtype;
+  - the optimizer is minitrain.optim.FusedAdamW: grads are autograd's tensors from backward to
+    zero_grad, gathered into a flat buffer (every tensor padded to ALIGN elements, one bucket per
+    dtype) for the step; fp32 main grads live in that buffer from the first backward;
   - no torch.compile: Inductor's partitioner chooses its own saved set (usually smaller);
   - SDPA runs a fused kernel (CUDA flash/efficient, CPU flash) that saves q, k, v, the output and an
     fp32 logsumexp; only CPU with attention dropout takes the math path, which saves T x T matrices;
@@ -204,15 +205,18 @@ def predict(model_cfg: ModelConfig, precision_cfg: PrecisionConfig, ckpt_cfg: Ch
     recompute = {"recomputed": block["kept"], "selective": N * (C * p + 6 * C * a + 4 * stats), "kept": 0}[kinds[-1]]
     backward_transient = N * C * p + 8 * N * C * a + recompute + V * C * p
 
-    # Optimizer step temporaries (torch paths): fp32 grad copies, sqrt(v) and the update per group.
+    # Optimizer step temporaries. FusedAdamW gathers autograd's grads into its flat buffer, so both
+    # exist during the step (not with fp32 main grads: hooks add those into the buffer as they come).
+    # Its torch paths add fp32 grad copies, sqrt(v) and the update per group.
+    gathered = grads if optimizer_impl != "torch" and g == p else 0
     if optimizer_impl == "fused":
-        optimizer_transient = 0
+        optimizer_transient = gathered
     else:
         largest = max(sum(_padded(n) for n in numels) if optimizer_impl == "foreach" else max(numels)
                       for numels, _ in groups)
         upcast = 4 * padded if g != 4 else 0
         low_no_master = 4 * padded if p != 4 and not precision_cfg.master_weights else 0
-        optimizer_transient = upcast + low_no_master + 8 * largest
+        optimizer_transient = gathered + upcast + low_no_master + 8 * largest
 
     grads_in_forward = grads if grad_accum > 1 else 0
     peak = weights + grads + masters + adam_m + adam_v + max(

@@ -191,7 +191,6 @@ class Trainer:
             x, y = self.train_batches.get(step, rank * accum + micro, world * accum)
             with distributed.grad_sync(self.loss_module, sync=micro == accum - 1):
                 loss = self.compute_loss(x, y)
-                self.optimizer.prepare_grads()  # grad buffers exist from here to zero_grad, not in forward
                 scaled = loss / accum
                 (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             total += loss.detach().float()

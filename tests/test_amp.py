@@ -39,7 +39,7 @@ def test_trajectory_matches_grad_scaler(impl, init_scale, growth):
         g = torch.randn(5)
         if bad:
             g[torch.randint(5, ()).item()] = float("inf") if torch.rand(()) < 0.5 else float("nan")
-        p.grad.copy_(g)
+        p.grad = g.clone()
         q.grad = g.clone()
         opt.step(scaler=ours)
         theirs.scale(torch.tensor(1.0))  # GradScaler creates its state lazily here

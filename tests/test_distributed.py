@@ -58,7 +58,9 @@ def run_job(trainer, job):
 
         def poisoned_step(scaler=None):
             if trainer.step == job["overflow_at"] and trainer.dist.rank == 1:
-                trainer.optimizer.buckets[0].grad[0] = float("inf")
+                grad = next(g for g in (p.grad for p in trainer.optimizer.buckets[0].owners)
+                            if g is not None and (g.to_local() if hasattr(g, "to_local") else g).numel())
+                (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = float("inf")
             real_opt_step(scaler=scaler)
 
         trainer.optimizer.step = poisoned_step

@@ -12,18 +12,18 @@ Memory layout, shared by all three: per parameter dtype, a bucket of flat buffer
 optimizer -- gradients, fp32 masters (low-precision params only), m and v -- with each parameter
 a view at an ALIGN-aligned offset. The model's parameters stay where the model put them.
 
-Gradients live in a flat buffer too (p.grad is a view of it, or, with grad_dtype=fp32, a hook
-accumulates into an fp32 view and frees p.grad). The fused kernels' tables hold offsets into it,
-not addresses, so the buffer can come and go: zero_grad(set_to_none=True) frees it, which keeps
-2 B/param out of the forward pass (where a step's memory peaks), and prepare_grads(), called
-before backward, makes a zeroed one and points every p.grad at its view again (DDP and FSDP2 then
-find the grads they add into). A gradient that arrives with no buffer (backward without
-prepare_grads) makes one and is copied in.
+Gradients get a flat buffer of the same layout only while a step runs: until then p.grad is
+autograd's own tensor, which backward creates (no 2 B/param during forward, where a step's memory
+peaks, and no per-parameter `grad += new`: the first micro-batch's gradient is stolen, not added).
+step() gathers them with one multi-tensor copy into a zeroed buffer, which zero_grad(set_to_none)
+frees. The fused kernels' tables hold offsets, not addresses, so a new buffer per step costs
+nothing. DDP and FSDP2 see plain p.grad tensors. With grad_dtype=fp32 a post-accumulate hook
+adds each low-precision gradient into an fp32 view and frees p.grad (micro-batches accumulate in fp32).
 
 Under FSDP2 the parameters are DTensors sharded across ranks: every buffer above is built over
-their local shards (the ZeRO-3 layout: each rank updates 1/N of the model), p.grad is a DTensor
-over a view of the flat grad buffer (FSDP2 adds each reduce-scattered shard into it in place), and
-`reduce_sumsq` all-reduces the local sum of squares so the norm and the skip decision are global.
+their local shards (the ZeRO-3 layout: each rank updates 1/N of the model), the gather reads
+p.grad's local shard, and `reduce_sumsq` all-reduces the local sum of squares so the norm and the
+skip decision are global.
 """
 
 import math
@@ -48,7 +48,7 @@ def _local(t):
 
 def _like(p, t):
     """`t`, a tensor shaped like p's local shard, as a tensor shaped like p: a DTensor over `t` when
-    p is one (for p.grad and for a state_dict torch.distributed.checkpoint can reshard)."""
+    p is one (for a state_dict torch.distributed.checkpoint can reshard)."""
     if not isinstance(p, DTensor):
         return t
     return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
@@ -76,43 +76,49 @@ class _Bucket:
             torch._foreach_copy_(self.masters, [p.detach() for p in self.params])
         self.owners = list(params)  # what p.grad is set on (DTensors under FSDP2)
         self.grad = self.grads = None
-        self.prepare_grads()
-        for i, p in enumerate(self.owners):
-            p.register_post_accumulate_grad_hook(self._route_grad(i))
+        self.main_grads = grad_dtype != self.params[0].dtype
+        if self.main_grads:
+            for i, p in enumerate(self.owners):
+                p.register_post_accumulate_grad_hook(self._accumulate_main_grad(i))
 
     def views(self, flat):
         return [flat[o:o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]
 
-    def prepare_grads(self):
-        """A zeroed flat grad buffer, with every p.grad a view of it (fp32 main grads: p.grad stays
-        None, the hook adds into the view); no-op while one exists."""
-        if self.grad is not None:
-            return
+    def _allocate_grads(self):
         self.grad = torch.zeros(self.size, dtype=self.grad_dtype, device=self.exp_avg.device)
         self.grads = self.views(self.grad)
-        for p, view in zip(self.owners, self.grads):
-            if view.dtype == p.dtype:
-                p.grad = _like(p, view)
+
+    def gather_grads(self):
+        """The flat gradient buffer the step reads (zeros where a parameter got no gradient)."""
+        if self.main_grads:  # the hooks have filled it
+            if self.grad is None:
+                self._allocate_grads()
+            return
+        self._allocate_grads()
+        pairs = [(view, _local(p.grad)) for view, p in zip(self.grads, self.owners) if p.grad is not None]
+        if pairs:
+            torch._foreach_copy_([v for v, _ in pairs], [g for _, g in pairs])
 
     def release_grads(self):
         self.grad = self.grads = None
         for p in self.owners:
             p.grad = None
 
-    def _route_grad(self, i):
-        """Post-accumulate hook of parameter i: land its gradient in view i, whatever else set p.grad
-        (model.zero_grad(), FSDP2 assigning a new sharded grad, backward without prepare_grads)."""
+    def zero_grads(self):
+        if self.grad is not None:
+            self.grad.zero_()
+        for p in self.owners:
+            if p.grad is not None:
+                p.grad.zero_()
+
+    def _accumulate_main_grad(self, i):
+        """Post-accumulate hook of parameter i: add its low-precision gradient into fp32 view i."""
 
         def hook(p):
-            incoming = p.grad
-            self.prepare_grads()
-            view = self.grads[i]
-            if view.dtype != p.dtype:  # fp32 main grad: accumulate, then free the low-precision grad
-                view.add_(incoming)
-                p.grad = None
-            elif _local(incoming) is not view:
-                view.copy_(_local(incoming))
-                p.grad = _like(p, view)
+            if self.grad is None:
+                self._allocate_grads()
+            self.grads[i].add_(_local(p.grad))
+            p.grad = None
 
         return hook
 
@@ -222,7 +228,8 @@ class FusedAdamW:
 
     @torch.no_grad()
     def step(self, scaler=None):
-        self.prepare_grads()  # no backward since zero_grad: zero grads, as torch's optimizers see them
+        for b in self.buckets:
+            b.gather_grads()
         self._upload_hyper()
         if scaler is not None:
             scaler.to(self.device)
@@ -305,18 +312,9 @@ class FusedAdamW:
     # -- the rest of the optimizer interface ------------------------------------------------------
 
     def zero_grad(self, set_to_none=True):
-        """set_to_none frees the grad buffers until prepare_grads() or the next gradient; else one
-        memset per bucket."""
+        """set_to_none frees the gradients and the flat buffers; else zeroes them."""
         for b in self.buckets:
-            if set_to_none:
-                b.release_grads()
-            elif b.grad is not None:
-                b.grad.zero_()
-
-    def prepare_grads(self):
-        """Zeroed grad buffers, every p.grad a view of them: call before backward (the trainer does)."""
-        for b in self.buckets:
-            b.prepare_grads()
+            b.release_grads() if set_to_none else b.zero_grads()
 
     def stats(self):
         """Live 0-d device tensors; read (or clone) them at log steps only."""

@@ -171,7 +171,7 @@ class FusedStep:
         self.opt = opt
         self.plans = [(b, *_work_table(b)) for b in opt.buckets]
         self.base_ptrs = [base.data_ptr() for _, _, base, _ in self.plans]
-        self.n_partials = [triton.cdiv(b.grad.numel(), SUMSQ_BLOCK) for b in opt.buckets]
+        self.n_partials = [triton.cdiv(b.size, SUMSQ_BLOCK) for b in opt.buckets]
         self.partials = torch.empty(sum(self.n_partials), dtype=torch.float32, device=opt.device)
         self.scalars = torch.empty(4, dtype=torch.float32, device=opt.device)
 

@@ -37,9 +37,6 @@ class TorchAdamW:
     def zero_grad(self, set_to_none=True):
         self.opt.zero_grad(set_to_none=set_to_none)
 
-    def prepare_grads(self):
-        """Nothing to do: autograd creates torch's gradients."""
-
     def stats(self):
         scale = self._scaler.get_scale() if self._scaler is not None else 1.0  # a float
         return {"grad_norm": self._grad_norm, "skipped_steps": self._skipped,
