@@ -1,10 +1,12 @@
 """Peak memory, predicted before step 0: persistent state + activations + the largest transient.
 
-    peak = weights + grads + fp32 masters + Adam m, v            the 16-18 B/param floor (persistent)
-         + activations saved for backward by the policy          the term checkpointing controls
-         + max(loss workspace - grads, block-backward transient, optimizer transient)
+    peak = weights + fp32 masters + Adam m, v          with grads, the 16-18 B/param floor
+         + max(activations saved for backward by the policy   the term checkpointing controls
+               + max(loss workspace, block-backward transient),
+               grads + optimizer transient)
 
-(grads exist from the first backward to zero_grad: with one micro-batch, none at the loss's forward.)
+Gradients exist whole only at the optimizer step: backward makes them as it frees the activations
+(with grad_accum > 1 or fp32 main grads they are there from the start, and join the first term).
 
 It is a model of eager PyTorch as this repo runs it, op by op; every byte count below names the op that
 holds it. Assumptions, checked by tests/test_memory.py on CPU and by the GPU sweep on the H200:
@@ -59,7 +61,8 @@ class MemoryEstimate:
 
     @property
     def transient(self) -> int:
-        """The largest of the three moments that can set the peak on top of state + activations."""
+        """What the peak holds beyond state + activations: the loss workspace or a backward/optimizer
+        transient, net of the gradients not yet made at that moment (so it can be negative)."""
         return self.peak - self.state - self.activations_total
 
     def rows(self) -> list[tuple[str, int]]:
@@ -144,7 +147,7 @@ def predict(model_cfg: ModelConfig, precision_cfg: PrecisionConfig, ckpt_cfg: Ch
             optimizer_impl: str = "fused") -> MemoryEstimate:
     """Predicted memory of one training step. `loss_impl`, `optimizer_impl` as resolved for the device
     (fused | torch; fused | foreach | loop). `sharded`: FSDP, the persistent state divided by `world_size`.
-    grad_accum > 1 adds the grads to the loss's forward moment (micro-batches after the first)."""
+    grad_accum > 1 adds the grads to the forward and backward moments (micro-batches after the first)."""
     p = _BYTES[precision_cfg.param_dtype]
     a = _BYTES[precision_cfg.compute_dtype]
     autocast = precision_cfg.autocast_dtype is not None
@@ -205,9 +208,9 @@ def predict(model_cfg: ModelConfig, precision_cfg: PrecisionConfig, ckpt_cfg: Ch
     recompute = {"recomputed": block["kept"], "selective": N * (C * p + 6 * C * a + 4 * stats), "kept": 0}[kinds[-1]]
     backward_transient = N * C * p + 8 * N * C * a + recompute + V * C * p
 
-    # Optimizer step temporaries. FusedAdamW gathers autograd's grads into its flat buffer, so both
-    # exist during the step (not with fp32 main grads: hooks add those into the buffer as they come).
-    # Its torch paths add fp32 grad copies, sqrt(v) and the update per group.
+    # Optimizer step temporaries. FusedAdamW first gathers autograd's grads into its flat buffer (both
+    # exist for that copy; not with fp32 main grads, which hooks add into the buffer as they come),
+    # then frees them; its torch paths then make fp32 grad copies, sqrt(v) and the update per group.
     gathered = grads if optimizer_impl != "torch" and g == p else 0
     if optimizer_impl == "fused":
         optimizer_transient = gathered
@@ -216,11 +219,14 @@ def predict(model_cfg: ModelConfig, precision_cfg: PrecisionConfig, ckpt_cfg: Ch
                       for numels, _ in groups)
         upcast = 4 * padded if g != 4 else 0
         low_no_master = 4 * padded if p != 4 and not precision_cfg.master_weights else 0
-        optimizer_transient = gathered + upcast + low_no_master + 8 * largest
+        optimizer_transient = max(gathered, upcast + low_no_master + 8 * largest)
 
-    grads_in_forward = grads if grad_accum > 1 else 0
-    peak = weights + grads + masters + adam_m + adam_v + max(
-        activations + max(loss_workspace - grads + grads_in_forward, backward_transient), optimizer_transient)
+    # Gradients appear as backward reaches each parameter and all exist only once the activations are
+    # gone, except when they were there before: later micro-batches, or fp32 main grads (allocated
+    # whole at the first gradient).
+    early = grads if grad_accum > 1 or (optimizer_impl != "torch" and g != p) else 0
+    peak = weights + masters + adam_m + adam_v + max(
+        activations + max(loss_workspace, backward_transient) + early, grads + optimizer_transient)
     return MemoryEstimate(n_params, weights, grads, masters, adam_m, adam_v, per_layer, other, activations,
                           loss_workspace, backward_transient, optimizer_transient, peak, notes)
 

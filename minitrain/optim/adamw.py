@@ -15,8 +15,8 @@ a view at an ALIGN-aligned offset. The model's parameters stay where the model p
 Gradients get a flat buffer of the same layout only while a step runs: until then p.grad is
 autograd's own tensor, which backward creates (no 2 B/param during forward, where a step's memory
 peaks, and no per-parameter `grad += new`: the first micro-batch's gradient is stolen, not added).
-step() gathers them with one multi-tensor copy into a zeroed buffer, which zero_grad(set_to_none)
-frees. The fused kernels' tables hold offsets, not addresses, so a new buffer per step costs
+step() gathers them with one multi-tensor copy into a zeroed buffer and points p.grad at its views
+(a repeated step copies nothing); zero_grad(set_to_none) frees it. The fused kernels' tables hold offsets, not addresses, so a new buffer per step costs
 nothing. DDP and FSDP2 see plain p.grad tensors. With grad_dtype=fp32 a post-accumulate hook
 adds each low-precision gradient into an fp32 view and frees p.grad (micro-batches accumulate in fp32).
 
@@ -48,7 +48,7 @@ def _local(t):
 
 def _like(p, t):
     """`t`, a tensor shaped like p's local shard, as a tensor shaped like p: a DTensor over `t` when
-    p is one (for a state_dict torch.distributed.checkpoint can reshard)."""
+    p is one (for p.grad and for a state_dict torch.distributed.checkpoint can reshard)."""
     if not isinstance(p, DTensor):
         return t
     return DTensor.from_local(t, p.device_mesh, p.placements, run_check=False, shape=p.shape, stride=p.stride())
@@ -89,15 +89,24 @@ class _Bucket:
         self.grads = self.views(self.grad)
 
     def gather_grads(self):
-        """The flat gradient buffer the step reads (zeros where a parameter got no gradient)."""
+        """The flat gradient buffer the step reads, p.grad pointed at its views (zeros where a
+        parameter has no gradient). Repeated steps over the same grads copy nothing."""
         if self.main_grads:  # the hooks have filled it
             if self.grad is None:
                 self._allocate_grads()
             return
-        self._allocate_grads()
-        pairs = [(view, _local(p.grad)) for view, p in zip(self.grads, self.owners) if p.grad is not None]
-        if pairs:
-            torch._foreach_copy_([v for v, _ in pairs], [g for _, g in pairs])
+        if self.grad is None:
+            self._allocate_grads()
+        else:  # kept since the last step (no zero_grad(set_to_none)): gradients set to None are zeros
+            gone = [view for view, p in zip(self.grads, self.owners) if p.grad is None]
+            if gone:
+                torch._foreach_zero_(gone)
+        new = [(view, p) for view, p in zip(self.grads, self.owners)
+               if p.grad is not None and _local(p.grad) is not view]
+        if new:
+            torch._foreach_copy_([view for view, _ in new], [_local(p.grad) for _, p in new])
+            for view, p in new:
+                p.grad = _like(p, view)
 
     def release_grads(self):
         self.grad = self.grads = None
