@@ -175,16 +175,16 @@ def _reduction_scale(targets: Tensor, ignore_index: int, reduction: str) -> Tens
     return torch.ones((), device=targets.device)
 
 
-def _headroom(dtype: torch.dtype) -> float:
+def _headroom(dtype: torch.dtype, reduction: str) -> float:
     """Power of two the gradients carry from forward until backward divides it out (exactly).
 
     The mean's 1/n_valid goes into the logit gradient in forward, so grad_hidden
     is rounded as often as naive autograd rounds it. fp16's range cannot hold
-    softmax/n_valid (1e-9 at GPT-2 scale), so there the gradients are kept
-    2^14 times larger, as a loss scale would (and still below fp16's max:
-    |d loss/d logits| <= 2 per row).
+    softmax/n_valid (1e-9 at GPT-2 scale), so there the mean's gradients are
+    kept 2^14 times larger, as a loss scale would (and still below fp16's max:
+    |d loss/d logits| <= 2/n_valid per row).
     """
-    return 2.0**14 if dtype == torch.float16 else 1.0
+    return 2.0**14 if dtype == torch.float16 and reduction == "mean" else 1.0
 
 
 @torch.library.custom_op("minitrain::linear_cross_entropy", mutates_args=())
@@ -203,7 +203,7 @@ def _linear_cross_entropy(
     """Returns (loss, grad_hidden, grad_weight); grads lack grad_output and are empty unless computed."""
     grads = grads and reduction != "none"
     scale = _reduction_scale(targets, ignore_index, reduction)
-    grad_scale = scale * _headroom(hidden.dtype)
+    grad_scale = scale * _headroom(hidden.dtype, reduction)
     losses, grad_hidden, grad_weight = _loss_and_grads(
         hidden, weight, targets, grad_scale, ignore_index, label_smoothing, z_loss, chunk_bytes, grads, low_memory
     )
@@ -272,7 +272,7 @@ def _backward(ctx, grad_loss, _grad_hidden, _grad_weight):
     else:
         grad_hidden, grad_weight = first, second
         dtype = grad_hidden.dtype
-        scale = grad_loss.float() / _headroom(dtype)
+        scale = grad_loss.float() / _headroom(dtype, reduction)
         if torch.compiler.is_compiling():
             # Traced: the compiler plans the buffers, and an in-place op on saved tensors would be copied.
             grad_hidden, grad_weight = grad_hidden.clone(), grad_weight.clone()
