@@ -26,9 +26,10 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from minitrain.config import compose_config  # noqa: E402
+from minitrain import memory  # noqa: E402
+from minitrain.config import compose_config, resolve  # noqa: E402
 from minitrain.metrics import peak_flops  # noqa: E402
-from minitrain.trainer import Trainer  # noqa: E402
+from minitrain.trainer import Trainer, model_config_for  # noqa: E402
 
 RECIPES = {
     "reference": ["precision=amp_bf16", "loss=torch", "optimizer.impl=torch"],
@@ -38,6 +39,21 @@ RECIPES = {
 
 # Peak learning rates as in GPT-3's table for these sizes (1.5b diverges at 124m's 6e-4 with this warmup).
 LR = {"gpt2-124m": 6e-4, "gpt2-350m": 3e-4, "gpt2-774m": 2.5e-4, "gpt2-1.5b": 2e-4}
+
+
+CANDIDATE_BATCHES = (128, 96, 64, 48, 32, 24, 16, 12, 8, 4, 2, 1)
+
+
+def largest_fitting_batch(model: str, extra: list[str], budget_bytes: float) -> int:
+    """The largest candidate batch whose minitrain step the memory model predicts within the budget."""
+    cfg = resolve(compose_config([f"model={model}", "trainer.out_dir=.", *RECIPES["minitrain"], *extra]))
+    model_cfg = model_config_for(cfg, cfg.data.vocab_size)
+    for batch in CANDIDATE_BATCHES:
+        peak = memory.predict(model_cfg, cfg.precision, cfg.checkpointing, batch, model_cfg.block_size, "fused",
+                              cfg.loss.chunk_bytes, loss_low_memory=cfg.loss.low_memory).peak
+        if peak <= budget_bytes:
+            return batch
+    return 1
 
 
 def build(model: str, batch: int, recipe: str, extra: list[str], out_dir: str) -> Trainer:
@@ -99,7 +115,9 @@ def profile_steps(trainer: Trainer, first: int, steps: int = 3) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="+", default=["gpt2-124m", "gpt2-1.5b"])
-    ap.add_argument("--batch", nargs="+", type=int, default=[16, 32], help="global batch per model")
+    ap.add_argument("--batch", nargs="+", default=["16", "auto"],
+                    help="global batch per model; auto: the largest minitrain's step fits in 90%% of the GPU "
+                         "(by the memory model), the same for both recipes")
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--no-compile", action="store_true")
@@ -111,12 +129,14 @@ def main() -> None:
     compile_flag = [f"trainer.compile={not args.no_compile}"]
     results = []
     for model, batch in zip(args.models, args.batch):
+        ours_extra = list(args.minitrain_extra)
+        if "1.5b" in model or "774m" in model:
+            ours_extra.append(f"checkpointing={args.big_checkpointing}")
+        if batch == "auto":
+            batch = largest_fitting_batch(model, ours_extra, 0.9 * torch.cuda.get_device_properties(0).total_memory)
+        batch = int(batch)
         for recipe in RECIPES:
-            extra = list(compile_flag)
-            if recipe == "minitrain":
-                extra += args.minitrain_extra
-                if "1.5b" in model or "774m" in model:
-                    extra.append(f"checkpointing={args.big_checkpointing}")
+            extra = list(compile_flag) + (ours_extra if recipe == "minitrain" else [])
             with tempfile.TemporaryDirectory() as tmp:
                 try:
                     trainer = build(model, batch, recipe, extra, tmp)

@@ -22,7 +22,7 @@ for what in "$@"; do
              trainer.warmup_steps=10 trainer.lr=6e-4 trainer.min_lr=6e-5 hydra.run.dir=/tmp/run-124m 2>&1 \
              | grep -v "it/s\]\|step/s\]" | tail -25
            cp /tmp/run-124m/metrics.jsonl "$out/train_124m_metrics.jsonl" ;;
-    step) timeout 500 python3 scripts/bench_step.py --batch 16 16 --out "$out/bench_step.json" 2>&1 | tail -40 ;;
+    step) timeout 590 python3 scripts/bench_step.py --batch 16 auto --out "$out/bench_step.json" 2>&1 | tail -40 ;;
     step124) timeout 300 python3 scripts/bench_step.py --models gpt2-124m --batch 16 --out "$out/bench_step_124m.json" \
                ${STEP_EXTRA:+--minitrain-extra $STEP_EXTRA} 2>&1 | tail -8 ;;
     ce_chunks) timeout 200 python3 scripts/bench_cross_entropy.py --shapes 16384x768x50304 16384x2048x128256 \
