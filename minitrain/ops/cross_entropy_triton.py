@@ -28,6 +28,16 @@ def _round_to_bf16_in_fp32(x):
 
 
 @triton.jit
+def _logit_grad(x, cols, target, lse, scale, V, label_smoothing, z_loss, ROUND_BF16: tl.constexpr):
+    """scale * d(loss)/d(x_j) = scale * (p_j (1 + 2 z lse) - eps / V - (1 - eps) [j == target])."""
+    g = tl.exp(x - lse) * (1.0 + 2.0 * z_loss * lse) - label_smoothing / V
+    g = (g - tl.where(cols == target, 1.0 - label_smoothing, 0.0)) * scale
+    if ROUND_BF16:
+        g = _round_to_bf16_in_fp32(g)
+    return g
+
+
+@triton.jit
 def _cross_entropy_rows_kernel(
     logits_ptr,  # (M, V) workspace; overwritten with d(loss_row)/d(logits) if WRITE_GRAD
     stride_row,
@@ -84,16 +94,6 @@ def _cross_entropy_rows_kernel(
                 x = tl.load(row_ptr + offs, mask=offs < V, other=0.0).to(tl.float32)
                 g = _logit_grad(x, offs, target, lse, scale, V, label_smoothing, z_loss, ROUND_BF16)
                 tl.store(row_ptr + offs, g.to(logits_ptr.dtype.element_ty), mask=offs < V)
-
-
-@triton.jit
-def _logit_grad(x, cols, target, lse, scale, V, label_smoothing, z_loss, ROUND_BF16: tl.constexpr):
-    """scale * d(loss)/d(x_j) = scale * (p_j (1 + 2 z lse) - eps / V - (1 - eps) [j == target])."""
-    g = tl.exp(x - lse) * (1.0 + 2.0 * z_loss * lse) - label_smoothing / V
-    g = (g - tl.where(cols == target, 1.0 - label_smoothing, 0.0)) * scale
-    if ROUND_BF16:
-        g = _round_to_bf16_in_fp32(g)
-    return g
 
 
 @triton.jit
