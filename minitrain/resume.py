@@ -68,8 +68,8 @@ def find_checkpoint(resume: str, out_dir: Path, sharded: bool = False) -> Option
     if resume == "auto":
         # A sharded save swaps directories in two renames (latest -> latest.old, latest.tmp -> latest);
         # a crash between them leaves the previous checkpoint, complete, as latest.old.
-        candidates = (name, name + ".old") if sharded else (name,)
-        return next((checkpoint_dir(out_dir) / c for c in candidates if (checkpoint_dir(out_dir) / c).exists()), None)
+        candidates = [checkpoint_dir(out_dir) / n for n in ((name, name + ".old") if sharded else (name,))]
+        return next((path for path in candidates if path.exists()), None)
     path = Path(resume).expanduser()
     if path.is_dir() and not (path / ".metadata").exists():
         path = checkpoint_dir(path) / name if (checkpoint_dir(path) / name).exists() else path / name

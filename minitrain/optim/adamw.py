@@ -16,9 +16,10 @@ Gradients get a flat buffer of the same layout only while a step runs: until the
 autograd's own tensor, which backward creates (no 2 B/param during forward, where a step's memory
 peaks, and no per-parameter `grad += new`: the first micro-batch's gradient is stolen, not added).
 step() gathers them with one multi-tensor copy into a zeroed buffer and points p.grad at its views
-(a repeated step copies nothing); zero_grad(set_to_none) frees it. The fused kernels' tables hold offsets, not addresses, so a new buffer per step costs
-nothing. DDP and FSDP2 see plain p.grad tensors. With grad_dtype=fp32 a post-accumulate hook
-adds each low-precision gradient into an fp32 view and frees p.grad (micro-batches accumulate in fp32).
+(a repeated step copies nothing); zero_grad(set_to_none) frees it. The fused kernels' tables hold
+offsets, not addresses, so a new buffer per step costs nothing. DDP and FSDP2 see plain p.grad
+tensors. With grad_dtype=fp32 a post-accumulate hook adds each low-precision gradient into an fp32
+view and frees p.grad (micro-batches accumulate in fp32).
 
 Under FSDP2 the parameters are DTensors sharded across ranks: every buffer above is built over
 their local shards (the ZeRO-3 layout: each rank updates 1/N of the model), the gather reads
@@ -84,20 +85,21 @@ class _Bucket:
     def views(self, flat):
         return [flat[o:o + p.numel()].view_as(p) for p, o in zip(self.params, self.offsets)]
 
-    def _allocate_grads(self):
+    def _ensure_grads(self) -> bool:
+        """A zeroed flat grad buffer unless one exists; whether it was just made."""
+        if self.grad is not None:
+            return False
         self.grad = torch.zeros(self.size, dtype=self.grad_dtype, device=self.exp_avg.device)
         self.grads = self.views(self.grad)
+        return True
 
     def gather_grads(self):
         """The flat gradient buffer the step reads, p.grad pointed at its views (zeros where a
         parameter has no gradient). Repeated steps over the same grads copy nothing."""
+        made = self._ensure_grads()
         if self.main_grads:  # the hooks have filled it
-            if self.grad is None:
-                self._allocate_grads()
             return
-        if self.grad is None:
-            self._allocate_grads()
-        else:  # kept since the last step (no zero_grad(set_to_none)): gradients set to None are zeros
+        if not made:  # kept since the last step (no zero_grad(set_to_none)): gradients set to None are zeros
             gone = [view for view, p in zip(self.grads, self.owners) if p.grad is None]
             if gone:
                 torch._foreach_zero_(gone)
@@ -124,8 +126,7 @@ class _Bucket:
         """Post-accumulate hook of parameter i: add its low-precision gradient into fp32 view i."""
 
         def hook(p):
-            if self.grad is None:
-                self._allocate_grads()
+            self._ensure_grads()
             self.grads[i].add_(_local(p.grad))
             p.grad = None
 
