@@ -107,8 +107,9 @@ def profile_steps(trainer: Trainer, first: int, steps: int = 3) -> dict:
                      key=lambda e: e.self_device_time_total, reverse=True)
     total = sum(e.self_device_time_total for e in kernels)
     syncs = {e.key: e.count for e in events if e.key in SYNC_CALLS}
-    top = [{"kernel": e.key[:90], "calls_per_step": e.count / steps, "ms_per_step": e.self_device_time_total / 1e3 / steps,
-            "share": e.self_device_time_total / total} for e in kernels[:25]]
+    top = [{"kernel": e.key[:90], "calls_per_step": e.count / steps,
+            "ms_per_step": e.self_device_time_total / 1e3 / steps, "share": e.self_device_time_total / total}
+           for e in kernels[:25]]
     return {"gpu_ms_per_step": total / 1e3 / steps, "top_kernels": top,
             "syncs_per_step": {k: v / steps for k, v in syncs.items()}}
 
@@ -155,7 +156,8 @@ def main() -> None:
             print(json.dumps({k: v for k, v in row.items() if k not in ("losses", "profile")}), flush=True)
             if "profile" in row:
                 prof = row["profile"]
-                print(f"  GPU busy {prof['gpu_ms_per_step']:.2f} ms/step; sync and copy calls/step {prof['syncs_per_step']}")
+                print(f"  GPU busy {prof['gpu_ms_per_step']:.2f} ms/step; "
+                      f"sync and copy calls/step {prof['syncs_per_step']}")
                 for k in prof["top_kernels"]:
                     print(f"  {k['ms_per_step']:7.3f} ms {k['share']:6.1%} x{k['calls_per_step']:5.1f}  {k['kernel']}")
     Path(args.out).write_text(json.dumps(results, indent=1))

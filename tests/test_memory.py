@@ -2,8 +2,8 @@ import pytest
 import torch
 
 from minitrain.checkpointing import apply_policy
-from minitrain.config import (CheckpointingConfig, CheckpointPolicy, DType, ModelConfig, PrecisionConfig, compose_config,
-                              resolve)
+from minitrain.config import (CheckpointingConfig, CheckpointPolicy, DType, ModelConfig, PrecisionConfig,
+                              compose_config, resolve)
 from minitrain.memory import LiveBytes, compare, predict
 from minitrain.model import GPT
 from minitrain.ops import fused_linear_cross_entropy, linear_cross_entropy_reference
