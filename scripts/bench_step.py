@@ -29,7 +29,7 @@ sys.path.insert(0, str(REPO))
 from minitrain import memory  # noqa: E402
 from minitrain.config import compose_config, resolve  # noqa: E402
 from minitrain.metrics import peak_flops  # noqa: E402
-from minitrain.trainer import Trainer, model_config_for  # noqa: E402
+from minitrain.trainer import Trainer, loss_impl, model_config_for, optimizer_impl  # noqa: E402
 
 RECIPES = {
     "reference": ["precision=amp_bf16", "loss=torch", "optimizer.impl=torch"],
@@ -44,13 +44,15 @@ LR = {"gpt2-124m": 6e-4, "gpt2-350m": 3e-4, "gpt2-774m": 2.5e-4, "gpt2-1.5b": 2e
 CANDIDATE_BATCHES = (128, 96, 64, 48, 32, 24, 16, 12, 8, 4, 2, 1)
 
 
-def largest_fitting_batch(model: str, extra: list[str], budget_bytes: float) -> int:
-    """The largest candidate batch whose minitrain step the memory model predicts within the budget."""
-    cfg = resolve(compose_config([f"model={model}", "trainer.out_dir=.", *RECIPES["minitrain"], *extra]))
+def largest_fitting_batch(model: str, recipe: str, extra: list[str], budget_bytes: float) -> int:
+    """The largest candidate batch whose step of `recipe` the memory model predicts within the budget."""
+    cfg = resolve(compose_config([f"model={model}", "trainer.out_dir=.", *RECIPES[recipe], *extra]))
     model_cfg = model_config_for(cfg, cfg.data.vocab_size)
+    device = torch.device("cuda")
     for batch in CANDIDATE_BATCHES:
-        peak = memory.predict(model_cfg, cfg.precision, cfg.checkpointing, batch, model_cfg.block_size, "fused",
-                              cfg.loss.chunk_bytes, loss_low_memory=cfg.loss.low_memory).peak
+        peak = memory.predict(model_cfg, cfg.precision, cfg.checkpointing, batch, model_cfg.block_size,
+                              loss_impl(cfg, device), cfg.loss.chunk_bytes, loss_low_memory=cfg.loss.low_memory,
+                              optimizer_impl=optimizer_impl(cfg, device)).peak
         if peak <= budget_bytes:
             return batch
     return 1
@@ -118,8 +120,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="+", default=["gpt2-124m", "gpt2-1.5b"])
     ap.add_argument("--batch", nargs="+", default=["16", "auto"],
-                    help="global batch per model; auto: the largest minitrain's step fits in 90%% of the GPU "
-                         "(by the memory model), the same for both recipes")
+                    help="global batch per model; auto: each recipe at the largest batch its step fits in 90%% "
+                         "of the GPU (by the memory model)")
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--no-compile", action="store_true")
@@ -134,20 +136,22 @@ def main() -> None:
         ours_extra = list(args.minitrain_extra)
         if "1.5b" in model or "774m" in model:
             ours_extra.append(f"checkpointing={args.big_checkpointing}")
-        if batch == "auto":
-            batch = largest_fitting_batch(model, ours_extra, 0.9 * torch.cuda.get_device_properties(0).total_memory)
-        batch = int(batch)
         for recipe in RECIPES:
             extra = list(compile_flag) + (ours_extra if recipe == "minitrain" else [])
+            if batch == "auto":
+                budget = 0.9 * torch.cuda.get_device_properties(0).total_memory
+                recipe_batch = largest_fitting_batch(model, recipe, extra, budget)
+            else:
+                recipe_batch = int(batch)
             with tempfile.TemporaryDirectory() as tmp:
                 try:
-                    trainer = build(model, batch, recipe, extra, tmp)
-                    row = {"model": model, "batch": batch, "recipe": recipe, "overrides": extra,
+                    trainer = build(model, recipe_batch, recipe, extra, tmp)
+                    row = {"model": model, "batch": recipe_batch, "recipe": recipe, "overrides": extra,
                            **measure(trainer, args.warmup, args.steps)}
                     if args.profile:
                         row["profile"] = profile_steps(trainer, args.warmup + args.steps)
                 except torch.cuda.OutOfMemoryError as e:
-                    row = {"model": model, "batch": batch, "recipe": recipe, "overrides": extra, "error": f"OOM: {e}"[:200]}
+                    row = {"model": model, "batch": recipe_batch, "recipe": recipe, "overrides": extra, "error": f"OOM: {e}"[:200]}
                 trainer = None
                 gc.collect()
                 torch.cuda.empty_cache()
