@@ -54,7 +54,9 @@ class OptimizerImpl(str, Enum):
     torch = "torch"  # torch.optim.AdamW + torch.amp.GradScaler: the plain-PyTorch baseline
 
 
-class LossImpl(str, Enum):
+class KernelImpl(str, Enum):
+    """A part with a Triton kernel and a PyTorch reference (the loss, the MLP's GELU)."""
+
     auto = "auto"  # fused on CUDA, torch on CPU
     fused = "fused"
     torch = "torch"
@@ -95,6 +97,7 @@ class ModelConfig:
     vocab_size: Optional[int] = None
     bias: bool = True
     dropout: float = 0.0
+    gelu: KernelImpl = KernelImpl.auto  # fused: one Triton pass each way instead of inductor's tanh
 
     def __post_init__(self):
         for key in ("n_layer", "n_head", "n_embd", "block_size"):
@@ -192,7 +195,7 @@ class OptimizerConfig:
 
 @dataclass
 class LossConfig:
-    impl: LossImpl = LossImpl.auto
+    impl: KernelImpl = KernelImpl.auto
     chunk_bytes: Optional[int] = None  # fused: logit workspace budget in bytes (None: the kernel's default)
     low_memory: bool = False  # fused: no fp32 V x H weight-grad accumulator, for a fourth GEMM
 

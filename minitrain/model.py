@@ -14,7 +14,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .config import ModelConfig
+from .config import KernelImpl, ModelConfig
+from .ops import gelu_tanh
 
 # How a block runs: plainly, or wrapped by an activation-recomputation policy (checkpointing.py).
 BlockRunner = Callable[[nn.Module, torch.Tensor], torch.Tensor]
@@ -42,9 +43,13 @@ class MLP(nn.Module):
         super().__init__()
         self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        self.gelu_impl = cfg.gelu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+        h = self.c_fc(x)
+        if self.gelu_impl == KernelImpl.fused or (self.gelu_impl == KernelImpl.auto and h.is_cuda):
+            return self.c_proj(gelu_tanh(h))  # one memory pass each way (minitrain/ops/gelu.py)
+        return self.c_proj(F.gelu(h, approximate="tanh"))
 
 
 class Block(nn.Module):

@@ -19,7 +19,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from . import checkpointing, distributed, memory, resume
-from .config import Config, ConfigError, LossImpl, OptimizerImpl, resolve
+from .config import Config, ConfigError, KernelImpl, OptimizerImpl, resolve
 from .data import Batches, TokenData, prepare_data
 from .logger import RunLogger
 from .metrics import Throughput, memory_stats, peak_flops
@@ -54,7 +54,7 @@ def model_config_for(cfg: Config, tokenizer_vocab: int):
 
 def loss_impl(cfg: Config, device: torch.device) -> str:
     """`loss.impl` with `auto` settled: the Triton kernel on CUDA, the reference on CPU."""
-    if cfg.loss.impl == LossImpl.auto:
+    if cfg.loss.impl == KernelImpl.auto:
         return "fused" if device.type == "cuda" else "torch"
     return cfg.loss.impl.value
 

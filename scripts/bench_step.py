@@ -1,13 +1,16 @@
 """The assembled training step, two recipes side by side on one GPU, through the trainer's own code.
 
-reference: what a user writes with plain PyTorch — fp32 params under bf16 autocast, SDPA,
+reference: what a user writes with plain PyTorch — fp32 params under bf16 autocast, SDPA, F.gelu,
            F.cross_entropy on full logits, torch.optim.AdamW(fused=True), torch.compile.
-minitrain: bf16 params + fp32 masters, fused linear cross-entropy, fused AdamW, torch.compile.
+minitrain: bf16 params + fp32 masters, fused GELU, fused linear cross-entropy, fused AdamW,
+           torch.compile.
 
-Both are `minitrain.trainer.Trainer`s built from configs (precision=amp_bf16 loss=torch
-optimizer.impl=torch vs precision=bf16 loss=fused optimizer.impl=fused), so they see the same
-initialisation, the same data windows and the same step code; only the parts differ. Prints ms/step,
-tokens/s, MFU, peak memory and the loss after the timed steps, and writes JSON to --out.
+Both are `minitrain.trainer.Trainer`s built from configs (RECIPES below), so they see the same
+initialisation, the same data windows and the same step code; only the parts differ. The timed steps
+run in rounds that alternate the recipes (all resident), so a machine that drifts during the run
+(clocks, heat) slows all alike; each recipe's peak memory is measured net of the others' resident
+state. Prints ms/step, tokens/s, MFU, peak memory and the loss after the timed steps, and writes JSON
+to --out.
 
     python scripts/bench_step.py --models gpt2-124m --out bench_step.json
 """
@@ -32,8 +35,8 @@ from minitrain.metrics import peak_flops  # noqa: E402
 from minitrain.trainer import Trainer, loss_impl, model_config_for, optimizer_impl  # noqa: E402
 
 RECIPES = {
-    "reference": ["precision=amp_bf16", "loss=torch", "optimizer.impl=torch"],
-    "minitrain": ["precision=bf16", "loss=fused", "optimizer.impl=fused"],
+    "reference": ["precision=amp_bf16", "loss=torch", "optimizer.impl=torch", "model.gelu=torch"],
+    "minitrain": ["precision=bf16", "loss=fused", "optimizer.impl=fused", "model.gelu=fused"],
 }
 
 
@@ -66,29 +69,56 @@ def build(model: str, batch: int, recipe: str, extra: list[str], out_dir: str) -
     return Trainer(compose_config(overrides), progress=False)
 
 
-def measure(trainer: Trainer, warmup: int, steps: int) -> dict:
-    """Median-free, honest: total time of `steps` consecutive steps after `warmup` (compile included there)."""
-    losses = [trainer.train_step(s) for s in range(warmup)]
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    losses += [trainer.train_step(s) for s in range(warmup, warmup + steps)]
-    end.record()
-    torch.cuda.synchronize()
-    ms = start.elapsed_time(end) / steps
-    cfg = trainer.cfg
-    T = trainer.model_cfg.block_size
-    tokens_per_s = cfg.trainer.batch_size * T / (ms / 1000)
-    peak = cfg.trainer.peak_flops or peak_flops(trainer.device, "bf16")
-    stats = torch.cuda.memory_stats()
-    return {
-        "ms_per_step": ms, "tokens_per_s": tokens_per_s,
-        "mfu": tokens_per_s * trainer.model.flops_per_token(T) / peak,
-        "peak_allocated_gb": stats["allocated_bytes.all.peak"] / 1e9,
-        "peak_reserved_gb": stats["reserved_bytes.all.peak"] / 1e9,
-        "losses": [float(x) for x in torch.stack(losses).tolist()],
-    }
+class Run:
+    """One recipe's trainer and what it has done: steps are numbered on, so data and schedule continue."""
+
+    def __init__(self, trainer: Trainer):
+        self.trainer, self.step, self.losses, self.round_ms = trainer, 0, [], []
+
+    def steps(self, n: int) -> None:
+        self.losses += [self.trainer.train_step(s) for s in range(self.step, self.step + n)]
+        self.step += n
+
+    def timed(self, n: int) -> None:
+        """n steps between two device events: wall time of the GPU queue, no per-step sync."""
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        self.steps(n)
+        end.record()
+        torch.cuda.synchronize()
+        self.round_ms.append(start.elapsed_time(end) / n)
+
+    def memory_peaks(self, n: int) -> dict:
+        """Peak allocated / reserved over n steps, net of what was resident before this trainer was built
+        (another recipe's state, when the two are interleaved)."""
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        self.steps(n)
+        torch.cuda.synchronize()
+        stats = torch.cuda.memory_stats()
+        return {"peak_allocated_gb": (stats["allocated_bytes.all.peak"] - self.base_allocated) / 1e9,
+                "peak_reserved_gb": (stats["reserved_bytes.all.peak"] - self.base_reserved) / 1e9}
+
+    def summary(self) -> dict:
+        ms = sum(self.round_ms) / len(self.round_ms)
+        cfg, T = self.trainer.cfg, self.trainer.model_cfg.block_size
+        tokens_per_s = cfg.trainer.batch_size * T / (ms / 1000)
+        peak = cfg.trainer.peak_flops or peak_flops(self.trainer.device, "bf16")
+        return {"ms_per_step": ms, "ms_per_round": self.round_ms, "tokens_per_s": tokens_per_s,
+                "mfu": tokens_per_s * self.trainer.model.flops_per_token(T) / peak,
+                "losses": [float(x) for x in torch.stack(self.losses).tolist()]}
+
+
+def start_run(model: str, batch: int, recipe: str, extra: list[str], out_dir: str, warmup: int) -> tuple[Run, dict]:
+    """Build, warm up (compilation happens here) and measure peak memory over 2 steps."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    base_allocated, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
+    run = Run(build(model, batch, recipe, extra, out_dir))
+    run.base_allocated, run.base_reserved = base_allocated, base_reserved
+    run.steps(warmup)
+    return run, run.memory_peaks(2)
 
 
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
@@ -116,6 +146,12 @@ def profile_steps(trainer: Trainer, first: int, steps: int = 3) -> dict:
             "syncs_per_step": {k: v / steps for k, v in syncs.items()}}
 
 
+def finish(run: Run, row: dict, profile: bool) -> None:
+    row.update(run.summary())
+    if profile:
+        row["profile"] = profile_steps(run.trainer, run.step)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="+", default=["gpt2-124m", "gpt2-1.5b"])
@@ -123,39 +159,57 @@ def main() -> None:
                     help="global batch per model; auto: each recipe at the largest batch its step fits in 90%% "
                          "of the GPU (by the memory model)")
     ap.add_argument("--warmup", type=int, default=8)
-    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--rounds", type=int, default=4,
+                    help="the timed steps in rounds alternating the two recipes, both resident, so the machine's "
+                         "drift (clocks, heat) falls on both; 1: one recipe after the other, each alone")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--minitrain-extra", nargs="*", default=[], help="extra overrides for the minitrain recipe")
+    ap.add_argument("--ablate", nargs="*", default=[],
+                    help="also time minitrain with these overrides (e.g. model.gelu=torch), interleaved with the two")
     ap.add_argument("--big-checkpointing", default="full", help="minitrain's policy for models > 1B params")
     ap.add_argument("--profile", action="store_true", help="also profile 3 steps of each recipe: kernels, host syncs")
     ap.add_argument("--out", default="bench_step.json")
     args = ap.parse_args()
     compile_flag = [f"trainer.compile={not args.no_compile}"]
+    budget = 0.9 * torch.cuda.get_device_properties(0).total_memory
     results = []
     for model, batch in zip(args.models, args.batch):
         ours_extra = list(args.minitrain_extra)
         if "1.5b" in model or "774m" in model:
             ours_extra.append(f"checkpointing={args.big_checkpointing}")
-        for recipe in RECIPES:
-            extra = list(compile_flag) + (ours_extra if recipe == "minitrain" else [])
-            if batch == "auto":
-                budget = 0.9 * torch.cuda.get_device_properties(0).total_memory
-                recipe_batch = largest_fitting_batch(model, recipe, extra, budget)
-            else:
-                recipe_batch = int(batch)
-            with tempfile.TemporaryDirectory() as tmp:
+        runs, rows = {}, {}
+        with tempfile.TemporaryDirectory() as tmp:
+            variants = [("reference", "reference", []), ("minitrain", "minitrain", ours_extra)]
+            if args.ablate:  # minitrain with one part swapped back: that part's share of the gain
+                variants.append(("minitrain " + " ".join(args.ablate), "minitrain", ours_extra + args.ablate))
+            for i, (name, recipe, recipe_extra) in enumerate(variants):
+                extra = compile_flag + recipe_extra
+                recipe_batch = largest_fitting_batch(model, recipe, extra, budget) if batch == "auto" else int(batch)
+                row = rows[name] = {"model": model, "batch": recipe_batch, "recipe": name, "overrides": extra}
                 try:
-                    trainer = build(model, recipe_batch, recipe, extra, tmp)
-                    row = {"model": model, "batch": recipe_batch, "recipe": recipe, "overrides": extra,
-                           **measure(trainer, args.warmup, args.steps)}
-                    if args.profile:
-                        row["profile"] = profile_steps(trainer, args.warmup + args.steps)
+                    run, memory_peaks = start_run(model, recipe_batch, recipe, extra, f"{tmp}/{i}", args.warmup)
+                    row.update(memory_peaks)
+                    runs[name] = run
+                    if args.rounds == 1:  # alone on the GPU: time it now and free it
+                        run.timed(args.steps)
+                        finish(runs.pop(name), row, args.profile)
                 except torch.cuda.OutOfMemoryError as e:
-                    row = {"model": model, "batch": recipe_batch, "recipe": recipe, "overrides": extra, "error": f"OOM: {e}"[:200]}
-                trainer = None
-                gc.collect()
-                torch.cuda.empty_cache()
-                torch._dynamo.reset()
+                    row["error"] = f"OOM: {e}"[:200]
+                    runs.pop(name, None)
+                run = None
+            for r in range(args.rounds if len(runs) > 1 else 0):
+                for recipe in list(runs)[:: 1 if r % 2 == 0 else -1]:
+                    runs[recipe].timed(args.steps // args.rounds)
+            for name, run in runs.items():
+                if not run.round_ms:  # the other recipes failed: time this one alone
+                    run.timed(args.steps)
+                finish(run, rows[name], args.profile)
+            runs.clear()
+            gc.collect()
+            torch.cuda.empty_cache()
+            torch._dynamo.reset()
+        for row in rows.values():
             results.append(row)
             print(json.dumps({k: v for k, v in row.items() if k not in ("losses", "profile")}), flush=True)
             if "profile" in row:
@@ -167,21 +221,24 @@ def main() -> None:
     Path(args.out).write_text(json.dumps(results, indent=1))
 
     print(f"\n{torch.cuda.get_device_name()}  torch {torch.__version__}  steps={args.steps} after {args.warmup} warm-up")
-    print(f"{'model':<10} {'B':>3} {'recipe':<10} {'ms/step':>8} {'tok/s':>10} {'MFU':>6} {'peak alloc':>10} "
+    print(f"{'model':<10} {'B':>3} {'recipe':<28} {'ms/step':>8} {'tok/s':>10} {'MFU':>6} {'peak alloc':>10} "
           f"{'peak resv':>9} {'loss@end':>8}")
     for r in results:
         if "error" in r:
-            print(f"{r['model']:<10} {r['batch']:>3} {r['recipe']:<10} {r['error']}")
+            print(f"{r['model']:<10} {r['batch']:>3} {r['recipe']:<28} {r['error']}")
             continue
-        print(f"{r['model']:<10} {r['batch']:>3} {r['recipe']:<10} {r['ms_per_step']:>8.1f} {r['tokens_per_s']:>10,.0f} "
+        print(f"{r['model']:<10} {r['batch']:>3} {r['recipe']:<28} {r['ms_per_step']:>8.2f} {r['tokens_per_s']:>10,.0f} "
               f"{r['mfu']:>6.1%} {r['peak_allocated_gb']:>8.2f}GB {r['peak_reserved_gb']:>7.2f}GB {r['losses'][-1]:>8.4f}")
     for model in args.models:
-        ref, ours = (next((r for r in results if r["model"] == model and r["recipe"] == k and "error" not in r), None)
-                     for k in RECIPES)
-        if ref and ours:
+        ok = [r for r in results if r["model"] == model and "error" not in r]
+        ref = next((r for r in ok if r["recipe"] == "reference"), None)
+        for ours in (r for r in ok if ref and r is not ref):
             gap = max(abs(a - b) for a, b in zip(ref["losses"], ours["losses"]))
-            print(f"{model}: minitrain {ours['tokens_per_s'] / ref['tokens_per_s']:.2f}x tokens/s, "
-                  f"{ours['peak_allocated_gb'] / ref['peak_allocated_gb']:.2f}x peak allocated; "
+            per_round = [a / b for a, b in zip(ref["ms_per_round"], ours["ms_per_round"])]
+            batches = "" if ref["batch"] == ours["batch"] else f" (each at its batch: {ref['batch']}, {ours['batch']})"
+            print(f"{model} {ours['recipe']}: {ours['tokens_per_s'] / ref['tokens_per_s']:.3f}x the reference's "
+                  f"tokens/s{batches} (rounds {min(per_round):.3f}-{max(per_round):.3f}), "
+                  f"{ours['peak_allocated_gb'] / ref['peak_allocated_gb']:.3f}x its peak allocated; "
                   f"max |loss gap| over {len(ref['losses'])} steps {gap:.3f}")
 
 

@@ -50,6 +50,28 @@ def test_chunk_budgets(rows):
     assert_close_to_truth(hidden, weight, targets, chunk_bytes=rows * V * 4)
 
 
+@pytest.mark.parametrize("programs", [1, 3, N])
+def test_row_kernel_any_number_of_programs(programs):
+    """The row kernel's programs stride over the rows: any grid covers every row exactly once."""
+    from minitrain.ops.cross_entropy_triton import cross_entropy_rows
+
+    hidden, weight, targets = make_inputs(programs)
+    logits = hidden @ weight.T
+    outs = []
+    for grid in (programs, None):
+        grad, losses, lse = logits.clone(), torch.full((N,), float("nan")), torch.full((N,), float("nan"))
+        cross_entropy_rows(grad, targets, losses, lse, torch.tensor(0.5), ignore_index=-100, label_smoothing=0.1,
+                           z_loss=1e-3, write_grad=True, programs=grid, block=32)
+        outs.append((grad, losses, lse))
+    assert not any(t.isnan().any() for t in outs[0])
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    want = F.cross_entropy(logits.double(), targets, reduction="none", label_smoothing=0.1)
+    valid = targets != -100
+    torch.testing.assert_close(outs[0][1][valid].double(), want[valid] + 1e-3 * logits.double()[valid].logsumexp(1) ** 2,
+                               rtol=1e-5, atol=1e-6)
+
+
 # low_memory: the row chunks are H rows (they borrow grad_weight's V x H storage); the vocab blocks are
 # as wide as the budget allows: one row / one column up to everything in one chunk.
 @pytest.mark.parametrize("h, columns", [(1, 1), (5, 7), (H, 64), (N + 3, V)])

@@ -154,5 +154,7 @@ def test_bench_step_auto_batch_is_the_largest_the_model_fits():
         return predict(model_cfg, cfg.precision, cfg.checkpointing, batch, model_cfg.block_size, "fused", None).peak
 
     assert peak(64) < peak(96) < peak(128)  # activations dominate at these batches
-    assert bench_step.largest_fitting_batch("gpt2-1.5b", extra, peak(96)) == 96
-    assert bench_step.largest_fitting_batch("gpt2-1.5b", extra, peak(96) - 1) == 64
+    assert bench_step.largest_fitting_batch("gpt2-1.5b", "minitrain", extra, peak(96)) == 96
+    assert bench_step.largest_fitting_batch("gpt2-1.5b", "minitrain", extra, peak(96) - 1) == 64
+    # the reference recipe (fp32 params, full logits, no checkpointing) fits far fewer sequences
+    assert bench_step.largest_fitting_batch("gpt2-1.5b", "reference", [], peak(96)) <= 16

@@ -65,3 +65,18 @@ def test_gpt2_init_scales_residual_projections():
     std_fc = model.blocks[0].mlp.c_fc.weight.std().item()
     assert abs(std_fc - 0.02) < 0.002
     assert abs(std_proj - 0.02 / 4) < 0.001
+
+
+def test_fused_gelu_model_matches_torch_gelu():
+    """model.gelu=fused (the Triton kernel, interpreted on CPU) trains the same function as F.gelu."""
+    from minitrain.config import KernelImpl
+
+    idx = torch.randint(0, 97, (2, 16))
+    outs = []
+    for impl in (KernelImpl.fused, KernelImpl.torch):
+        model = tiny(gelu=impl)
+        loss = F.cross_entropy(model(idx).flatten(0, 1), idx.flatten())
+        loss.backward()
+        outs.append((loss.detach(), model.blocks[0].mlp.c_fc.weight.grad))
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)

@@ -37,11 +37,11 @@ contribute exact zeros.
 
 import functools
 import math
-import os
 
 import torch
 from torch import Tensor
 
+from minitrain.ops._runtime import check_runnable
 from minitrain.ops.cross_entropy_triton import cross_entropy_rows, logit_grad_block
 
 DEFAULT_CHUNK_BYTES = 256 * 2**20
@@ -285,14 +285,6 @@ def _backward(ctx, grad_loss, _grad_hidden, _grad_weight):
 _linear_cross_entropy.register_autograd(_backward, setup_context=_setup_context)
 
 
-def _check_runnable(hidden: Tensor) -> None:
-    if hidden.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError(
-            "fused_linear_cross_entropy runs Triton kernels: on CPU set TRITON_INTERPRET=1 "
-            "before importing minitrain.ops (tests), or use loss.impl=torch."
-        )
-
-
 def fused_linear_cross_entropy(
     hidden: Tensor,
     weight: Tensor,
@@ -314,7 +306,7 @@ def fused_linear_cross_entropy(
     """
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
-    _check_runnable(hidden)
+    check_runnable(hidden, "fused_linear_cross_entropy", "loss.impl=torch")
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
         hidden = hidden.to(torch.get_autocast_dtype(device_type))

@@ -9,22 +9,14 @@ _logit_grad_block_kernel     a block of columns of every row, given each row's l
 All math is fp32 whatever the logits' dtype.
 """
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-# The interpreter truncates fp32 -> bf16 where the GPU rounds to nearest even;
-# round explicitly there so CPU tests see the GPU's numerics.
-_ROUND_BF16 = os.environ.get("TRITON_INTERPRET") == "1"
+from minitrain.ops._runtime import INTERPRETED, round_to_bf16_in_fp32
 
-
-@triton.jit
-def _round_to_bf16_in_fp32(x):
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True)
+ROWS_PER_SM = 0
+"""Rows the row kernel streams at once per multiprocessor (0: one program per row, all at once)."""
 
 
 @triton.jit
@@ -33,32 +25,15 @@ def _logit_grad(x, cols, target, lse, scale, V, label_smoothing, z_loss, ROUND_B
     g = tl.exp(x - lse) * (1.0 + 2.0 * z_loss * lse) - label_smoothing / V
     g = (g - tl.where(cols == target, 1.0 - label_smoothing, 0.0)) * scale
     if ROUND_BF16:
-        g = _round_to_bf16_in_fp32(g)
+        g = round_to_bf16_in_fp32(g)
     return g
 
 
 @triton.jit
-def _cross_entropy_rows_kernel(
-    logits_ptr,  # (M, V) workspace; overwritten with d(loss_row)/d(logits) if WRITE_GRAD
-    stride_row,
-    targets_ptr,  # (M,) int64
-    loss_ptr,  # (M,) fp32 out: per-row loss, 0 for ignored rows
-    lse_ptr,  # (M,) fp32 out: per-row log-sum-exp, 0 for ignored rows
-    grad_scale_ptr,  # fp32 factor of each gradient row: one scalar (stride 0) or one per row
-    scale_stride,
-    V,
-    ignore_index,
-    label_smoothing,
-    z_loss,
-    WRITE_GRAD: tl.constexpr,
-    ROUND_BF16: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    row_ptr = logits_ptr + row * stride_row
-    cols = tl.arange(0, BLOCK)
+def _cross_entropy_row(row_ptr, row, cols, targets_ptr, loss_ptr, lse_ptr, grad_scale_ptr, scale_stride, V,
+                       ignore_index, label_smoothing, z_loss, WRITE_GRAD: tl.constexpr, ROUND_BF16: tl.constexpr,
+                       BLOCK: tl.constexpr):
     target = tl.load(targets_ptr + row)
-
     if target == ignore_index:
         # Ignored rows skip the exp passes; their zero gradient row makes them
         # contribute nothing to either matmul that follows.
@@ -67,7 +42,7 @@ def _cross_entropy_rows_kernel(
         if WRITE_GRAD:
             for start in range(0, V, BLOCK):
                 offs = start + cols
-                tl.store(row_ptr + offs, tl.zeros([BLOCK], logits_ptr.dtype.element_ty), mask=offs < V)
+                tl.store(row_ptr + offs, tl.zeros([BLOCK], row_ptr.dtype.element_ty), mask=offs < V)
     else:
         # Pass 1: online max / sum-exp (and the plain sum that label smoothing needs).
         m = -float("inf")
@@ -93,7 +68,32 @@ def _cross_entropy_rows_kernel(
                 offs = start + cols
                 x = tl.load(row_ptr + offs, mask=offs < V, other=0.0).to(tl.float32)
                 g = _logit_grad(x, offs, target, lse, scale, V, label_smoothing, z_loss, ROUND_BF16)
-                tl.store(row_ptr + offs, g.to(logits_ptr.dtype.element_ty), mask=offs < V)
+                tl.store(row_ptr + offs, g.to(row_ptr.dtype.element_ty), mask=offs < V)
+
+
+@triton.jit
+def _cross_entropy_rows_kernel(
+    logits_ptr,  # (M, V) workspace; overwritten with d(loss_row)/d(logits) if WRITE_GRAD
+    stride_row,
+    targets_ptr,  # (M,) int64
+    loss_ptr,  # (M,) fp32 out: per-row loss, 0 for ignored rows
+    lse_ptr,  # (M,) fp32 out: per-row log-sum-exp, 0 for ignored rows
+    grad_scale_ptr,  # fp32 factor of each gradient row: one scalar (stride 0) or one per row
+    scale_stride,
+    M,
+    V,
+    ignore_index,
+    label_smoothing,
+    z_loss,
+    WRITE_GRAD: tl.constexpr,
+    ROUND_BF16: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    cols = tl.arange(0, BLOCK)
+    # Rows in a grid-stride loop: how many rows stream at once is the grid's choice (see the launcher).
+    for row in range(tl.program_id(0).to(tl.int64), M, tl.num_programs(0)):
+        _cross_entropy_row(logits_ptr + row * stride_row, row, cols, targets_ptr, loss_ptr, lse_ptr, grad_scale_ptr,
+                           scale_stride, V, ignore_index, label_smoothing, z_loss, WRITE_GRAD, ROUND_BF16, BLOCK)
 
 
 @triton.jit
@@ -128,12 +128,22 @@ def _logit_grad_block_kernel(
 
 
 def cross_entropy_rows(logits, targets, losses, lse, grad_scale, *, ignore_index, label_smoothing, z_loss,
-                       write_grad):
+                       write_grad, programs=None, block=4096, num_warps=8):
     """Per-row loss and log-sum-exp into `losses`, `lse`; if `write_grad`, `logits` becomes its gradient
-    times `grad_scale`, a 0-dim or (M,) fp32 device tensor (no host sync)."""
+    times `grad_scale`, a 0-dim or (M,) fp32 device tensor (no host sync).
+
+    The gradient pass rereads each row right after the first pass: with few enough rows streaming at once
+    (`programs`; default ROWS_PER_SM per multiprocessor), those rows stay in L2 for the reread. The last
+    three arguments are there for scripts/tune_cross_entropy_rows.py.
+    """
     rows, vocab = logits.shape
-    block = min(triton.next_power_of_2(vocab), 4096)
-    _cross_entropy_rows_kernel[(rows,)](
+    block = min(triton.next_power_of_2(vocab), block)
+    if programs is None:
+        programs = rows
+        if logits.is_cuda and ROWS_PER_SM:
+            programs = ROWS_PER_SM * torch.cuda.get_device_properties(logits.device).multi_processor_count
+    programs = min(rows, programs)
+    _cross_entropy_rows_kernel[(programs,)](
         logits,
         logits.stride(0),
         targets,
@@ -141,14 +151,15 @@ def cross_entropy_rows(logits, targets, losses, lse, grad_scale, *, ignore_index
         lse,
         grad_scale,
         grad_scale.stride(0) if grad_scale.dim() else 0,
+        rows,
         vocab,
         ignore_index,
         float(label_smoothing),
         float(z_loss),
         WRITE_GRAD=write_grad,
-        ROUND_BF16=_ROUND_BF16 and logits.dtype == torch.bfloat16,
+        ROUND_BF16=INTERPRETED and logits.dtype == torch.bfloat16,
         BLOCK=block,
-        num_warps=8 if block >= 2048 else 4,
+        num_warps=num_warps if block >= 2048 else 4,
     )
 
 
@@ -169,7 +180,7 @@ def logit_grad_block(logits, col0, vocab, targets, lse, grad_scale, *, ignore_in
         ignore_index,
         float(label_smoothing),
         float(z_loss),
-        ROUND_BF16=_ROUND_BF16 and logits.dtype == torch.bfloat16,
+        ROUND_BF16=INTERPRETED and logits.dtype == torch.bfloat16,
         BLOCK=block,
         num_warps=4,
     )

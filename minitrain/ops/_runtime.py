@@ -1,0 +1,28 @@
+"""What the Triton ops share about where they run: the GPU, or the CPU through Triton's interpreter."""
+
+import os
+
+import triton
+import triton.language as tl
+from torch import Tensor
+
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+"""Kernels run on CPU tensors through Triton's interpreter (tests); read at import, as Triton does."""
+
+
+@triton.jit
+def round_to_bf16_in_fp32(x):
+    """The interpreter truncates fp32 -> bf16 where the GPU rounds to nearest even: kernels round
+    explicitly under it, so CPU tests see the GPU's numerics."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+def check_runnable(tensor: Tensor, what: str, fallback: str) -> None:
+    """Raise if `tensor` is on the CPU and Triton's interpreter is off; `fallback` names the plain-PyTorch path."""
+    if tensor.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError(
+            f"{what} runs Triton kernels: on CPU set TRITON_INTERPRET=1 before importing minitrain.ops (tests), "
+            f"or use {fallback}."
+        )

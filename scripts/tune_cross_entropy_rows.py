@@ -1,0 +1,66 @@
+"""Tune the fused loss's row kernel (the softmax pass over a chunk of logits) on the GPU.
+
+The kernel reads each row twice (log-sum-exp, then the gradient) and writes it once. When the rows in
+flight fit in L2 the second read is nearly free: the floor is then one read and one write. This prints,
+per grid size (rows streaming at once), block and warp count, the time and the bandwidth counted as
+one read + one write, beside a device-to-device copy of the same bytes (the ceiling).
+
+    python scripts/tune_cross_entropy_rows.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+import torch
+import triton.testing
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from minitrain.ops.cross_entropy_triton import cross_entropy_rows  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", nargs="+", default=["2560x50304", "16384x50304", "1024x128256"])
+    ap.add_argument("--out", default="tune_cross_entropy_rows.json")
+    args = ap.parse_args()
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    results = []
+    for shape in args.shapes:
+        rows, vocab = map(int, shape.split("x"))
+        logits = torch.randn(rows, vocab, device="cuda", dtype=torch.bfloat16) * 3
+        targets = torch.randint(0, vocab, (rows,), device="cuda")
+        losses, lse = (torch.empty(rows, device="cuda") for _ in range(2))
+        scale = torch.tensor(1.0 / rows, device="cuda")
+        nbytes = 2 * logits.numel() * logits.element_size()  # one read + one write
+        copy_src = torch.empty_like(logits)
+        copy_ms = triton.testing.do_bench(lambda: copy_src.copy_(logits), return_mode="median")
+        print(f"{shape}: copy {copy_ms:.3f} ms = {nbytes / copy_ms / 1e9:.2f} TB/s")
+        variants = [(None, 4096, 8)] + list(itertools.product([1, 2, 3, 4, 6, 8], [2048, 4096, 8192], [4, 8, 16]))
+        for per_sm, block, warps in variants:
+            programs = None if per_sm is None else per_sm * sms
+
+            def run():
+                cross_entropy_rows(logits, targets, losses, lse, scale, ignore_index=-100, label_smoothing=0.0,
+                                   z_loss=0.0, write_grad=True, programs=programs, block=block, num_warps=warps)
+
+            ms = triton.testing.do_bench(run, return_mode="median")
+            row = {"shape": shape, "rows_per_sm": per_sm, "block": block, "warps": warps, "ms": ms,
+                   "tb_per_s": nbytes / ms / 1e9, "of_copy": copy_ms / ms}
+            results.append(row)
+        best = sorted((r for r in results if r["shape"] == shape), key=lambda r: r["ms"])
+        base = next(r for r in results if r["shape"] == shape and r["rows_per_sm"] is None)
+        print(f"  one program per row: {base['ms']:.3f} ms ({base['of_copy']:.0%} of copy)")
+        for r in best[:6]:
+            print(f"  rows/SM {r['rows_per_sm']} block {r['block']} warps {r['warps']}: {r['ms']:.3f} ms "
+                  f"({r['of_copy']:.0%} of copy)")
+    Path(args.out).write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
