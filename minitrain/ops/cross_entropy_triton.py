@@ -15,8 +15,9 @@ import triton.language as tl
 
 from minitrain.ops._runtime import INTERPRETED, round_to_bf16_in_fp32
 
-ROWS_PER_SM = 0
-"""Rows the row kernel streams at once per multiprocessor (0: one program per row, all at once)."""
+ROWS_PER_SM = 8
+"""Rows the row kernel streams at once per multiprocessor (0: one program per row, all at once). Tuned on
+an H200 (scripts/tune_cross_entropy_rows.py, docs/benchmarks.md) with 4 warps and 4096-column blocks."""
 
 
 @triton.jit
@@ -128,7 +129,7 @@ def _logit_grad_block_kernel(
 
 
 def cross_entropy_rows(logits, targets, losses, lse, grad_scale, *, ignore_index, label_smoothing, z_loss,
-                       write_grad, programs=None, block=4096, num_warps=8):
+                       write_grad, programs=None, block=4096, num_warps=4):
     """Per-row loss and log-sum-exp into `losses`, `lse`; if `write_grad`, `logits` becomes its gradient
     times `grad_scale`, a 0-dim or (M,) fp32 device tensor (no host sync).
 
