@@ -46,10 +46,10 @@ class MLP(nn.Module):
         self.gelu_impl = cfg.gelu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.gelu_impl == KernelImpl.fused or (self.gelu_impl == KernelImpl.auto and x.is_cuda):
-            # One memory pass each way, c_fc's bias added (and its gradient summed) inside (minitrain/ops/gelu.py).
-            return self.c_proj(gelu_tanh(F.linear(x, self.c_fc.weight), self.c_fc.bias))
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+        h = self.c_fc(x)
+        if self.gelu_impl == KernelImpl.fused or (self.gelu_impl == KernelImpl.auto and h.is_cuda):
+            return self.c_proj(gelu_tanh(h))  # one memory pass each way (minitrain/ops/gelu.py)
+        return self.c_proj(F.gelu(h, approximate="tanh"))
 
 
 class Block(nn.Module):

@@ -127,8 +127,23 @@ SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
               "cudaMemcpyAsync")  # the last: to show how many copies a step queues (async from pinned memory)
 
 
+def idle_gaps(prof, top: int = 8) -> tuple[float, list[dict]]:
+    """GPU idle time inside the profiled window: gaps between consecutive kernels (and copies), with the
+    kernels on either side. A step that is not GPU-bound shows up here, not in the kernel table."""
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    gaps, busy_until, before = [], spans[0][1], spans[0][2]
+    for start, end, name in spans[1:]:
+        if start > busy_until:
+            gaps.append({"us": start - busy_until, "after": before[:60], "before": name[:60]})
+        if end > busy_until:
+            busy_until, before = end, name
+    return sum(g["us"] for g in gaps) / 1e3, sorted(gaps, key=lambda g: -g["us"])[:top]
+
+
 def profile_steps(trainer: Trainer, first: int, steps: int = 3) -> dict:
-    """The profiler over `steps` more steps: GPU time by kernel (the next cost to attack) and host syncs."""
+    """The profiler over `steps` more steps: GPU time by kernel (the next cost to attack), GPU idle gaps
+    and host syncs."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -144,8 +159,9 @@ def profile_steps(trainer: Trainer, first: int, steps: int = 3) -> dict:
     top = [{"kernel": e.key[:90], "calls_per_step": e.count / steps,
             "ms_per_step": e.self_device_time_total / 1e3 / steps, "share": e.self_device_time_total / total}
            for e in kernels[:25]]
-    return {"gpu_ms_per_step": total / 1e3 / steps, "top_kernels": top,
-            "syncs_per_step": {k: v / steps for k, v in syncs.items()}}
+    idle_ms, gaps = idle_gaps(prof)
+    return {"gpu_ms_per_step": total / 1e3 / steps, "idle_ms_per_step": idle_ms / steps, "largest_gaps": gaps,
+            "top_kernels": top, "syncs_per_step": {k: v / steps for k, v in syncs.items()}}
 
 
 def finish(run: Run, row: dict, profile: bool) -> None:
@@ -218,8 +234,10 @@ def main() -> None:
             print(json.dumps({k: v for k, v in row.items() if k not in ("losses", "profile")}), flush=True)
             if "profile" in row:
                 prof = row["profile"]
-                print(f"  GPU busy {prof['gpu_ms_per_step']:.2f} ms/step; "
-                      f"sync and copy calls/step {prof['syncs_per_step']}")
+                print(f"  GPU busy {prof['gpu_ms_per_step']:.2f} ms/step, idle between kernels "
+                      f"{prof['idle_ms_per_step']:.2f} ms/step; sync and copy calls/step {prof['syncs_per_step']}")
+                for g in prof["largest_gaps"]:
+                    print(f"  idle {g['us']:7.1f} us after {g['after']} / before {g['before']}")
                 for k in prof["top_kernels"]:
                     print(f"  {k['ms_per_step']:7.3f} ms {k['share']:6.1%} x{k['calls_per_step']:5.1f}  {k['kernel']}")
     Path(args.out).write_text(json.dumps(results, indent=1))
