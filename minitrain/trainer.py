@@ -17,6 +17,7 @@ from typing import Any, Callable, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
+from torch.profiler import record_function
 
 from . import checkpointing, distributed, memory, resume
 from .config import Config, ConfigError, KernelImpl, OptimizerImpl, resolve
@@ -187,17 +188,23 @@ class Trainer:
         """One optimizer step over the global batch; returns this rank's mean loss as a device tensor."""
         accum, rank, world = self.cfg.trainer.grad_accum, self.dist.rank, self.dist.world_size
         total = torch.zeros((), device=self.device)
+        # record_function: the phases by name in a profiler trace (bench_step.py --profile attributes GPU idle
+        # time to them); free when no profiler runs.
         for micro in range(accum):
-            x, y = self.train_batches.get(step, rank * accum + micro, world * accum)
+            with record_function("minitrain.data"):
+                x, y = self.train_batches.get(step, rank * accum + micro, world * accum)
             with distributed.grad_sync(self.loss_module, sync=micro == accum - 1):
-                loss = self.compute_loss(x, y)
-                scaled = loss / accum
-                (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+                with record_function("minitrain.forward"):
+                    loss = self.compute_loss(x, y)
+                    scaled = loss / accum
+                with record_function("minitrain.backward"):
+                    (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
             total += loss.detach().float()
-        for group in self.optimizer.param_groups:
-            group["lr"] = self.cfg.trainer.lr_at(step)
-        self.optimizer.step(scaler=self.scaler)
-        self.optimizer.zero_grad(set_to_none=True)
+        with record_function("minitrain.optimizer"):
+            for group in self.optimizer.param_groups:
+                group["lr"] = self.cfg.trainer.lr_at(step)
+            self.optimizer.step(scaler=self.scaler)
+            self.optimizer.zero_grad(set_to_none=True)
         return total / accum
 
     @torch.no_grad()

@@ -129,16 +129,26 @@ SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
 
 def idle_gaps(prof, top: int = 8) -> tuple[float, list[dict]]:
     """GPU idle time inside the profiled window: gaps between consecutive kernels (and copies), with the
-    kernels on either side. A step that is not GPU-bound shows up here, not in the kernel table."""
-    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+    kernels on either side and the innermost host-side events running at the gap's middle (what the CPU
+    was doing while the GPU waited). A step that is not GPU-bound shows up here, not in the kernel table."""
+    events = prof.events()
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
                    if e.device_type == torch.autograd.DeviceType.CUDA)
+    host = [(e.time_range.start, e.time_range.end, e.name) for e in events
+            if e.device_type == torch.autograd.DeviceType.CPU]
     gaps, busy_until, before = [], spans[0][1], spans[0][2]
     for start, end, name in spans[1:]:
         if start > busy_until:
-            gaps.append({"us": start - busy_until, "after": before[:60], "before": name[:60]})
+            gaps.append({"us": start - busy_until, "after": before[:60], "before": name[:60], "at": busy_until})
         if end > busy_until:
             busy_until, before = end, name
-    return sum(g["us"] for g in gaps) / 1e3, sorted(gaps, key=lambda g: -g["us"])[:top]
+    idle_ms = sum(g["us"] for g in gaps) / 1e3
+    gaps = sorted(gaps, key=lambda g: -g["us"])[:top]
+    for g in gaps:
+        middle = g.pop("at") + g["us"] / 2
+        running = sorted((end - start, name) for start, end, name in host if start <= middle <= end)
+        g["host"] = " < ".join(name[:50] for _, name in running[:3])
+    return idle_ms, gaps
 
 
 def profile_steps(trainer: Trainer, first: int, steps: int = 3) -> dict:
@@ -237,7 +247,8 @@ def main() -> None:
                 print(f"  GPU busy {prof['gpu_ms_per_step']:.2f} ms/step, idle between kernels "
                       f"{prof['idle_ms_per_step']:.2f} ms/step; sync and copy calls/step {prof['syncs_per_step']}")
                 for g in prof["largest_gaps"]:
-                    print(f"  idle {g['us']:7.1f} us after {g['after']} / before {g['before']}")
+                    print(f"  idle {g['us']:7.1f} us after {g['after'][:40]} / before {g['before'][:40]}; "
+                          f"host in {g['host']}")
                 for k in prof["top_kernels"]:
                     print(f"  {k['ms_per_step']:7.3f} ms {k['share']:6.1%} x{k['calls_per_step']:5.1f}  {k['kernel']}")
     Path(args.out).write_text(json.dumps(results, indent=1))
