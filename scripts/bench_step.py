@@ -208,6 +208,7 @@ def main() -> None:
         if "1.5b" in model or "774m" in model:
             ours_extra.append(f"checkpointing={args.big_checkpointing}")
         runs, rows = {}, {}
+        rounds = 1 if batch == "auto" else args.rounds  # at its largest batch, each recipe needs the GPU alone
         with tempfile.TemporaryDirectory() as tmp:
             variants = [("reference", "reference", []), ("minitrain", "minitrain", ours_extra)]
             for ablation in args.ablate:  # minitrain with one part swapped: that part's share of the gain
@@ -220,7 +221,7 @@ def main() -> None:
                     run, memory_peaks = start_run(model, recipe_batch, recipe, extra, f"{tmp}/{i}", args.warmup)
                     row.update(memory_peaks)
                     runs[name] = run
-                    if args.rounds == 1:  # alone on the GPU: time it now and free it
+                    if rounds == 1:  # alone on the GPU: time it now and free it
                         run.timed(args.steps)
                         finish(runs.pop(name), row, args.profile)
                 except Exception as e:  # OOM, or a mode that cannot run here: reported, the others go on
@@ -228,9 +229,9 @@ def main() -> None:
                     row["error"] = f"{type(e).__name__}: {e}"[:300]
                     runs.pop(name, None)
                 run = None
-            for r in range(args.rounds if len(runs) > 1 else 0):
+            for r in range(rounds if len(runs) > 1 else 0):
                 for recipe in list(runs)[:: 1 if r % 2 == 0 else -1]:
-                    runs[recipe].timed(args.steps // args.rounds)
+                    runs[recipe].timed(args.steps // rounds)
             for name, run in runs.items():
                 if not run.round_ms:  # the other recipes failed: time this one alone
                     run.timed(args.steps)

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One GPU session's worth of checks and measurements, for the device machine (see docs/benchmarks.md).
-# Usage: scripts/gpu_suite.sh OUT_DIR [tests] [optimizer] [cross_entropy] [train] [step] [sweep]
+# Usage: scripts/gpu_suite.sh OUT_DIR [tests] [optimizer] [cross_entropy] [ce_rows] [ce_chunks] [gelu] [train]
+#        [step] [step15b] [sweep]
 set -uo pipefail
 out=${1:?output dir}; shift
 mkdir -p "$out"
@@ -11,7 +12,7 @@ for what in "$@"; do
   echo "=== $what ==="
   case $what in
     tests) MINITRAIN_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q tests/test_optim.py tests/test_amp.py \
-             tests/test_cross_entropy.py 2>&1 | grep -E "^(E  |FAILED|[0-9]+ (passed|failed))" | tail -40
+             tests/test_cross_entropy.py tests/test_gelu.py tests/test_model.py 2>&1 | grep -E "^(E  |FAILED|[0-9]+ (passed|failed))" | tail -40
            # compiled kernels (not the interpreter the CPU tests default to), on a cuda trainer
            TRITON_INTERPRET=0 timeout 200 python3 -m pytest -q tests/test_trainer.py -k never_syncs 2>&1 \
              | grep -E "^(E  |FAILED|[0-9]+ (passed|failed))" | tail -20 ;;
@@ -22,9 +23,12 @@ for what in "$@"; do
              trainer.warmup_steps=10 trainer.lr=6e-4 trainer.min_lr=6e-5 hydra.run.dir=/tmp/run-124m 2>&1 \
              | grep -v "it/s\]\|step/s\]" | tail -25
            cp /tmp/run-124m/metrics.jsonl "$out/train_124m_metrics.jsonl" ;;
-    step) timeout 590 python3 scripts/bench_step.py --batch 16 auto --out "$out/bench_step.json" 2>&1 | tail -40 ;;
-    step124) timeout 300 python3 scripts/bench_step.py --models gpt2-124m --batch 16 --out "$out/bench_step_124m.json" \
-               ${STEP_EXTRA:+--minitrain-extra $STEP_EXTRA} 2>&1 | tail -8 ;;
+    step) timeout 300 python3 scripts/bench_step.py --models gpt2-124m --batch 16 --profile --ablate model.gelu=torch \
+            --out "$out/bench_step_124m.json" 2>&1 | grep -v "^ .* ms .*x" | tail -40 ;;
+    step15b) timeout 590 python3 scripts/bench_step.py --models gpt2-1.5b --batch auto --warmup 2 --steps 4 \
+               --out "$out/bench_step_15b.json" 2>&1 | tail -8 ;;
+    gelu) timeout 60 python3 scripts/bench_gelu.py --out "$out/bench_gelu.json" 2>&1 | tail -6 ;;
+    ce_rows) timeout 120 python3 scripts/tune_cross_entropy_rows.py --out "$out/tune_ce_rows.json" 2>&1 | tail -24 ;;
     ce_chunks) timeout 200 python3 scripts/bench_cross_entropy.py --shapes 16384x768x50304 16384x2048x128256 \
                  --chunk-mib 16 32 64 --out "$out/bench_ce_chunks.json" 2>&1 | tail -16 ;;
     sweep)  # issue 5's 12-cell sweep, one process per cell so each cell's peak memory is its own
