@@ -74,8 +74,9 @@ def build(model: str, batch: int, recipe: str, extra: list[str], out_dir: str) -
 class Run:
     """One recipe's trainer and what it has done: steps are numbered on, so data and schedule continue."""
 
-    def __init__(self, trainer: Trainer):
+    def __init__(self, trainer: Trainer, base_allocated: int, base_reserved: int):
         self.trainer, self.step, self.losses, self.round_ms = trainer, 0, [], []
+        self.base_allocated, self.base_reserved = base_allocated, base_reserved
 
     def steps(self, n: int) -> None:
         self.losses += [self.trainer.train_step(s) for s in range(self.step, self.step + n)]
@@ -93,7 +94,7 @@ class Run:
 
     def memory_peaks(self, n: int) -> dict:
         """Peak allocated / reserved over n steps, net of what was resident before this trainer was built
-        (another recipe's state, when the two are interleaved)."""
+        (the other recipes' state, when they are interleaved)."""
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
         self.steps(n)
@@ -117,8 +118,7 @@ def start_run(model: str, batch: int, recipe: str, extra: list[str], out_dir: st
     gc.collect()
     torch.cuda.empty_cache()
     base_allocated, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-    run = Run(build(model, batch, recipe, extra, out_dir))
-    run.base_allocated, run.base_reserved = base_allocated, base_reserved
+    run = Run(build(model, batch, recipe, extra, out_dir), base_allocated, base_reserved)
     run.steps(warmup)
     return run, run.memory_peaks(2)
 
@@ -189,8 +189,8 @@ def main() -> None:
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=4,
-                    help="the timed steps in rounds alternating the two recipes, both resident, so the machine's "
-                         "drift (clocks, heat) falls on both; 1: one recipe after the other, each alone")
+                    help="the timed steps in rounds alternating the recipes, all resident, so the machine's drift "
+                         "(clocks, heat) falls on all; 1 (always with --batch auto): one after the other, each alone")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--minitrain-extra", nargs="*", default=[], help="extra overrides for the minitrain recipe")
     ap.add_argument("--ablate", nargs="*", default=[],

@@ -9,6 +9,8 @@ _logit_grad_block_kernel     a block of columns of every row, given each row's l
 All math is fp32 whatever the logits' dtype.
 """
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
@@ -128,21 +130,24 @@ def _logit_grad_block_kernel(
         tl.store(ptrs, g.to(logits_ptr.dtype.element_ty), mask=mask)
 
 
+@functools.cache
+def _multiprocessors(device: torch.device) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
 def cross_entropy_rows(logits, targets, losses, lse, grad_scale, *, ignore_index, label_smoothing, z_loss,
                        write_grad, programs=None, block=4096, num_warps=4):
     """Per-row loss and log-sum-exp into `losses`, `lse`; if `write_grad`, `logits` becomes its gradient
     times `grad_scale`, a 0-dim or (M,) fp32 device tensor (no host sync).
 
-    The gradient pass rereads each row right after the first pass: with few enough rows streaming at once
-    (`programs`; default ROWS_PER_SM per multiprocessor), those rows stay in L2 for the reread. The last
+    How many rows stream at once (`programs`; default ROWS_PER_SM per multiprocessor) trades memory
+    parallelism against L2 hits when the gradient pass rereads a row; measured, not derived. The last
     three arguments are there for scripts/tune_cross_entropy_rows.py.
     """
     rows, vocab = logits.shape
     block = min(triton.next_power_of_2(vocab), block)
     if programs is None:
-        programs = rows
-        if logits.is_cuda and ROWS_PER_SM:
-            programs = ROWS_PER_SM * torch.cuda.get_device_properties(logits.device).multi_processor_count
+        programs = ROWS_PER_SM * _multiprocessors(logits.device) if logits.is_cuda and ROWS_PER_SM else rows
     programs = min(rows, programs)
     _cross_entropy_rows_kernel[(programs,)](
         logits,
@@ -160,7 +165,7 @@ def cross_entropy_rows(logits, targets, losses, lse, grad_scale, *, ignore_index
         WRITE_GRAD=write_grad,
         ROUND_BF16=INTERPRETED and logits.dtype == torch.bfloat16,
         BLOCK=block,
-        num_warps=num_warps if block >= 2048 else 4,
+        num_warps=num_warps,
     )
 
 
