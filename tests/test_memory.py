@@ -2,13 +2,11 @@ import pytest
 import torch
 
 from minitrain.checkpointing import apply_policy
-from minitrain.config import (CheckpointingConfig, CheckpointPolicy, DType, ModelConfig, PrecisionConfig,
-                              compose_config, resolve)
+from minitrain.config import CheckpointingConfig, CheckpointPolicy, DType, ModelConfig, PrecisionConfig
 from minitrain.memory import LiveBytes, compare, predict
 from minitrain.model import GPT
 from minitrain.ops import fused_linear_cross_entropy, linear_cross_entropy_reference
 from minitrain.optim import FusedAdamW
-from minitrain.trainer import model_config_for
 
 B, T = 4, 32
 PRECISIONS = {
@@ -137,24 +135,3 @@ def test_live_bytes_counts_new_storages_not_views():
         del y, view
         assert live.current == 1000
     assert live.peak == 5000 and z.nbytes == 1000
-
-
-def test_bench_step_auto_batch_is_the_largest_the_model_fits():
-    import importlib.util
-
-    from conftest import REPO
-    spec = importlib.util.spec_from_file_location("bench_step", REPO / "scripts" / "bench_step.py")
-    bench_step = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench_step)
-    extra = ["checkpointing=full"]
-    cfg = resolve(compose_config(["model=gpt2-1.5b", "trainer.out_dir=.", *bench_step.RECIPES["minitrain"], *extra]))
-    model_cfg = model_config_for(cfg, cfg.data.vocab_size)
-
-    def peak(batch):
-        return predict(model_cfg, cfg.precision, cfg.checkpointing, batch, model_cfg.block_size, "fused", None).peak
-
-    assert peak(64) < peak(96) < peak(128)  # activations dominate at these batches
-    assert bench_step.largest_fitting_batch("gpt2-1.5b", "minitrain", extra, peak(96)) == 96
-    assert bench_step.largest_fitting_batch("gpt2-1.5b", "minitrain", extra, peak(96) - 1) == 64
-    # the reference recipe (fp32 params, full logits, no checkpointing) fits far fewer sequences
-    assert bench_step.largest_fitting_batch("gpt2-1.5b", "reference", [], peak(96)) <= 16

@@ -1,0 +1,44 @@
+"""scripts/bench_step.py's logic that runs without a GPU: the auto batch and the idle-gap report."""
+
+import importlib.util
+from types import SimpleNamespace
+
+import torch
+
+from conftest import REPO
+from minitrain.config import compose_config, resolve
+from minitrain.memory import predict
+from minitrain.trainer import model_config_for
+
+_spec = importlib.util.spec_from_file_location("bench_step", REPO / "scripts" / "bench_step.py")
+bench_step = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench_step)
+
+
+def test_auto_batch_is_the_largest_the_model_fits():
+    extra = ["checkpointing=full"]
+    cfg = resolve(compose_config(["model=gpt2-1.5b", "trainer.out_dir=.", *bench_step.RECIPES["minitrain"], *extra]))
+    model_cfg = model_config_for(cfg, cfg.data.vocab_size)
+
+    def peak(batch):
+        return predict(model_cfg, cfg.precision, cfg.checkpointing, batch, model_cfg.block_size, "fused", None).peak
+
+    assert peak(64) < peak(96) < peak(128)  # activations dominate at these batches
+    assert bench_step.largest_fitting_batch("gpt2-1.5b", "minitrain", extra, peak(96)) == 96
+    assert bench_step.largest_fitting_batch("gpt2-1.5b", "minitrain", extra, peak(96) - 1) == 64
+    # the reference recipe (fp32 params, full logits, no checkpointing) fits far fewer sequences
+    assert bench_step.largest_fitting_batch("gpt2-1.5b", "reference", [], peak(96)) <= 16
+
+
+def _event(start, end, name, device):
+    return SimpleNamespace(time_range=SimpleNamespace(start=start, end=end), name=name, device_type=device)
+
+
+def test_idle_gaps_between_overlapping_kernels_name_the_host_work():
+    gpu, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    events = [_event(0, 10, "a", gpu), _event(15, 20, "b", gpu), _event(18, 30, "c", gpu),  # c overlaps b
+              _event(12, 16, "d", gpu), _event(40, 41, "e", gpu),
+              _event(0, 100, "minitrain.optimizer", cpu), _event(31, 39, "aten::view", cpu)]
+    idle_ms, gaps = bench_step.idle_gaps(SimpleNamespace(events=lambda: events), top=1)
+    assert idle_ms == (2 + 10) / 1e3  # 10..12 and 30..40; d, b and c together keep the GPU busy 12..30
+    assert gaps == [{"us": 10, "after": "c", "before": "e", "host": "aten::view < minitrain.optimizer"}]
