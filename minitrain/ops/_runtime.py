@@ -2,12 +2,17 @@
 
 import os
 
+import torch
 import triton
 import triton.language as tl
 from torch import Tensor
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-"""Kernels run on CPU tensors through Triton's interpreter (tests); read at import, as Triton does."""
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"  # read at import, as Triton does
+
+
+def rounds_bf16(dtype: torch.dtype) -> bool:
+    """The ROUND_BF16 flag of a kernel storing `dtype`: under the interpreter only (see below)."""
+    return _INTERPRETED and dtype == torch.bfloat16
 
 
 @triton.jit
@@ -21,7 +26,7 @@ def round_to_bf16_in_fp32(x):
 
 def check_runnable(tensor: Tensor, what: str, fallback: str) -> None:
     """Raise if `tensor` is on the CPU and Triton's interpreter is off; `fallback` names the plain-PyTorch path."""
-    if tensor.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+    if tensor.device.type == "cpu" and not _INTERPRETED:
         raise RuntimeError(
             f"{what} runs Triton kernels: on CPU set TRITON_INTERPRET=1 before importing minitrain.ops (tests), "
             f"or use {fallback}."

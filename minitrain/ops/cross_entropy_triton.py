@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minitrain.ops._runtime import INTERPRETED, round_to_bf16_in_fp32
+from minitrain.ops._runtime import round_to_bf16_in_fp32, rounds_bf16
 
 ROWS_PER_SM = 8
 """Rows the row kernel streams at once per multiprocessor (0: one program per row, all at once). Tuned on
@@ -163,7 +163,7 @@ def cross_entropy_rows(logits, targets, losses, lse, grad_scale, *, ignore_index
         float(label_smoothing),
         float(z_loss),
         WRITE_GRAD=write_grad,
-        ROUND_BF16=INTERPRETED and logits.dtype == torch.bfloat16,
+        ROUND_BF16=rounds_bf16(logits.dtype),
         BLOCK=block,
         num_warps=num_warps,
     )
@@ -186,7 +186,7 @@ def logit_grad_block(logits, col0, vocab, targets, lse, grad_scale, *, ignore_in
         ignore_index,
         float(label_smoothing),
         float(z_loss),
-        ROUND_BF16=INTERPRETED and logits.dtype == torch.bfloat16,
+        ROUND_BF16=rounds_bf16(logits.dtype),
         BLOCK=block,
         num_warps=4,
     )

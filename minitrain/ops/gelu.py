@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from minitrain.ops._runtime import INTERPRETED, check_runnable, round_to_bf16_in_fp32
+from minitrain.ops._runtime import check_runnable, round_to_bf16_in_fp32, rounds_bf16
 
 _BLOCK = 2048
 _NUM_WARPS = 4
@@ -71,7 +71,7 @@ def _gelu_tanh(x: Tensor) -> Tensor:
     y = torch.empty_like(x)
     n = x.numel()
     _gelu_forward_kernel[(triton.cdiv(n, _BLOCK),)](
-        x, y, n, Z1=_Z1, Z3=_Z3, ROUND_BF16=INTERPRETED and x.dtype == torch.bfloat16, BLOCK=_BLOCK,
+        x, y, n, Z1=_Z1, Z3=_Z3, ROUND_BF16=rounds_bf16(x.dtype), BLOCK=_BLOCK,
         num_warps=_NUM_WARPS,
     )
     return y
@@ -90,7 +90,7 @@ def _gelu_tanh_backward(grad_out: Tensor, x: Tensor) -> Tensor:
     n = x.numel()
     _gelu_backward_kernel[(triton.cdiv(n, _BLOCK),)](
         grad_out.contiguous(), x, grad_in, n, Z1=_Z1, Z3=_Z3, D0=_D0, D2=_D2, X_CLAMP=_X_CLAMP,
-        ROUND_BF16=INTERPRETED and x.dtype == torch.bfloat16, BLOCK=_BLOCK, num_warps=_NUM_WARPS,
+        ROUND_BF16=rounds_bf16(x.dtype), BLOCK=_BLOCK, num_warps=_NUM_WARPS,
     )
     return grad_in
 
