@@ -189,7 +189,7 @@ class Trainer:
         accum, rank, world = self.cfg.trainer.grad_accum, self.dist.rank, self.dist.world_size
         total = torch.zeros((), device=self.device)
         # record_function: the phases by name in a profiler trace (bench_step.py --profile attributes GPU idle
-        # time to them); ~6 us of host time each when no profiler runs, 4 + 1 per micro-batch a step.
+        # time to them); ~6 us of host time each when no profiler runs (3 per micro-batch + 1 per step).
         for micro in range(accum):
             with record_function("minitrain.data"):
                 x, y = self.train_batches.get(step, rank * accum + micro, world * accum)
