@@ -274,7 +274,9 @@ def test_fp32_main_grads_and_foreign_zero_grad(impl):
 
 
 def test_fused_on_cpu_needs_interpreter(monkeypatch):
-    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    from minitrain.ops import _runtime
+
+    monkeypatch.setattr(_runtime, "_INTERPRETED", False)  # as if TRITON_INTERPRET was unset at import
     with pytest.raises(RuntimeError, match="foreach"):
         FusedAdamW([torch.nn.Parameter(torch.randn(3, device="cpu"))], impl="fused")
 

@@ -28,11 +28,12 @@ skip decision are global.
 """
 
 import math
-import os
 from dataclasses import dataclass
 
 import torch
 from torch.distributed.tensor import DTensor
+
+from minitrain.ops._runtime import check_runnable
 
 IMPLS = ("loop", "foreach", "fused")
 ALIGN = 64  # elements: each view starts on a 256 B boundary of its fp32 buffer (vector loads)
@@ -200,9 +201,8 @@ class FusedAdamW:
         self.reduce_sumsq = reduce_sumsq
         self._params = [p for g in self.param_groups for p in g["params"]]
         self.device = self._params[0].device
-        if impl == "fused" and self.device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise RuntimeError("impl='fused' runs Triton kernels, which need a GPU; on CPU use "
-                               "impl='foreach', or set TRITON_INTERPRET=1 (slow, for tests)")
+        if impl == "fused":
+            check_runnable(self._params[0], "FusedAdamW(impl='fused')", "impl='foreach' (optimizer.impl=foreach)")
 
         by_dtype, i = {}, 0
         for gi, g in enumerate(self.param_groups):
