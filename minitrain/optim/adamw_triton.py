@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from minitrain.ops._runtime import round_to_bf16_in_fp32
+
 from .adamw import ALIGN
 
 BLOCK = 4096        # elements per update program: 16 per thread at 8 warps, 4 x 128-bit fp32 loads
@@ -81,15 +83,12 @@ def _finalize_kernel(partial_ptr, n_partials, scalars_ptr, step_ptr, skipped_ptr
 
 @triton.jit
 def _round_to_param(x, param_ptr):
-    """fp32 -> param dtype, round to nearest even. bf16 is rounded with integer ops, exactly as
-    c10::BFloat16 does: the same bits on the GPU and in the Triton interpreter (whose float
-    cast truncates). ALU is free here; the kernel is bandwidth-bound."""
+    """fp32 -> param dtype, round to nearest even. bf16 is rounded with integer ops first, so the
+    bits are the same on the GPU and in the Triton interpreter (whose float cast truncates); the
+    cast that follows is then exact. ALU is free here; the kernel is bandwidth-bound."""
     if param_ptr.dtype.element_ty == tl.bfloat16:
-        bits = x.to(tl.uint32, bitcast=True)
-        bits += 0x7FFF + ((bits >> 16) & 1)
-        return (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True)
-    else:
-        return x.to(param_ptr.dtype.element_ty)
+        x = round_to_bf16_in_fp32(x)
+    return x.to(param_ptr.dtype.element_ty)
 
 
 @triton.jit
