@@ -256,6 +256,12 @@ class TrainerConfig:
         modes = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
         _require(self.compile_mode in modes, "trainer.compile_mode", f"one of {modes}, got {self.compile_mode!r}")
 
+    @property
+    def cuda_graphs(self) -> bool:
+        """The compiled step replays CUDA graphs (their memory comes from a pool the allocated counter
+        does not see; on the CPU the mode compiles without them)."""
+        return self.compile and self.compile_mode in ("reduce-overhead", "max-autotune")
+
     def lr_at(self, step: int) -> float:
         """Linear warmup to `lr`, then cosine decay to `min_lr` at `max_steps`."""
         if step < self.warmup_steps:

@@ -11,8 +11,9 @@ Gradients exist whole only at the optimizer step: backward makes them as it free
 It is a model of eager PyTorch as this repo runs it, op by op; every byte count below names the op that
 holds it. Assumptions, checked by tests/test_memory.py on CPU and by the GPU sweep on the H200:
   - the optimizer is minitrain.optim.FusedAdamW: grads are autograd's tensors from backward to
-    zero_grad, gathered into a flat buffer (every tensor padded to ALIGN elements, one bucket per
-    dtype) for the step; fp32 main grads live in that buffer from the first backward;
+    zero_grad; the fused step reads them in place, loop and foreach gather them into a flat buffer
+    (every tensor padded to ALIGN elements, one bucket per dtype); fp32 main grads live in that
+    buffer from the first backward;
   - no torch.compile: Inductor's partitioner chooses its own saved set (usually smaller);
   - SDPA runs a fused kernel (CUDA flash/efficient, CPU flash) that saves q, k, v, the output and an
     fp32 logsumexp; only CPU with attention dropout takes the math path, which saves T x T matrices;
@@ -92,9 +93,15 @@ class MemoryEstimate:
         return {f"mem_pred/{k}_gb": v / GB for k, v in d.items()}
 
 
-def compare(estimate: MemoryEstimate, measured_peak_allocated_bytes: int, measured_peak_reserved_bytes: int) -> str:
-    """One line: predicted peak beside the allocator's measured peaks, and their ratios."""
+def compare(estimate: MemoryEstimate, measured_peak_allocated_bytes: int, measured_peak_reserved_bytes: int,
+            cuda_graphs: bool = False) -> str:
+    """One line: predicted peak beside the allocator's measured peaks, and their ratios. Under CUDA graphs
+    the graphs' tensors live in a pool the allocated counter does not see: the reserved peak is the measure."""
     p, a, r = estimate.peak, measured_peak_allocated_bytes, measured_peak_reserved_bytes
+    if cuda_graphs:
+        return (f"memory: predicted peak {p / GB:.3f} GB | measured peak reserved {r / GB:.3f} GB "
+                f"(predicted/reserved {p / max(r, 1):.3f}) | allocated {a / GB:.3f} GB, "
+                "without the CUDA graphs' pool")
     return (f"memory: predicted peak {p / GB:.3f} GB | measured peak allocated {a / GB:.3f} GB "
             f"(predicted/measured {p / max(a, 1):.3f}) | reserved {r / GB:.3f} GB "
             f"(reserved/allocated {r / max(a, 1):.3f})")
@@ -208,13 +215,14 @@ def predict(model_cfg: ModelConfig, precision_cfg: PrecisionConfig, ckpt_cfg: Ch
     recompute = {"recomputed": block["kept"], "selective": N * (C * p + 6 * C * a + 4 * stats), "kept": 0}[kinds[-1]]
     backward_transient = N * C * p + 8 * N * C * a + recompute + V * C * p
 
-    # Optimizer step temporaries. FusedAdamW first gathers autograd's grads into its flat buffer (both
-    # exist for that copy; not with fp32 main grads, which hooks add into the buffer as they come),
-    # then frees them; its torch paths then make fp32 grad copies, sqrt(v) and the update per group.
-    gathered = grads if optimizer_impl != "torch" and g == p else 0
+    # Optimizer step temporaries. The fused step reads the grads in place: none. loop and foreach first
+    # gather autograd's grads into the flat buffer (both exist for that copy; not with fp32 main grads,
+    # which hooks add into the buffer as they come), then make fp32 grad copies, sqrt(v) and the update
+    # per group.
     if optimizer_impl == "fused":
-        optimizer_transient = gathered
+        optimizer_transient = 0
     else:
+        gathered = grads if optimizer_impl != "torch" and g == p else 0
         largest = max(sum(_padded(n) for n in numels) if optimizer_impl == "foreach" else max(numels)
                       for numels, _ in groups)
         upcast = 4 * padded if g != 4 else 0

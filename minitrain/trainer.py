@@ -199,6 +199,8 @@ class Trainer:
                     scaled = loss / accum
                 with record_function("minitrain.backward"):
                     (self.scaler.scale(scaled) if self.scaler is not None else scaled).backward()
+                    if micro == 0 and accum > 1 and self.cfg.trainer.cuda_graphs:
+                        self._own_gradients()
             total += loss.detach().float()
         with record_function("minitrain.optimizer"):
             for group in self.optimizer.param_groups:
@@ -206,6 +208,13 @@ class Trainer:
             self.optimizer.step(scaler=self.scaler)
             self.optimizer.zero_grad(set_to_none=True)
         return total / accum
+
+    def _own_gradients(self) -> None:
+        """Under CUDA graphs the first micro-batch's gradients are graph outputs, in the pool the next replay
+        overwrites: copied out once, the later micro-batches add into the copies."""
+        for p in self.model.parameters():
+            if p.grad is not None:
+                p.grad = p.grad.clone()
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -341,7 +350,8 @@ class Trainer:
 
     def _memory_comparison(self) -> str:
         s = torch.cuda.memory_stats(self.device)
-        return memory.compare(self.memory_estimate, s["allocated_bytes.all.peak"], s["reserved_bytes.all.peak"])
+        return memory.compare(self.memory_estimate, s["allocated_bytes.all.peak"], s["reserved_bytes.all.peak"],
+                              cuda_graphs=self.cfg.trainer.cuda_graphs)
 
     def _write_memory_json(self, record: dict[str, Any]) -> None:
         """Predicted terms beside the measured peaks: what scripts/report.py reads per sweep cell."""

@@ -3,13 +3,16 @@
 reference: what a user writes with plain PyTorch — fp32 params under bf16 autocast, SDPA, F.gelu,
            F.cross_entropy on full logits, torch.optim.AdamW(fused=True), torch.compile.
 minitrain: bf16 params + fp32 masters, fused GELU, fused linear cross-entropy, fused AdamW,
-           torch.compile.
+           torch.compile with CUDA graphs (mode reduce-overhead: the compiled forward and backward are
+           replayed as graphs, so the step is not bound by the host's kernel launches).
 
 Both are `minitrain.trainer.Trainer`s built from configs (RECIPES below), so they see the same
 initialisation, the same data windows and the same step code; only the parts differ. The timed steps
 run in rounds that alternate the recipes (all resident), so a machine that drifts during the run
 (clocks, heat) slows all alike; each recipe's peak memory is measured net of the others' resident
-state. Prints ms/step, tokens/s, MFU, peak memory and the loss after the timed steps, and writes JSON
+state; minitrain is built first, on an empty GPU, because CUDA graphs allocate from a pool of their own
+that the allocated counter does not see, so its reserved memory is the honest figure and must not be
+diluted by others' free blocks. Prints ms/step, tokens/s, MFU, peak memory and the loss after the timed steps, and writes JSON
 to --out.
 
     python scripts/bench_step.py --models gpt2-124m --out bench_step.json
@@ -18,11 +21,14 @@ to --out.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import json
 import sys
 import tempfile
+import time
 import traceback
+from collections import defaultdict
 from pathlib import Path
 
 import torch
@@ -30,6 +36,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+import minitrain.trainer  # noqa: E402
 from minitrain import memory  # noqa: E402
 from minitrain.config import compose_config, resolve  # noqa: E402
 from minitrain.metrics import peak_flops  # noqa: E402
@@ -37,7 +44,8 @@ from minitrain.trainer import Trainer, loss_impl, model_config_for, optimizer_im
 
 RECIPES = {
     "reference": ["precision=amp_bf16", "loss=torch", "optimizer.impl=torch", "model.gelu=torch"],
-    "minitrain": ["precision=bf16", "loss=fused", "optimizer.impl=fused", "model.gelu=fused"],
+    "minitrain": ["precision=bf16", "loss=fused", "optimizer.impl=fused", "model.gelu=fused",
+                  "trainer.compile_mode=reduce-overhead"],
 }
 
 
@@ -101,7 +109,8 @@ class Run:
         torch.cuda.synchronize()
         stats = torch.cuda.memory_stats()
         return {"peak_allocated_gb": (stats["allocated_bytes.all.peak"] - self.base_allocated) / 1e9,
-                "peak_reserved_gb": (stats["reserved_bytes.all.peak"] - self.base_reserved) / 1e9}
+                "peak_reserved_gb": (stats["reserved_bytes.all.peak"] - self.base_reserved) / 1e9,
+                "cuda_graphs": self.trainer.cfg.trainer.cuda_graphs}
 
     def summary(self) -> dict:
         ms = sum(self.round_ms) / len(self.round_ms)
@@ -127,13 +136,17 @@ SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
               "cudaMemcpyAsync")  # the last: to show how many copies a step queues (async from pinned memory)
 
 
+def on_gpu(event) -> bool:
+    """A kernel or copy: not a `record_function` label, which the profiler also shows on the GPU's timeline."""
+    return event.device_type == torch.autograd.DeviceType.CUDA and not getattr(event, "is_user_annotation", False)
+
+
 def idle_gaps(prof, top: int = 8) -> tuple[float, list[dict]]:
     """GPU idle time inside the profiled window: gaps between consecutive kernels (and copies), with the
     kernels on either side and the innermost host-side events running at the gap's middle (what the CPU
     was doing while the GPU waited). A step that is not GPU-bound shows up here, not in the kernel table."""
     events = prof.events()
-    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events
-                   if e.device_type == torch.autograd.DeviceType.CUDA)
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events if on_gpu(e))
     host = [(e.time_range.start, e.time_range.end, e.name) for e in events
             if e.device_type == torch.autograd.DeviceType.CPU]
     gaps, busy_until, before = [], spans[0][1], spans[0][2]
@@ -151,6 +164,38 @@ def idle_gaps(prof, top: int = 8) -> tuple[float, list[dict]]:
     return idle_ms, gaps
 
 
+class PhaseClock:
+    """Stands in for `record_function` in minitrain.trainer: each labelled phase of `train_step` starts on an
+    idle GPU, so its host time is what the CPU spends enqueueing it and its wall time (to the GPU's finish)
+    bounds its GPU time. A phase whose host time is near its wall time keeps the GPU waiting."""
+
+    def __init__(self):
+        self.host, self.wall = defaultdict(float), defaultdict(float)
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        yield
+        enqueued = time.perf_counter()
+        torch.cuda.synchronize()
+        self.host[name] += (enqueued - start) * 1e3
+        self.wall[name] += (time.perf_counter() - start) * 1e3
+
+
+def phase_times(trainer: Trainer, first: int, steps: int = 3) -> dict:
+    """ms per step of each phase (data, forward, backward, optimizer), host enqueue vs wall; no profiler."""
+    clock, original = PhaseClock(), minitrain.trainer.record_function
+    minitrain.trainer.record_function = clock
+    try:
+        for s in range(first, first + steps):
+            trainer.train_step(s)
+    finally:
+        minitrain.trainer.record_function = original
+    return {name.removeprefix("minitrain."): {"host_ms": clock.host[name] / steps, "wall_ms": clock.wall[name] / steps}
+            for name in clock.host}
+
+
 def profile_steps(trainer: Trainer, first: int, steps: int = 3) -> dict:
     """The profiler over `steps` more steps: GPU time by kernel (the next cost to attack), GPU idle gaps
     and host syncs."""
@@ -162,7 +207,7 @@ def profile_steps(trainer: Trainer, first: int, steps: int = 3) -> dict:
             trainer.train_step(s)
         torch.cuda.synchronize()
     events = prof.key_averages()
-    kernels = sorted((e for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
+    kernels = sorted((e for e in events if on_gpu(e)),
                      key=lambda e: e.self_device_time_total, reverse=True)
     total = sum(e.self_device_time_total for e in kernels)
     syncs = {e.key: e.count for e in events if e.key in SYNC_CALLS}
@@ -178,6 +223,7 @@ def finish(run: Run, row: dict, profile: bool) -> None:
     row.update(run.summary())
     if profile:
         row["profile"] = profile_steps(run.trainer, run.step)
+        row["profile"]["phases"] = phase_times(run.trainer, run.step + 3)
 
 
 def main() -> None:
@@ -210,7 +256,7 @@ def main() -> None:
         runs, rows = {}, {}
         rounds = 1 if batch == "auto" else args.rounds  # at its largest batch, each recipe needs the GPU alone
         with tempfile.TemporaryDirectory() as tmp:
-            variants = [("reference", "reference", []), ("minitrain", "minitrain", ours_extra)]
+            variants = [("minitrain", "minitrain", ours_extra), ("reference", "reference", [])]
             for ablation in args.ablate:  # minitrain with one part swapped: that part's share of the gain
                 variants.append((f"minitrain {ablation}", "minitrain", ours_extra + ablation.split()))
             for i, (name, recipe, recipe_extra) in enumerate(variants):
@@ -247,6 +293,8 @@ def main() -> None:
                 prof = row["profile"]
                 print(f"  GPU busy {prof['gpu_ms_per_step']:.2f} ms/step, idle between kernels "
                       f"{prof['idle_ms_per_step']:.2f} ms/step; sync and copy calls/step {prof['syncs_per_step']}")
+                print("  phases, ms/step (each from an idle GPU): " + ", ".join(
+                    f"{k} host {v['host_ms']:.2f} / wall {v['wall_ms']:.2f}" for k, v in prof["phases"].items()))
                 for g in prof["largest_gaps"]:
                     print(f"  idle {g['us']:7.1f} us after {g['after'][:40]} / before {g['before'][:40]}; "
                           f"host in {g['host']}")
@@ -262,7 +310,10 @@ def main() -> None:
             print(f"{r['model']:<10} {r['batch']:>3} {r['recipe']:<28} {r['error']}")
             continue
         print(f"{r['model']:<10} {r['batch']:>3} {r['recipe']:<28} {r['ms_per_step']:>8.2f} {r['tokens_per_s']:>10,.0f} "
-              f"{r['mfu']:>6.1%} {r['peak_allocated_gb']:>8.2f}GB {r['peak_reserved_gb']:>7.2f}GB {r['losses'][-1]:>8.4f}")
+              f"{r['mfu']:>6.1%} {r['peak_allocated_gb']:>8.2f}GB{'*' if r['cuda_graphs'] else ' '}"
+              f"{r['peak_reserved_gb']:>7.2f}GB {r['losses'][-1]:>8.4f}")
+    if any(r.get("cuda_graphs") for r in results):
+        print("* CUDA graphs: their memory pool is in the reserved figure, not in the allocated one")
     for model in args.models:
         ok = [r for r in results if r["model"] == model and "error" not in r]
         ref = next((r for r in ok if r["recipe"] == "reference"), None)
@@ -270,9 +321,13 @@ def main() -> None:
             gap = max(abs(a - b) for a, b in zip(ref["losses"], ours["losses"]))
             per_round = [a / b for a, b in zip(ref["ms_per_round"], ours["ms_per_round"])]
             batches = "" if ref["batch"] == ours["batch"] else f" (each at its batch: {ref['batch']}, {ours['batch']})"
+            if ours["cuda_graphs"]:  # the allocated counter misses the graphs' pool: what the process holds
+                peak = (f"peak reserved {ours['peak_reserved_gb'] / ref['peak_reserved_gb']:.3f}x its reserved, "
+                        f"{ours['peak_reserved_gb'] / ref['peak_allocated_gb']:.3f}x its allocated")
+            else:
+                peak = f"{ours['peak_allocated_gb'] / ref['peak_allocated_gb']:.3f}x its peak allocated"
             print(f"{model} {ours['recipe']}: {ours['tokens_per_s'] / ref['tokens_per_s']:.3f}x the reference's "
-                  f"tokens/s{batches} (rounds {min(per_round):.3f}-{max(per_round):.3f}), "
-                  f"{ours['peak_allocated_gb'] / ref['peak_allocated_gb']:.3f}x its peak allocated; "
+                  f"tokens/s{batches} (rounds {min(per_round):.3f}-{max(per_round):.3f}), {peak}; "
                   f"max |loss gap| over {len(ref['losses'])} steps {gap:.3f}")
 
 

@@ -14,7 +14,7 @@ for what in "$@"; do
     tests) MINITRAIN_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q tests/test_optim.py tests/test_amp.py \
              tests/test_cross_entropy.py tests/test_gelu.py tests/test_model.py 2>&1 | grep -E "^(E  |FAILED|[0-9]+ (passed|failed))" | tail -40
            # compiled kernels (not the interpreter the CPU tests default to), on a cuda trainer
-           TRITON_INTERPRET=0 timeout 200 python3 -m pytest -q tests/test_trainer.py -k never_syncs 2>&1 \
+           TRITON_INTERPRET=0 timeout 200 python3 -m pytest -q tests/test_trainer.py -k "never_syncs or cuda_graph" 2>&1 \
              | grep -E "^(E  |FAILED|[0-9]+ (passed|failed))" | tail -20 ;;
     optimizer) timeout 240 python3 scripts/bench_optimizer.py --out "$out/bench_optimizer.json" 2>&1 | tail -40 ;;
     cross_entropy) timeout 400 python3 scripts/bench_cross_entropy.py --out "$out/bench_cross_entropy.json" 2>&1 | tail -40 ;;
@@ -23,7 +23,8 @@ for what in "$@"; do
              trainer.warmup_steps=10 trainer.lr=6e-4 trainer.min_lr=6e-5 hydra.run.dir=/tmp/run-124m 2>&1 \
              | grep -v "it/s\]\|step/s\]" | tail -25
            cp /tmp/run-124m/metrics.jsonl "$out/train_124m_metrics.jsonl" ;;
-    step) timeout 300 python3 scripts/bench_step.py --models gpt2-124m --batch 16 --profile --ablate model.gelu=torch \
+    step) timeout 400 python3 scripts/bench_step.py --models gpt2-124m --batch 16 --profile \
+            --ablate trainer.compile_mode=default model.gelu=torch \
             --out "$out/bench_step_124m.json" 2>&1 | grep -v "^ .* ms .*x" | tail -40 ;;
     step15b) timeout 590 python3 scripts/bench_step.py --models gpt2-1.5b --batch auto --warmup 2 --steps 4 \
                --out "$out/bench_step_15b.json" 2>&1 | tail -8 ;;

@@ -30,14 +30,16 @@ def test_auto_batch_is_the_largest_the_model_fits():
     assert bench_step.largest_fitting_batch("gpt2-1.5b", "reference", [], peak(96)) <= 16
 
 
-def _event(start, end, name, device):
-    return SimpleNamespace(time_range=SimpleNamespace(start=start, end=end), name=name, device_type=device)
+def _event(start, end, name, device, annotation=False):
+    return SimpleNamespace(time_range=SimpleNamespace(start=start, end=end), name=name, device_type=device,
+                           is_user_annotation=annotation)
 
 
 def test_idle_gaps_between_overlapping_kernels_name_the_host_work():
     gpu, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
     events = [_event(0, 10, "a", gpu), _event(15, 20, "b", gpu), _event(18, 30, "c", gpu),  # c overlaps b
               _event(12, 16, "d", gpu), _event(40, 41, "e", gpu),
+              _event(0, 50, "minitrain.forward", gpu, annotation=True),  # a label on the GPU timeline, not work
               _event(0, 100, "minitrain.optimizer", cpu), _event(31, 39, "aten::view", cpu)]
     idle_ms, gaps = bench_step.idle_gaps(SimpleNamespace(events=lambda: events), top=1)
     assert idle_ms == (2 + 10) / 1e3  # 10..12 and 30..40; d, b and c together keep the GPU busy 12..30

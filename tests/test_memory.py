@@ -122,6 +122,9 @@ def test_table_dict_and_compare_read_well():
         pytest.approx(d["mem_pred/peak_gb"])
     line = compare(est, measured_peak_allocated_bytes=est.peak // 2, measured_peak_reserved_bytes=est.peak)
     assert "predicted/measured 2.000" in line and "reserved/allocated 2.000" in line
+    graphs = compare(est, measured_peak_allocated_bytes=est.peak // 4, measured_peak_reserved_bytes=est.peak // 2,
+                     cuda_graphs=True)  # the allocated counter misses the graphs' pool: reserved is compared
+    assert "predicted/reserved 2.000" in graphs and "without the CUDA graphs' pool" in graphs
 
 
 def test_live_bytes_counts_new_storages_not_views():

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from minitrain.amp import DynamicLossScaler
+from minitrain.memory import LiveBytes
 from minitrain.optim import FusedAdamW
 from minitrain.optim.adamw_triton import BLOCK
 
@@ -322,10 +323,10 @@ def test_compute_copy_rounds_ties_to_even(impl):
 
 
 @pytest.mark.parametrize("impl", ["foreach", "fused"])
-def test_grads_stay_autograds_own_until_the_step_gathers_them(impl):
-    """No flat gradient buffer outside a step: zero_grad(set_to_none) frees it, backward leaves p.grad
-    autograd's own tensor (DDP/FSDP2 see plain grads), step() gathers it and points p.grad at the flat
-    buffer's view; steps match torch's AdamW."""
+def test_grads_stay_autograds_own(impl):
+    """No flat gradient buffer outside a step: backward leaves p.grad autograd's own tensor (DDP/FSDP2 see
+    plain grads). fused reads it in place; foreach gathers it into a flat buffer and points p.grad at its
+    views, which zero_grad(set_to_none) frees. Steps match torch's AdamW."""
     torch.manual_seed(3)
     init = [torch.randn(s) for s in SHAPES]
     ps, ref = params_like(init, torch.float32), params_like(init, torch.float32)
@@ -340,8 +341,54 @@ def test_grads_stay_autograds_own_until_the_step_gathers_them(impl):
             for _ in range(2):  # two micro-batches: the second accumulates into autograd's tensor
                 sum((p * x).square().sum() for p, x in zip(params, xs)).backward()
         assert all(b.grad is None for b in opt.buckets)
-        opt.step()
+        autograds = [p.grad for p in ps]
+        with LiveBytes() as live:
+            opt.step()
         torch_opt.step()
-        assert all(p.grad is view for b in opt.buckets for view, p in zip(b.grads, b.owners))
+        if impl == "fused":  # nothing gradient-sized made: a few bytes of offsets and hyperparameters
+            assert all(p.grad is g for p, g in zip(ps, autograds)) and all(b.grad is None for b in opt.buckets)
+            assert live.peak <= 16 * len(ps) + 64
+        else:
+            assert all(p.grad is view for b in opt.buckets for view, p in zip(b.grads, b.owners))
     for p, r in zip(ps, ref):
         torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_fused_reads_gradients_wherever_they_are():
+    """Gradients that are views into one larger buffer at odd element offsets (no 16-byte alignment), a
+    missing one (None: zeros, as foreach's gather makes it), new values at the same addresses (offsets
+    cached), then new addresses: every step matches foreach on the same gradients."""
+    torch.manual_seed(11)
+    init = [torch.randn(s).bfloat16() for s in SHAPES]
+    fused_ps, foreach_ps = params_like(init, torch.bfloat16), params_like(init, torch.bfloat16)
+    fused = FusedAdamW(two_groups(fused_ps), impl="fused", **HP)
+    foreach = FusedAdamW(two_groups(foreach_ps), impl="foreach", **HP)
+    numels = [p.numel() for p in fused_ps]
+    for step in range(4):
+        if step in (0, 2):  # (re)place the gradients: views of one buffer, each at an odd element offset
+            arena = torch.empty(sum(numels) + 2 * len(numels) + 1, dtype=torch.bfloat16)
+            starts = [1 + sum(numels[:i]) + 2 * i for i in range(len(numels))]
+            for p, start, n in zip(fused_ps, starts, numels):
+                p.grad = arena[start:start + n].view(p.shape)
+        for p, q in zip(fused_ps, foreach_ps):
+            g = torch.randn(p.shape).bfloat16()
+            p.grad.copy_(g)
+            q.grad = g.clone()
+        fused_ps[2].grad = foreach_ps[2].grad = None if step == 1 else fused_ps[2].grad
+        fused.step()
+        foreach.step()
+        if step == 1:
+            fused_ps[2].grad = arena[starts[2]:starts[2] + numels[2]].view(fused_ps[2].shape)
+        for a, b in zip(snapshot(fused, fused_ps), snapshot(foreach, foreach_ps)):  # as in test_impls_agree
+            if a.dtype == torch.bfloat16:
+                torch.testing.assert_close(a, b, rtol=torch.finfo(a.dtype).eps, atol=0)
+            else:
+                torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_fused_rejects_a_gradient_it_cannot_read_in_place():
+    p = torch.nn.Parameter(torch.randn(4, 6))
+    opt = FusedAdamW([p], impl="fused", **HP)
+    p.grad = torch.randn(6, 4).t()  # the right shape, transposed strides
+    with pytest.raises(ValueError, match=r"contiguous.*stride \(1, 4\)"):
+        opt.step()

@@ -9,17 +9,18 @@ kernels launched. Three implementations of one update make each lever visible:
            30 B/param for bf16 params with fp32 masters
 
 Memory layout, shared by all three: per parameter dtype, a bucket of flat buffers owned by the
-optimizer -- gradients, fp32 masters (low-precision params only), m and v -- with each parameter
-a view at an ALIGN-aligned offset. The model's parameters stay where the model put them.
+optimizer -- fp32 masters (low-precision params only), m, v and, while a step needs one, the
+gradients -- with each parameter a view at an ALIGN-aligned offset. The model's parameters stay
+where the model put them.
 
-Gradients get a flat buffer of the same layout only while a step runs: until then p.grad is
-autograd's own tensor, which backward creates (no 2 B/param during forward, where a step's memory
-peaks, and no per-parameter `grad += new`: the first micro-batch's gradient is stolen, not added).
-step() gathers them with one multi-tensor copy into a zeroed buffer and points p.grad at its views
-(a repeated step copies nothing); zero_grad(set_to_none) frees it. The fused kernels' tables hold
-offsets, not addresses, so a new buffer per step costs nothing. DDP and FSDP2 see plain p.grad
-tensors. With grad_dtype=fp32 a post-accumulate hook adds each low-precision gradient into an fp32
-view and frees p.grad (micro-batches accumulate in fp32).
+Gradients stay autograd's own tensors, which backward creates (no 2 B/param during forward, where
+a step's memory peaks, and no per-parameter `grad += new`: the first micro-batch's gradient is
+stolen, not added). The fused step reads them where they are, through a per-step table of their
+offsets (adamw_triton.py). loop and foreach gather them into a zeroed flat buffer of the state's
+layout with one multi-tensor copy and point p.grad at its views (a repeated step copies nothing);
+zero_grad(set_to_none) frees it. DDP and FSDP2 see plain p.grad tensors. With grad_dtype=fp32 a
+post-accumulate hook adds each low-precision gradient into an fp32 flat buffer's view and frees
+p.grad (micro-batches accumulate in fp32); every implementation reads that buffer.
 
 Under FSDP2 the parameters are DTensors sharded across ranks: every buffer above is built over
 their local shards (the ZeRO-3 layout: each rank updates 1/N of the model), the gather reads
@@ -97,6 +98,14 @@ class _Bucket:
         self.grad = torch.zeros(self.size, dtype=self.grad_dtype, device=self.exp_avg.device)
         self.grads = self.views(self.grad)
         return True
+
+    def grad_tensors(self):
+        """The gradients the fused step reads in place: autograd's (None where a parameter has none),
+        or the fp32 buffer's views that the hooks filled."""
+        if self.main_grads:
+            self._ensure_grads()
+            return self.grads
+        return [None if p.grad is None else _local(p.grad) for p in self.owners]
 
     def gather_grads(self):
         """The flat gradient buffer the step reads, p.grad pointed at its views (zeros where a
@@ -242,8 +251,9 @@ class FusedAdamW:
 
     @torch.no_grad()
     def step(self, scaler=None):
-        for b in self.buckets:
-            b.gather_grads()
+        if self.impl != "fused":
+            for b in self.buckets:
+                b.gather_grads()
         self._upload_hyper()
         if scaler is not None:
             scaler.to(self.device)

@@ -1,8 +1,8 @@
 """Triton kernels of the fused AdamW step: three launches for any number of tensors.
 
-  _sumsq_kernel     reads every gradient once; the grads are one flat buffer, so this is a plain
-                    1-D grid writing one partial sum of squares per block (no atomics: the norm
-                    is deterministic).
+  _sumsq_kernel     reads every gradient once, one program per row of the work table (below),
+                    writing one partial sum of squares per row (no atomics: the norm is
+                    deterministic).
   _finalize_kernel  one program: global norm, non-finite flag, clip coefficient, 1/scale, bias
                     corrections, step/skip counters and the loss-scaler update. Twin of
                     FusedAdamW._step_scalars.
@@ -11,12 +11,18 @@
                     (bf16/fp16 param) in the same pass. Exits at once on a skipped step.
 
 Why a work table rather than making the params views of one flat buffer (the llm.c way): the
-optimizer owns grads, masters, m and v, so those are flat already and one offset addresses
-them. Only the compute copy -- the model's own parameters -- lives elsewhere; it is addressed
-as (lowest param pointer + element offset), so the table is plain integers, the kernel never
-casts an integer to a pointer, and the model's storage is never re-pointed (module.to(),
-weight tying, state_dict loading keep working). The table costs 32 B per BLOCK elements, is
-built once, and a row never straddles two tensors, so full rows run unmasked and vectorised.
+optimizer owns masters, m and v, so those are flat already and one offset addresses them. The
+compute copy -- the model's own parameters -- lives elsewhere; it is addressed as (lowest param
+pointer + element offset), so the table is plain integers, the kernel never casts an integer to
+a pointer, and the model's storage is never re-pointed (module.to(), weight tying, state_dict
+loading keep working). The table costs 48 B per BLOCK elements, is built once, and a row never
+straddles two tensors, so full rows run unmasked and vectorised.
+
+Gradients are read where autograd left them, not gathered into a flat buffer first (which cost a
+memset and a copy, 6 B/param, and ~150 host calls per step): each step uploads one element
+offset per tensor, from a zero-filled BLOCK of the grad dtype that also stands in for a missing
+gradient. Steps whose gradients sit at the same addresses as the last one (the caching allocator
+and CUDA graphs' pools make that the rule) upload nothing.
 """
 
 import math
@@ -31,14 +37,27 @@ from .adamw import ALIGN
 
 BLOCK = 4096        # elements per update program: 16 per thread at 8 warps, 4 x 128-bit fp32 loads
 NUM_WARPS = 8
-SUMSQ_BLOCK = 4096
 FINALIZE_BLOCK = 1024
 
 
+_MISSING = tl.constexpr(-(2**62))  # grad offset of a parameter without a gradient: it reads the zero block
+
+
 @triton.jit
-def _sumsq_kernel(grad_ptr, partial_ptr, numel, BLOCK: tl.constexpr):
-    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    g = tl.load(grad_ptr + offs, mask=offs < numel, other=0.0).to(tl.float32)
+def _grad_row(table_ptr, grad_offsets_ptr, zeros_ptr, GRAD_ALIGN: tl.constexpr):
+    """This program's table row: its gradient's pointer (into the zero block for a missing one) and its numel."""
+    row = table_ptr + tl.program_id(0) * 6  # state offset, param offset, numel, group, tensor, start
+    goff = tl.load(grad_offsets_ptr + tl.load(row + 4))
+    goff = tl.where(goff == _MISSING, 0, goff + tl.load(row + 5))
+    return zeros_ptr + tl.multiple_of(goff, GRAD_ALIGN), tl.load(row + 2)
+
+
+@triton.jit
+def _sumsq_kernel(table_ptr, grad_offsets_ptr, zeros_ptr, partial_ptr, GRAD_ALIGN: tl.constexpr,
+                  BLOCK: tl.constexpr):
+    grad_ptr, n = _grad_row(table_ptr, grad_offsets_ptr, zeros_ptr, GRAD_ALIGN)
+    offs = tl.arange(0, BLOCK)
+    g = tl.load(grad_ptr + offs, mask=offs < n, other=0.0).to(tl.float32)
     tl.store(partial_ptr + tl.program_id(0), tl.sum(g * g, axis=0))
 
 
@@ -100,7 +119,7 @@ def _adamw_block(param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr, soff, poff, n, l
         mask = offs < n
     else:
         mask = None
-    g = tl.load(grad_ptr + soff + offs, mask=mask).to(tl.float32) * grad_mult
+    g = tl.load(grad_ptr + offs, mask=mask).to(tl.float32) * grad_mult
     m = tl.load(m_ptr + soff + offs, mask=mask)
     v = tl.load(v_ptr + soff + offs, mask=mask)
     if HAS_MASTER:
@@ -119,14 +138,14 @@ def _adamw_block(param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr, soff, poff, n, l
 
 
 @triton.jit
-def _adamw_kernel(table_ptr, param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr, hyper_ptr,
+def _adamw_kernel(table_ptr, grad_offsets_ptr, zeros_ptr, param_ptr, master_ptr, m_ptr, v_ptr, hyper_ptr,
                   scalars_ptr, n_groups, beta1, beta2, eps, HAS_MASTER: tl.constexpr,
-                  PARAM_ALIGN: tl.constexpr, BLOCK: tl.constexpr):
+                  PARAM_ALIGN: tl.constexpr, GRAD_ALIGN: tl.constexpr, BLOCK: tl.constexpr):
     if tl.load(scalars_ptr + 1) != 0.0:  # not skipped
-        row = table_ptr + tl.program_id(0) * 4  # state offset, param offset, numel, group
+        grad_ptr, n = _grad_row(table_ptr, grad_offsets_ptr, zeros_ptr, GRAD_ALIGN)
+        row = table_ptr + tl.program_id(0) * 6
         soff = tl.multiple_of(tl.load(row), 16)
         poff = tl.multiple_of(tl.load(row + 1), PARAM_ALIGN)
-        n = tl.load(row + 2)
         group = tl.load(row + 3)
         lr = tl.load(hyper_ptr + group)
         wd = tl.load(hyper_ptr + n_groups + group)
@@ -144,22 +163,53 @@ def _adamw_kernel(table_ptr, param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr, hype
 
 
 def _work_table(bucket):
-    """Rows (state offset, param offset, numel, group), one per BLOCK-chunk of each tensor.
+    """Rows (state offset, param offset, numel, group, tensor, start), one per BLOCK-chunk of each tensor
+    (start: the chunk's first element in its tensor).
     Param offsets count elements from the bucket's lowest param address, so they are >= 0;
     returns the table, that base param, and the alignment (elements) every param offset has."""
     base = min((p for p in bucket.params if p.numel()), key=lambda p: p.data_ptr())  # an empty shard has no address
     size = base.element_size()
     rows, align = [], 16 // size
-    for p, off, group in zip(bucket.params, bucket.offsets, bucket.groups):
+    for tensor, (p, off, group) in enumerate(zip(bucket.params, bucket.offsets, bucket.groups)):
         if not p.is_contiguous():
             raise ValueError("fused AdamW needs contiguous parameters")
         delta = p.data_ptr() - base.data_ptr()
         if delta % 16:
             align = 1
         for start in range(0, p.numel(), BLOCK):
-            rows.append((off + start, delta // size + start, min(BLOCK, p.numel() - start), group))
+            rows.append((off + start, delta // size + start, min(BLOCK, p.numel() - start), group, tensor, start))
     table = torch.tensor(rows, dtype=torch.int64).to(base.device)
     return table, base, (align if base.data_ptr() % 16 == 0 else 1)
+
+
+class _GradOffsets:
+    """Where a bucket's gradients are this step, as element offsets from a zero block of their dtype,
+    on the device. Re-uploaded (pinned, no sync) only when an address changed."""
+
+    def __init__(self, bucket):
+        self.bucket = bucket
+        self.zeros = torch.zeros(BLOCK, dtype=bucket.grad_dtype, device=bucket.exp_avg.device)
+        self.ptrs = self.offsets = self.align = None
+
+    def __call__(self):
+        grads = self.bucket.grad_tensors()
+        ptrs = [0 if g is None else g.data_ptr() for g in grads]
+        if ptrs != self.ptrs:
+            self._check(grads)
+            base, size = self.zeros.data_ptr(), self.zeros.element_size()
+            host = torch.tensor([_MISSING.value if g is None else (ptr - base) // size for g, ptr in zip(grads, ptrs)],
+                                dtype=torch.int64)
+            self.offsets = host.pin_memory().to(self.zeros.device, non_blocking=True) if self.zeros.is_cuda else host
+            self.align = 16 // size if all(ptr % 16 == 0 for ptr in ptrs + [base]) else 1
+            self.ptrs = ptrs
+        return self.offsets, self.zeros, self.align
+
+    def _check(self, grads):
+        for p, g in zip(self.bucket.params, grads):
+            if g is not None and (g.dtype != self.zeros.dtype or g.shape != p.shape or not g.is_contiguous()):
+                raise ValueError(f"fused AdamW reads gradients in place and needs each p.grad contiguous, shaped "
+                                 f"like p, in {self.zeros.dtype}; got {g.dtype} {tuple(g.shape)} "
+                                 f"stride {g.stride()} for a parameter of shape {tuple(p.shape)}")
 
 
 class FusedStep:
@@ -170,7 +220,8 @@ class FusedStep:
         self.opt = opt
         self.plans = [(b, *_work_table(b)) for b in opt.buckets]
         self.base_ptrs = [base.data_ptr() for _, _, base, _ in self.plans]
-        self.n_partials = [triton.cdiv(b.size, SUMSQ_BLOCK) for b in opt.buckets]
+        self.grad_offsets = [_GradOffsets(b) for b in opt.buckets]
+        self.n_partials = [table.shape[0] for _, table, _, _ in self.plans]
         self.partials = torch.empty(sum(self.n_partials), dtype=torch.float32, device=opt.device)
         self.scalars = torch.empty(4, dtype=torch.float32, device=opt.device)
 
@@ -180,10 +231,11 @@ class FusedStep:
             if base.data_ptr() != ptr:
                 raise RuntimeError("parameters moved since FusedAdamW was built; "
                                    "build the optimizer after moving the model")
+        grads = [offsets() for offsets in self.grad_offsets]
         start = 0
-        for b, n in zip(opt.buckets, self.n_partials):
-            _sumsq_kernel[(n,)](b.grad, self.partials[start:], b.grad.numel(),
-                                BLOCK=SUMSQ_BLOCK, num_warps=NUM_WARPS)
+        for (_, table, _, _), (offsets, zeros, align), n in zip(self.plans, grads, self.n_partials):
+            _sumsq_kernel[(n,)](table, offsets, zeros, self.partials[start:], GRAD_ALIGN=align, BLOCK=BLOCK,
+                                num_warps=NUM_WARPS)
             start += n
         partials = self.partials
         if opt.reduce_sumsq is not None:  # agree on one number across ranks, not on a partial per block
@@ -201,9 +253,9 @@ class FusedStep:
             opt._grad_norm, scale, tracker, float(opt.max_grad_norm or 0.0),
             math.log2(beta1), math.log2(beta2), growth, backoff, interval,
             HAS_SCALER=scaler is not None, CLIP=bool(opt.max_grad_norm), BLOCK=FINALIZE_BLOCK)
-        for b, table, base, align in self.plans:
+        for (b, table, base, align), (offsets, zeros, grad_align) in zip(self.plans, grads):
             _adamw_kernel[(table.shape[0],)](
-                table, base, b.grad, b.master if b.master is not None else b.exp_avg,
+                table, offsets, zeros, base, b.master if b.master is not None else b.exp_avg,
                 b.exp_avg, b.exp_avg_sq, opt._hyper, self.scalars, opt._hyper.shape[1],
                 beta1, beta2, opt.eps, HAS_MASTER=b.master is not None, PARAM_ALIGN=align,
-                BLOCK=BLOCK, num_warps=NUM_WARPS)
+                GRAD_ALIGN=grad_align, BLOCK=BLOCK, num_warps=NUM_WARPS)
