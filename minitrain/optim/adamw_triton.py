@@ -198,7 +198,7 @@ class _GradOffsets:
             self._check(grads)
             base, size = self.zeros.data_ptr(), self.zeros.element_size()
             host = torch.tensor([_MISSING.value if g is None else (ptr - base) // size for g, ptr in zip(grads, ptrs)],
-                                dtype=torch.int64)
+                                dtype=torch.int64, device="cpu")
             self.offsets = host.pin_memory().to(self.zeros.device, non_blocking=True) if self.zeros.is_cuda else host
             self.align = 16 // size if all(ptr % 16 == 0 for ptr in ptrs + [base]) else 1
             self.ptrs = ptrs
