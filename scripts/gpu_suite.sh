@@ -27,6 +27,7 @@ for what in "$@"; do
             --ablate trainer.compile_mode=default model.gelu=torch \
             --out "$out/bench_step_124m.json" 2>&1 | grep -v "^ .* ms .*x" | tail -40 ;;
     step15b) timeout 590 python3 scripts/bench_step.py --models gpt2-1.5b --batch auto --warmup 2 --steps 4 \
+               --minitrain-extra trainer.compile_mode=default \
                --out "$out/bench_step_15b.json" 2>&1 | tail -8 ;;
     gelu) timeout 60 python3 scripts/bench_gelu.py --out "$out/bench_gelu.json" 2>&1 | tail -6 ;;
     ce_rows) timeout 120 python3 scripts/tune_cross_entropy_rows.py --out "$out/tune_ce_rows.json" 2>&1 | tail -24 ;;

@@ -30,6 +30,7 @@ skip decision are global.
 
 import math
 from dataclasses import dataclass
+from operator import attrgetter
 
 import torch
 from torch.distributed.tensor import DTensor
@@ -42,6 +43,9 @@ ALIGN = 64  # elements: each view starts on a 256 B boundary of its fp32 buffer 
 
 def _dtype(d):
     return {"fp32": torch.float32, "float32": torch.float32}.get(d, d)
+
+
+_GRAD = attrgetter("grad")
 
 
 def _local(t):
@@ -80,6 +84,7 @@ class _Bucket:
         if has_master:
             torch._foreach_copy_(self.masters, [p.detach() for p in self.params])
         self.owners = list(params)  # what p.grad is set on (DTensors under FSDP2)
+        self.sharded = any(isinstance(p, DTensor) for p in self.owners)
         self.grad = self.grads = None
         self.main_grads = grad_dtype != self.params[0].dtype
         if self.main_grads:
@@ -105,7 +110,9 @@ class _Bucket:
         if self.main_grads:
             self._ensure_grads()
             return self.grads
-        return [None if p.grad is None else _local(p.grad) for p in self.owners]
+        if self.sharded:
+            return [None if p.grad is None else _local(p.grad) for p in self.owners]
+        return list(map(_GRAD, self.owners))  # host time per tensor matters at thousands of tensors
 
     def gather_grads(self):
         """The flat gradient buffer the step reads, p.grad pointed at its views (zeros where a

@@ -193,7 +193,10 @@ class _GradOffsets:
 
     def __call__(self):
         grads = self.bucket.grad_tensors()
-        ptrs = [0 if g is None else g.data_ptr() for g in grads]
+        try:
+            ptrs = list(map(torch.Tensor.data_ptr, grads))
+        except TypeError:  # a parameter without a gradient
+            ptrs = [0 if g is None else g.data_ptr() for g in grads]
         if ptrs != self.ptrs:
             self._check(grads)
             base, size = self.zeros.data_ptr(), self.zeros.element_size()
