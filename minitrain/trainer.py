@@ -220,7 +220,8 @@ class Trainer:
     def evaluate(self) -> float:
         self.model.eval()
         rank, world = self.dist.rank, self.dist.world_size
-        losses = torch.stack([self.compute_loss(*self.val_batches.get(i, rank, world)).float()
+        # clone: under CUDA graphs a call's output lives in memory that the next call's replay overwrites
+        losses = torch.stack([self.compute_loss(*self.val_batches.get(i, rank, world)).float().clone()
                               for i in range(self.cfg.trainer.eval_batches)])
         self.model.train()
         return distributed.mean(losses.mean(), self.dist).item()

@@ -201,6 +201,19 @@ def test_cuda_graph_steps_match_the_plain_compiled_ones(make_cfg):
         torch.testing.assert_close(graph, plain, rtol=0, atol=2e-2)
 
 
+def test_evaluate_reads_each_loss_before_the_next_call(make_cfg):
+    """As under CUDA graphs, where each replay writes its output into the same memory: evaluate must not
+    keep a call's output past the next call."""
+    t = Trainer(make_cfg("trainer.eval_batches=3"), progress=False)
+    graph_output, calls = torch.zeros(()), iter([1.0, 2.0, 6.0])
+
+    def replay(x, y):
+        return graph_output.fill_(next(calls))
+
+    t.compute_loss = replay
+    assert t.evaluate() == pytest.approx(3.0)
+
+
 def test_vocab_larger_than_the_model_fails_naming_both(make_cfg):
     with pytest.raises(ConfigError, match=r"model\.vocab_size=512 is smaller than the tokenizer's vocabulary \(4096"):
         Trainer(make_cfg("model.vocab_size=512"), progress=False)
