@@ -319,7 +319,7 @@ def main() -> None:
         ref = next((r for r in ok if r["recipe"] == "reference"), None)
         for ours in (r for r in ok if ref and r is not ref):
             gap = max(abs(a - b) for a, b in zip(ref["losses"], ours["losses"]))
-            per_round = [a / b for a, b in zip(ref["ms_per_round"], ours["ms_per_round"])]
+            per_round = [a / b * ours["batch"] / ref["batch"] for a, b in zip(ref["ms_per_round"], ours["ms_per_round"])]
             batches = "" if ref["batch"] == ours["batch"] else f" (each at its batch: {ref['batch']}, {ours['batch']})"
             if ours["cuda_graphs"]:  # the allocated counter misses the graphs' pool: what the process holds
                 peak = (f"peak reserved {ours['peak_reserved_gb'] / ref['peak_reserved_gb']:.3f}x its reserved, "
