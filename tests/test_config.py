@@ -50,6 +50,7 @@ def test_bad_type_fails_naming_key(make_cfg, override, names):
     (["data=files"], "data.paths"),
     (["loss.chunk_bytes=0"], "loss.chunk_bytes"),
     (["trainer.compile_mode=fastest"], "trainer.compile_mode"),
+    (["trainer.compile=true", "trainer.compile_mode=reduce-overhead", "distributed=ddp"], "trainer.compile_mode"),
 ])
 def test_bad_value_fails_naming_key(make_cfg, overrides, names):
     with pytest.raises(ConfigError, match=names.replace(".", r"\.")):
