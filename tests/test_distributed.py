@@ -106,6 +106,8 @@ def runs(data_cache, tmp_path_factory):
     jobs = {
         "ddp": {"overrides": overrides(data_cache, root / "ddp", "distributed=ddp", "trainer.grad_accum=2")},
         "fsdp": {"overrides": fsdp},
+        # the fused AdamW (Triton's interpreter here) reading each rank's gradient shards in place
+        "fsdp_fused": {"overrides": overrides(data_cache, root / "fsdp_fused", "distributed=fsdp", "optimizer.impl=fused")},
         "fsdp_crash": {"overrides": overrides(data_cache, root / "resumed", "distributed=fsdp"), "crash_at": 7},
         "fsdp_resumed": {"overrides": overrides(data_cache, root / "resumed", "distributed=fsdp",
                                                 "trainer.resume=auto")},
@@ -125,14 +127,14 @@ def runs(data_cache, tmp_path_factory):
     return root, reference, reports
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.parametrize("mode", ["ddp", "fsdp", "fsdp_fused"])
 def test_losses_match_the_single_process_run(runs, mode):
     root, reference, reports = runs
     train_ref, val_ref = read_losses(root / "single")
     train_dist, val_dist = read_losses(root / mode)
     assert len(train_dist) == len(train_ref) == 10
     torch.testing.assert_close(train_dist, train_ref, rtol=1e-5, atol=1e-5)
-    if mode == "fsdp":  # (eval batches are global micro-batches: ddp's grad_accum=2 halves them)
+    if mode != "ddp":  # (eval batches are global micro-batches: ddp's grad_accum=2 halves them)
         torch.testing.assert_close(val_dist, val_ref, rtol=1e-5, atol=1e-5)
     ref = full_params(reference)
     for rank in range(WORLD):
