@@ -23,7 +23,7 @@ post-accumulate hook adds each low-precision gradient into an fp32 flat buffer's
 p.grad (micro-batches accumulate in fp32); every implementation reads that buffer.
 
 Under FSDP2 the parameters are DTensors sharded across ranks: every buffer above is built over
-their local shards (the ZeRO-3 layout: each rank updates 1/N of the model), the gather reads
+their local shards (the ZeRO-3 layout: each rank updates 1/N of the model), the step reads
 p.grad's local shard, and `reduce_sumsq` all-reduces the local sum of squares so the norm and the
 skip decision are global.
 """
