@@ -293,7 +293,8 @@ class Config:
                      f"with precision={self.precision.name}, or a precision without masters")
             _require(not (self.precision.loss_scaling and self.precision.param_dtype != DType.fp32), "optimizer.impl",
                      "torch.amp.GradScaler cannot unscale fp16 gradients; use fp16 autocast over fp32 params")
-        _require(not (self.trainer.cuda_graphs and self.distributed.mode != DistributedMode.none), "trainer.compile_mode",
+        distributed = self.distributed.mode != DistributedMode.none
+        _require(not (self.trainer.cuda_graphs and distributed), "trainer.compile_mode",
                  f"{self.trainer.compile_mode} replays CUDA graphs, which minitrain supports on one process only "
                  "(not validated with DDP's or FSDP's hooks and collectives); "
                  f"use trainer.compile_mode=default with distributed={self.distributed.mode.value}")

@@ -10,10 +10,10 @@ Both are `minitrain.trainer.Trainer`s built from configs (RECIPES below), so the
 initialisation, the same data windows and the same step code; only the parts differ. The timed steps
 run in rounds that alternate the recipes (all resident), so a machine that drifts during the run
 (clocks, heat) slows all alike; each recipe's peak memory is measured net of the others' resident
-state; minitrain is built first, on an empty GPU, because CUDA graphs allocate from a pool of their own
-that the allocated counter does not see, so its reserved memory is the honest figure and must not be
-diluted by others' free blocks. Prints ms/step, tokens/s, MFU, peak memory and the loss after the timed steps, and writes JSON
-to --out.
+state. minitrain is built first, on an empty GPU: CUDA graphs allocate from a pool of their own that
+the allocated counter does not see, so its reserved memory is the honest figure, and others' free
+blocks must not dilute it. Prints ms/step, tokens/s, MFU, peak memory and the loss after the timed
+steps, and writes JSON to --out.
 
     python scripts/bench_step.py --models gpt2-124m --out bench_step.json
 """
@@ -319,7 +319,8 @@ def main() -> None:
         ref = next((r for r in ok if r["recipe"] == "reference"), None)
         for ours in (r for r in ok if ref and r is not ref):
             gap = max(abs(a - b) for a, b in zip(ref["losses"], ours["losses"]))
-            per_round = [a / b * ours["batch"] / ref["batch"] for a, b in zip(ref["ms_per_round"], ours["ms_per_round"])]
+            per_round = [a / b * ours["batch"] / ref["batch"]  # tokens/s ratios of the rounds
+                         for a, b in zip(ref["ms_per_round"], ours["ms_per_round"])]
             batches = "" if ref["batch"] == ours["batch"] else f" (each at its batch: {ref['batch']}, {ours['batch']})"
             if ours["cuda_graphs"]:  # the allocated counter misses the graphs' pool: what the process holds
                 peak = (f"peak reserved {ours['peak_reserved_gb'] / ref['peak_reserved_gb']:.3f}x its reserved, "
