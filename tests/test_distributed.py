@@ -107,7 +107,8 @@ def runs(data_cache, tmp_path_factory):
         "ddp": {"overrides": overrides(data_cache, root / "ddp", "distributed=ddp", "trainer.grad_accum=2")},
         "fsdp": {"overrides": fsdp},
         # the fused AdamW (Triton's interpreter here) reading each rank's gradient shards in place
-        "fsdp_fused": {"overrides": overrides(data_cache, root / "fsdp_fused", "distributed=fsdp", "optimizer.impl=fused")},
+        "fsdp_fused": {"overrides": overrides(data_cache, root / "fsdp_fused", "distributed=fsdp",
+                                              "optimizer.impl=fused")},
         "fsdp_crash": {"overrides": overrides(data_cache, root / "resumed", "distributed=fsdp"), "crash_at": 7},
         "fsdp_resumed": {"overrides": overrides(data_cache, root / "resumed", "distributed=fsdp",
                                                 "trainer.resume=auto")},
