@@ -183,7 +183,7 @@ class PhaseClock:
         self.wall[name] += (time.perf_counter() - start) * 1e3
 
 
-def phase_times(trainer: Trainer, first: int, steps: int = 3) -> dict:
+def phase_times(trainer: Trainer, first: int, steps: int) -> dict:
     """ms per step of each phase (data, forward, backward, optimizer), host enqueue vs wall; no profiler."""
     clock, original = PhaseClock(), minitrain.trainer.record_function
     minitrain.trainer.record_function = clock
@@ -196,7 +196,7 @@ def phase_times(trainer: Trainer, first: int, steps: int = 3) -> dict:
             for name in clock.host}
 
 
-def profile_steps(trainer: Trainer, first: int, steps: int = 3) -> dict:
+def profile_steps(trainer: Trainer, first: int, steps: int) -> dict:
     """The profiler over `steps` more steps: GPU time by kernel (the next cost to attack), GPU idle gaps
     and host syncs."""
     from torch.profiler import ProfilerActivity, profile
@@ -222,8 +222,9 @@ def profile_steps(trainer: Trainer, first: int, steps: int = 3) -> dict:
 def finish(run: Run, row: dict, profile: bool) -> None:
     row.update(run.summary())
     if profile:
-        row["profile"] = profile_steps(run.trainer, run.step)
-        row["profile"]["phases"] = phase_times(run.trainer, run.step + 3)
+        steps = 3  # the profiler's, then as many more for the phase clock (data and schedule go on)
+        row["profile"] = profile_steps(run.trainer, run.step, steps)
+        row["profile"]["phases"] = phase_times(run.trainer, run.step + steps, steps)
 
 
 def main() -> None:

@@ -374,7 +374,8 @@ def test_fused_reads_gradients_wherever_they_are():
             g = torch.randn(p.shape).bfloat16()
             p.grad.copy_(g)
             q.grad = g.clone()
-        fused_ps[2].grad = foreach_ps[2].grad = None if step == 1 else fused_ps[2].grad
+        if step == 1:
+            fused_ps[2].grad = foreach_ps[2].grad = None
         fused.step()
         foreach.step()
         if step == 1:
