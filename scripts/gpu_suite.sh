@@ -30,7 +30,7 @@ for what in "$@"; do
                --minitrain-extra trainer.compile_mode=default \
                --out "$out/bench_step_15b.json" 2>&1 | tail -8 ;;
     gelu) timeout 60 python3 scripts/bench_gelu.py --out "$out/bench_gelu.json" 2>&1 | tail -6 ;;
-    ce_rows) timeout 120 python3 scripts/tune_cross_entropy_rows.py --out "$out/tune_ce_rows.json" 2>&1 | tail -24 ;;
+    ce_rows) timeout 200 python3 scripts/tune_cross_entropy_rows.py --out "$out/tune_ce_rows.json" 2>&1 | tail -60 ;;
     ce_chunks) timeout 200 python3 scripts/bench_cross_entropy.py --shapes 16384x768x50304 16384x2048x128256 \
                  --chunk-mib 16 32 64 --out "$out/bench_ce_chunks.json" 2>&1 | tail -16 ;;
     sweep)  # issue 5's 12-cell sweep, one process per cell so each cell's peak memory is its own

@@ -1,9 +1,10 @@
-"""Tune the fused loss's row kernel (the softmax pass over a chunk of logits) on the GPU.
+"""Tune the fused loss's softmax kernels on the GPU, each beside a copy of the same bytes (the ceiling).
 
-The kernel reads each row twice (log-sum-exp, then the gradient) and writes it once. When the rows in
-flight fit in L2 the second read is nearly free: the floor is then one read and one write. This prints,
-per grid size (rows streaming at once), block and warp count, the time and the bandwidth counted as
-one read + one write, beside a device-to-device copy of the same bytes (the ceiling).
+The row kernel reads each row twice (log-sum-exp, then the gradient) and writes it once. When the rows
+in flight fit in L2 the second read is nearly free: the floor is then one read and one write. This
+prints, per grid size (rows streaming at once), block and warp count, the time and the bandwidth
+counted as one read + one write. Then the block kernel of `low_memory`'s pass B (one read, one write of
+an N x H block of logits) per tile shape and warp count.
 
     python scripts/tune_cross_entropy_rows.py
 """
@@ -21,12 +22,13 @@ import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from minitrain.ops.cross_entropy_triton import cross_entropy_rows  # noqa: E402
+from minitrain.ops.cross_entropy_triton import cross_entropy_rows, logit_grad_block  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", nargs="+", default=["2560x50304", "16384x50304", "1024x128256"])
+    ap.add_argument("--blocks", nargs="+", default=["16384x768", "32768x2048"], help="pass B blocks, N x H")
     ap.add_argument("--out", default="tune_cross_entropy_rows.json")
     args = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -59,6 +61,22 @@ def main() -> None:
         for r in best[:6]:
             print(f"  rows/SM {r['rows_per_sm']} block {r['block']} warps {r['warps']}: {r['ms']:.3f} ms "
                   f"({r['of_copy']:.0%} of copy)")
+    for shape in args.blocks:
+        rows, cols = map(int, shape.split("x"))
+        block = torch.randn(rows, cols, device="cuda", dtype=torch.bfloat16) * 3
+        targets = torch.randint(0, 50304, (rows,), device="cuda")
+        lse = torch.logsumexp(block.float(), 1) + 8  # as if the row went on beyond this block
+        scale = torch.tensor(1.0 / rows, device="cuda")
+        copy_src = torch.empty_like(block)
+        copy_ms = triton.testing.do_bench(lambda: copy_src.copy_(block), return_mode="median")
+        print(f"block {shape}: copy {copy_ms:.4f} ms")
+        for tile, warps in itertools.product([(1, 1024), (4, 256), (8, 256), (16, 256), (32, 128), (16, 512)],
+                                             [4, 8]):
+            ms = triton.testing.do_bench(lambda: logit_grad_block(
+                block, 0, 50304, targets, lse, scale, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
+                tile=tile, num_warps=warps), return_mode="median")
+            results.append({"block": shape, "tile": tile, "warps": warps, "ms": ms, "of_copy": copy_ms / ms})
+            print(f"  tile {tile} warps {warps}: {ms:.4f} ms ({copy_ms / ms:.0%} of copy)")
     Path(args.out).write_text(json.dumps(results, indent=1))
 
 

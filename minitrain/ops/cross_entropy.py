@@ -20,9 +20,9 @@ would round at every chunk, so the default keeps an fp32 accumulator (4 V H
 bytes) and rounds once. low_memory rounds once too, without that state: each
 block of grad_W is one GEMM whose fp32 accumulation covers all N rows. It
 pays a fourth GEMM (the logits are recomputed) and gains the memory of the
-accumulator, and the row chunks borrow grad_W's own storage before pass B
-writes it: beyond the two gradients it holds one workspace, by default as
-large as `hidden`. Measured trade-off: docs/benchmarks.md.
+accumulator. Before pass B, the row chunks use the memory that grad_W and
+pass B's workspace take later: beyond the two gradients it holds one
+workspace, by default as large as `hidden`. Measured trade-off: docs/benchmarks.md.
 
 The gradients are computed in the forward pass; backward scales them by
 grad_output in place. Everything stays on the device: the mean's 1/n_valid is
@@ -125,15 +125,18 @@ def _loss_and_grads(hidden, weight, targets, grad_scale, ignore_index, label_smo
     if grads:
         grad_hidden = torch.empty_like(hidden)
         alpha = _weight_grad_alpha(n, dtype)
-        if low_memory:
-            grad_weight = torch.empty_like(weight)
-        else:
+        if not low_memory:
             accumulator = torch.empty(weight.shape, device=weight.device, dtype=torch.float32)
-    if grads and low_memory and grad_weight.element_size() >= hidden.element_size():
-        scratch = grad_weight.view(-1).view(dtype)  # free until pass B writes it: >= H rows
+    cols = min(vocab, fitting(chunk_bytes, n, dtype))  # low_memory's pass B: vocab columns per block
+    if grads and low_memory:
+        # Until pass B neither grad_W nor pass B's workspace exists: the row chunks use their memory
+        # (a single allocation, so the peak is pass B's), about H (V + N) / V rows at a time.
+        scratch = hidden.new_empty((weight.numel() * weight.element_size()) // dtype.itemsize + n * cols)
     else:
         scratch = hidden.new_empty(min(n, fitting(chunk_bytes, vocab, dtype)) * vocab)
     rows = min(n, scratch.numel() // vocab)
+    if low_memory:  # as many chunks, of even size: no small last chunk
+        rows = math.ceil(n / math.ceil(n / rows))
     with torch.autocast(hidden.device.type, enabled=False):
         for start in range(0, n, rows):
             chunk = slice(start, min(start + rows, n))
@@ -146,7 +149,7 @@ def _loss_and_grads(hidden, weight, targets, grad_scale, ignore_index, label_smo
                 torch.mm(logits, w, out=grad_hidden[chunk])
             if accumulator is not None:
                 _accumulate_fp32(accumulator, logits.T, hidden[chunk], first=start == 0)
-        del scratch
+        del scratch, logits  # (the last chunk's view too) the allocator hands this memory to pass B
         if accumulator is not None:
             # Rounded once into weight's dtype (made now, not beside the workspace); row slices keep
             # the fp32 temporary of a mixed-dtype `out=` mul chunk-sized (copy_ casts without one).
@@ -157,7 +160,7 @@ def _loss_and_grads(hidden, weight, targets, grad_scale, ignore_index, label_smo
                 for start in range(0, vocab, rows):
                     torch.mul(accumulator[start:start + rows], alpha, out=grad_weight[start:start + rows])
         elif grads:
-            cols = min(vocab, fitting(chunk_bytes, n, dtype))
+            grad_weight = torch.empty_like(weight)
             workspace = hidden.new_empty(n * cols)
             for col0 in range(0, vocab, cols):
                 block_cols = slice(col0, min(col0 + cols, vocab))
