@@ -27,8 +27,10 @@ from minitrain.ops.cross_entropy_triton import cross_entropy_rows, logit_grad_bl
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shapes", nargs="+", default=["2560x50304", "16384x50304", "1024x128256"])
-    ap.add_argument("--blocks", nargs="+", default=["16384x768", "32768x2048"], help="pass B blocks, N x H")
+    ap.add_argument("--shapes", nargs="*", default=["2560x50304", "16384x50304", "1024x128256"],
+                    help="row-kernel shapes, rows x V (none: only the block kernel)")
+    ap.add_argument("--blocks", nargs="*", default=["16384x768", "8192x2048", "32768x2048"],
+                    help="pass B blocks, N x H")
     ap.add_argument("--out", default="tune_cross_entropy_rows.json")
     args = ap.parse_args()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -70,8 +72,8 @@ def main() -> None:
         copy_src = torch.empty_like(block)
         copy_ms = triton.testing.do_bench(lambda: copy_src.copy_(block), return_mode="median")
         print(f"block {shape}: copy {copy_ms:.4f} ms")
-        for tile, warps in itertools.product([(1, 1024), (4, 256), (8, 256), (16, 256), (32, 128), (16, 512)],
-                                             [4, 8]):
+        tiles = [(1, 1024), (2, 1024), (4, 512), (4, 256), (8, 256), (16, 256), (16, 128), (32, 128)]
+        for tile, warps in itertools.product(tiles, [4, 8]):
             ms = triton.testing.do_bench(lambda: logit_grad_block(
                 block, 0, 50304, targets, lse, scale, ignore_index=-100, label_smoothing=0.0, z_loss=0.0,
                 tile=tile, num_warps=warps), return_mode="median")
