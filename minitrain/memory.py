@@ -195,7 +195,7 @@ def predict(model_cfg: ModelConfig, precision_cfg: PrecisionConfig, ckpt_cfg: Ch
         # Both gradients are made in forward and kept for backward, which scales them in place.
         compute = precision_cfg.compute_dtype.torch
         cast = V * C * a if a != p else 0  # the weight's autocast copy
-        if loss_low_memory:  # row chunks borrow grad_weight's storage; vocab blocks of all N rows
+        if loss_low_memory:  # row chunks in the memory grad_weight and the block take later; blocks of all N rows
             cols = min(V, fitting(chunk_bytes or N * C * a, N, compute))
             saved = N * C * a + V * C * p
             forward = N * cols * a + N * 8 + cast + (cols * C * a if a != p else 0)
