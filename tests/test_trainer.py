@@ -131,7 +131,11 @@ def test_wandb_offline_run_holds_the_metrics(make_cfg, tmp_path):
         assert key in records[-1], key
     assert records[-1]["perf/tokens_per_s"] > 0 and records[-1]["mem/rss_gb"] > 0
     # Offline runs keep their history in the run's binary .wandb log (protobuf records), where the
-    # metric keys are stored verbatim.
+    # metric keys are stored verbatim. wandb's service may still be writing it after run.finish() (under
+    # load the file once held only its header); its shutdown, which atexit runs in train.py, flushes it.
+    import wandb
+
+    wandb.teardown()
     logs = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(logs) == 1, logs
     history = logs[0].read_bytes()
