@@ -303,15 +303,16 @@ def main() -> None:
                     print(f"  {k['ms_per_step']:7.3f} ms {k['share']:6.1%} x{k['calls_per_step']:5.1f}  {k['kernel']}")
     Path(args.out).write_text(json.dumps(results, indent=1))
 
-    print(f"\n{torch.cuda.get_device_name()}  torch {torch.__version__}  steps={args.steps} after {args.warmup} warm-up")
+    print(f"\n{torch.cuda.get_device_name()}  torch {torch.__version__}  "
+          f"steps={args.steps} after {args.warmup} warm-up")
     print(f"{'model':<10} {'B':>3} {'recipe':<28} {'ms/step':>8} {'tok/s':>10} {'MFU':>6} {'peak alloc':>10} "
           f"{'peak resv':>9} {'loss@end':>8}")
     for r in results:
         if "error" in r:
             print(f"{r['model']:<10} {r['batch']:>3} {r['recipe']:<28} {r['error']}")
             continue
-        print(f"{r['model']:<10} {r['batch']:>3} {r['recipe']:<28} {r['ms_per_step']:>8.2f} {r['tokens_per_s']:>10,.0f} "
-              f"{r['mfu']:>6.1%} {r['peak_allocated_gb']:>8.2f}GB{'*' if r['cuda_graphs'] else ' '}"
+        print(f"{r['model']:<10} {r['batch']:>3} {r['recipe']:<28} {r['ms_per_step']:>8.2f} "
+              f"{r['tokens_per_s']:>10,.0f} {r['mfu']:>6.1%} {r['peak_allocated_gb']:>8.2f}GB{'*' if r['cuda_graphs'] else ' '}"
               f"{r['peak_reserved_gb']:>7.2f}GB {r['losses'][-1]:>8.4f}")
     if any(r.get("cuda_graphs") for r in results):
         print("* CUDA graphs: their memory pool is in the reserved figure, not in the allocated one")
