@@ -312,8 +312,8 @@ def main() -> None:
             print(f"{r['model']:<10} {r['batch']:>3} {r['recipe']:<28} {r['error']}")
             continue
         print(f"{r['model']:<10} {r['batch']:>3} {r['recipe']:<28} {r['ms_per_step']:>8.2f} "
-              f"{r['tokens_per_s']:>10,.0f} {r['mfu']:>6.1%} {r['peak_allocated_gb']:>8.2f}GB{'*' if r['cuda_graphs'] else ' '}"
-              f"{r['peak_reserved_gb']:>7.2f}GB {r['losses'][-1]:>8.4f}")
+              f"{r['tokens_per_s']:>10,.0f} {r['mfu']:>6.1%} {r['peak_allocated_gb']:>8.2f}GB"
+              f"{'*' if r['cuda_graphs'] else ' '}{r['peak_reserved_gb']:>7.2f}GB {r['losses'][-1]:>8.4f}")
     if any(r.get("cuda_graphs") for r in results):
         print("* CUDA graphs: their memory pool is in the reserved figure, not in the allocated one")
     for model in args.models:
