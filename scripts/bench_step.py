@@ -264,8 +264,13 @@ def main() -> None:
                 extra = compile_flag + recipe_extra
                 recipe_batch = largest_fitting_batch(model, recipe, extra, budget) if batch == "auto" else int(batch)
                 row = rows[name] = {"model": model, "batch": recipe_batch, "recipe": name, "overrides": extra}
+                graphed_before = any(r.trainer.cfg.trainer.cuda_graphs for r in runs.values())
                 try:
                     run, memory_peaks = start_run(model, recipe_batch, recipe, extra, f"{tmp}/{i}", args.warmup)
+                    if memory_peaks["cuda_graphs"] and graphed_before:
+                        # One CUDA-graph pool serves every graphed recipe of the process: this one's graphs
+                        # reuse what the earlier one reserved, so no peak here is its own.
+                        memory_peaks.update(peak_allocated_gb=None, peak_reserved_gb=None)
                     row.update(memory_peaks)
                     runs[name] = run
                     if rounds == 1:  # alone on the GPU: time it now and free it
@@ -311,9 +316,10 @@ def main() -> None:
         if "error" in r:
             print(f"{r['model']:<10} {r['batch']:>3} {r['recipe']:<28} {r['error']}")
             continue
+        memory = (f"{'(shared graph pool)':>20}" if r["peak_reserved_gb"] is None else
+                  f"{r['peak_allocated_gb']:>8.2f}GB{'*' if r['cuda_graphs'] else ' '}{r['peak_reserved_gb']:>7.2f}GB")
         print(f"{r['model']:<10} {r['batch']:>3} {r['recipe']:<28} {r['ms_per_step']:>8.2f} "
-              f"{r['tokens_per_s']:>10,.0f} {r['mfu']:>6.1%} {r['peak_allocated_gb']:>8.2f}GB"
-              f"{'*' if r['cuda_graphs'] else ' '}{r['peak_reserved_gb']:>7.2f}GB {r['losses'][-1]:>8.4f}")
+              f"{r['tokens_per_s']:>10,.0f} {r['mfu']:>6.1%} {memory} {r['losses'][-1]:>8.4f}")
     if any(r.get("cuda_graphs") for r in results):
         print("* CUDA graphs: their memory pool is in the reserved figure, not in the allocated one")
     for model in args.models:
@@ -324,7 +330,9 @@ def main() -> None:
             per_round = [a / b * ours["batch"] / ref["batch"]  # tokens/s ratios of the rounds
                          for a, b in zip(ref["ms_per_round"], ours["ms_per_round"])]
             batches = "" if ref["batch"] == ours["batch"] else f" (each at its batch: {ref['batch']}, {ours['batch']})"
-            if ours["cuda_graphs"]:  # the allocated counter misses the graphs' pool: what the process holds
+            if ours["peak_reserved_gb"] is None:
+                peak = "memory not its own (it shares a graphed recipe's pool)"
+            elif ours["cuda_graphs"]:  # the allocated counter misses the graphs' pool: what the process holds
                 peak = (f"peak reserved {ours['peak_reserved_gb'] / ref['peak_reserved_gb']:.3f}x its reserved, "
                         f"{ours['peak_reserved_gb'] / ref['peak_allocated_gb']:.3f}x its allocated")
             else:
