@@ -37,6 +37,12 @@ def peak_flops(device: torch.device, dtype: str) -> Optional[float]:
     return None
 
 
+def is_gpu_work(event) -> bool:
+    """A profiler event that is a kernel or copy: not a `record_function` label, which the profiler also
+    shows on the GPU's timeline (the trainer labels its phases)."""
+    return event.device_type == torch.autograd.DeviceType.CUDA and not getattr(event, "is_user_annotation", False)
+
+
 def memory_stats(device: torch.device) -> dict[str, float]:
     """Allocator counters in GB on CUDA (peaks since the last reset); process RSS on CPU."""
     if device.type == "cuda":

@@ -20,6 +20,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
+from minitrain.metrics import is_gpu_work
 from minitrain.ops import fused_linear_cross_entropy
 
 SHAPES = list(itertools.product((8192, 16384, 32768), (768, 2048), (50304, 128256)))
@@ -48,9 +49,7 @@ def gpu_ms(step, calls=3):
         for _ in range(calls):
             step()
         torch.cuda.synchronize()
-    kernels = (e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA
-               and not getattr(e, "is_user_annotation", False))
-    return sum(e.self_device_time_total for e in kernels) / 1e3 / calls
+    return sum(e.self_device_time_total for e in prof.key_averages() if is_gpu_work(e)) / 1e3 / calls
 
 
 def measure(loss_fn, hidden, weight, targets):

@@ -39,7 +39,7 @@ sys.path.insert(0, str(REPO))
 import minitrain.trainer  # noqa: E402
 from minitrain import memory  # noqa: E402
 from minitrain.config import compose_config, resolve  # noqa: E402
-from minitrain.metrics import peak_flops  # noqa: E402
+from minitrain.metrics import is_gpu_work, peak_flops  # noqa: E402
 from minitrain.trainer import Trainer, loss_impl, model_config_for, optimizer_impl  # noqa: E402
 
 RECIPES = {
@@ -136,17 +136,12 @@ SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
               "cudaMemcpyAsync")  # the last: to show how many copies a step queues (async from pinned memory)
 
 
-def on_gpu(event) -> bool:
-    """A kernel or copy: not a `record_function` label, which the profiler also shows on the GPU's timeline."""
-    return event.device_type == torch.autograd.DeviceType.CUDA and not getattr(event, "is_user_annotation", False)
-
-
 def idle_gaps(prof, top: int = 8) -> tuple[float, list[dict]]:
     """GPU idle time inside the profiled window: gaps between consecutive kernels (and copies), with the
     kernels on either side and the innermost host-side events running at the gap's middle (what the CPU
     was doing while the GPU waited). A step that is not GPU-bound shows up here, not in the kernel table."""
     events = prof.events()
-    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events if on_gpu(e))
+    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events if is_gpu_work(e))
     host = [(e.time_range.start, e.time_range.end, e.name) for e in events
             if e.device_type == torch.autograd.DeviceType.CPU]
     gaps, busy_until, before = [], spans[0][1], spans[0][2]
@@ -207,7 +202,7 @@ def profile_steps(trainer: Trainer, first: int, steps: int) -> dict:
             trainer.train_step(s)
         torch.cuda.synchronize()
     events = prof.key_averages()
-    kernels = sorted((e for e in events if on_gpu(e)),
+    kernels = sorted((e for e in events if is_gpu_work(e)),
                      key=lambda e: e.self_device_time_total, reverse=True)
     total = sum(e.self_device_time_total for e in kernels)
     syncs = {e.key: e.count for e in events if e.key in SYNC_CALLS}
