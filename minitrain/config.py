@@ -217,6 +217,16 @@ class LoggerConfig:
 class DistributedConfig:
     mode: DistributedMode = DistributedMode.none
     timeout_s: int = 600  # a rank that stops answering takes the job down after this long
+    # fsdp only. Consecutive blocks sharded as one unit (one all-gather, one reduce-scatter): FSDP's hooks
+    # cost host time per unit, so fewer, larger units keep a host-bound step fed (docs/benchmarks.md).
+    fsdp_unit_blocks: int = 1
+    # fsdp only. false keeps each unit's gathered params from forward to backward (no second all-gather,
+    # ZeRO-2-like: + the compute-dtype params at the peak).
+    reshard_after_forward: bool = True
+
+    def __post_init__(self):
+        _require(self.timeout_s >= 1, "distributed.timeout_s", f"must be >= 1, got {self.timeout_s}")
+        _require(self.fsdp_unit_blocks >= 1, "distributed.fsdp_unit_blocks", f"must be >= 1, got {self.fsdp_unit_blocks}")
 
 
 @dataclass

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .config import Config, ConfigError, DistributedMode, PrecisionConfig
+from .config import Config, ConfigError, DistributedConfig, DistributedMode, PrecisionConfig
 
 
 @dataclass(frozen=True)
@@ -118,10 +118,11 @@ def param_dtype(precision: PrecisionConfig, d: Dist) -> torch.dtype:
     return precision.param_dtype.torch
 
 
-def wrap(model: nn.Module, loss_fn, precision: PrecisionConfig, d: Dist) -> nn.Module:
+def wrap(model: nn.Module, loss_fn, precision: PrecisionConfig, cfg: DistributedConfig, d: Dist) -> nn.Module:
     """The module the training step calls with (x, y): the plain loss module, DDP around it, or the
-    loss module over an FSDP2-sharded model (each block its own unit, the root holding embeddings,
-    final norm and the tied head; `forward_hidden` registered as a forward so the root all-gathers)."""
+    loss module over an FSDP2-sharded model: `fsdp_unit_blocks` consecutive blocks per unit, the root
+    holding embeddings, final norm and the tied head; `forward_hidden` registered as a forward so the
+    root all-gathers."""
     loss_module = LossModule(model, loss_fn)
     if d.mode == DistributedMode.ddp:
         from torch.nn.parallel import DistributedDataParallel as DDP
@@ -133,8 +134,9 @@ def wrap(model: nn.Module, loss_fn, precision: PrecisionConfig, d: Dist) -> nn.M
 
         compute = precision.param_dtype.torch if precision.master_weights else None
         policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
-        for block in model.blocks:
-            fully_shard(block, mp_policy=policy)
+        blocks, k = list(model.blocks), cfg.fsdp_unit_blocks
+        for start in range(0, len(blocks), k):
+            fully_shard(blocks[start:start + k], mp_policy=policy, reshard_after_forward=cfg.reshard_after_forward)
         fully_shard(model, mp_policy=policy)
         register_fsdp_forward_method(model, "forward_hidden")
     return loss_module

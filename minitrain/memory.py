@@ -2,7 +2,8 @@
 
     peak = weights + fp32 masters + Adam m, v          with grads, the 16-18 B/param floor
          + max(activations saved for backward by the policy   the term checkpointing controls
-               + max(loss workspace, block-backward transient),
+               + max(loss workspace, block-backward transient)
+               + FSDP's gathered units                    (fsdp: the state above is 1/N)
                grads + optimizer transient)
 
 Gradients exist whole only at the optimizer step: backward makes them as it frees the activations
@@ -54,6 +55,7 @@ class MemoryEstimate:
     backward_transient: int  # inside the last block's backward: gradients in flight (+ recompute)
     optimizer_transient: int
     peak: int
+    gathered: int = 0  # FSDP: compute copies of the units gathered at the peak
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -64,7 +66,7 @@ class MemoryEstimate:
     def transient(self) -> int:
         """What the peak holds beyond state + activations: the loss workspace or a backward/optimizer
         transient, net of the gradients not yet made at that moment (so it can be negative)."""
-        return self.peak - self.state - self.activations_total
+        return self.peak - self.state - self.activations_total - self.gathered
 
     def rows(self) -> list[tuple[str, int]]:
         blocks = self.activations_per_layer
@@ -72,7 +74,8 @@ class MemoryEstimate:
         per_kind = [(f"  {blocks.count(b)} block(s) x {b / GB:.3f} GB", blocks.count(b) * b) for b in kinds]
         return [("weights (compute copy)", self.weights), ("gradients", self.grads),
                 ("fp32 master weights", self.masters), ("Adam m", self.adam_m), ("Adam v", self.adam_v),
-                ("= persistent state", self.state), *per_kind,
+                ("= persistent state", self.state), *([("FSDP gathered params", self.gathered)] if self.gathered else []),
+                *per_kind,
                 ("  embedding + final norm", self.activations_other), ("= activations", self.activations_total),
                 ("loss workspace", self.loss_workspace), ("backward transient", self.backward_transient),
                 ("optimizer transient", self.optimizer_transient), ("= predicted peak", self.peak)]
@@ -117,6 +120,13 @@ def param_numels(model_cfg: ModelConfig) -> list[tuple[list[int], bool]]:
     return [([p.numel() for p in g["params"]], g["weight_decay"] > 0) for g in model.param_groups(1.0)]
 
 
+def _params_per_block(model_cfg: ModelConfig) -> int:
+    from .model import Block
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in Block(model_cfg).parameters())
+
+
 def _padded(numel: int) -> int:
     from .optim.adamw import ALIGN
 
@@ -151,9 +161,11 @@ def predict(model_cfg: ModelConfig, precision_cfg: PrecisionConfig, ckpt_cfg: Ch
             micro_batch: int, seq_len: int, loss_impl: str, chunk_bytes: int | None, grad_accum: int = 1,
             loss_low_memory: bool = False,
             world_size: int = 1, sharded: bool = False, device: str = "cuda",
-            optimizer_impl: str = "fused") -> MemoryEstimate:
+            optimizer_impl: str = "fused", fsdp_unit_blocks: int = 1,
+            reshard_after_forward: bool = True) -> MemoryEstimate:
     """Predicted memory of one training step. `loss_impl`, `optimizer_impl` as resolved for the device
-    (fused | torch; fused | foreach | loop). `sharded`: FSDP, the persistent state divided by `world_size`.
+    (fused | torch; fused | foreach | loop). `sharded`: FSDP, the persistent state divided by `world_size`
+    plus the gathered units (`fsdp_unit_blocks`, `reshard_after_forward`: distributed's config).
     grad_accum > 1 adds the grads to the forward and backward moments (micro-batches after the first)."""
     p = _BYTES[precision_cfg.param_dtype]
     a = _BYTES[precision_cfg.compute_dtype]
@@ -170,9 +182,22 @@ def predict(model_cfg: ModelConfig, precision_cfg: PrecisionConfig, ckpt_cfg: Ch
     shard = world_size if sharded else 1
     masters = 4 * padded if precision_cfg.master_weights else 0
     weights, grads, adam_m, adam_v = n_params * p, padded * g, 4 * padded, 4 * padded
-    weights, grads, masters, adam_m, adam_v = (x // shard for x in (weights, grads, masters, adam_m, adam_v))
+    fsdp_gathered = unit_grads = 0
     if sharded:
-        notes.append(f"FSDP: persistent state / {world_size}; gathered layers not modelled")
+        # FSDP2: with masters the fp32 shards ARE the params (no separate compute copy) and receive the
+        # fp32 reduce-scatter. A compute copy exists only while gathered: the root's (embeddings, final
+        # norm, tied head) through forward and backward, plus two units of blocks (the running one, the
+        # prefetched one), or every block from forward to backward when reshard_after_forward is false.
+        if precision_cfg.master_weights:
+            weights, grads = 0, 4 * padded
+        per_block = _params_per_block(model_cfg)
+        unit = fsdp_unit_blocks * per_block
+        blocks = model_cfg.n_layer if not reshard_after_forward else min(2 * fsdp_unit_blocks, model_cfg.n_layer)
+        fsdp_gathered = (n_params - model_cfg.n_layer * per_block + blocks * per_block) * p
+        unit_grads = unit * (p + 4)  # in backward: a unit's new grads + the previous unit's fp32 reduce-scatter input
+        notes.append(f"FSDP: persistent state / {world_size}; {fsdp_unit_blocks} block(s) per unit, "
+                     f"reshard_after_forward={reshard_after_forward}")
+    weights, grads, masters, adam_m, adam_v = (x // shard for x in (weights, grads, masters, adam_m, adam_v))
 
     # Activations, block by block.
     recomputed = recomputed_blocks(ckpt_cfg, model_cfg.n_layer)
@@ -213,7 +238,7 @@ def predict(model_cfg: ModelConfig, precision_cfg: PrecisionConfig, ckpt_cfg: Ch
     # the block's recomputed activations, and the wte gradient produced by the loss before accumulation.
     # selective recomputes LN outputs, x1, GELU out and the LN stats.
     recompute = {"recomputed": block["kept"], "selective": N * (C * p + 6 * C * a + 4 * stats), "kept": 0}[kinds[-1]]
-    backward_transient = N * C * p + 8 * N * C * a + recompute + V * C * p
+    backward_transient = N * C * p + 8 * N * C * a + recompute + V * C * p + unit_grads
 
     # Optimizer step temporaries. The fused step reads the grads in place: none. loop and foreach first
     # gather autograd's grads into the flat buffer (both exist for that copy; not with fp32 main grads,
@@ -234,9 +259,9 @@ def predict(model_cfg: ModelConfig, precision_cfg: PrecisionConfig, ckpt_cfg: Ch
     # whole at the first gradient).
     early = grads if grad_accum > 1 or (optimizer_impl != "torch" and g != p) else 0
     peak = weights + masters + adam_m + adam_v + max(
-        activations + max(loss_workspace, backward_transient) + early, grads + optimizer_transient)
+        fsdp_gathered + activations + max(loss_workspace, backward_transient) + early, grads + optimizer_transient)
     return MemoryEstimate(n_params, weights, grads, masters, adam_m, adam_v, per_layer, other, activations,
-                          loss_workspace, backward_transient, optimizer_transient, peak, notes)
+                          loss_workspace, backward_transient, optimizer_transient, peak, fsdp_gathered, notes)
 
 
 class LiveBytes(TorchDispatchMode):

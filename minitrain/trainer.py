@@ -145,7 +145,7 @@ class Trainer:
         self.model.to(dtype=distributed.param_dtype(cfg.precision, self.dist))
         checkpointing.apply_policy(self.model, cfg.checkpointing)
         self.loss_fn = build_loss(cfg, self.device)
-        self.loss_module = distributed.wrap(self.model, self.loss_fn, cfg.precision, self.dist)
+        self.loss_module = distributed.wrap(self.model, self.loss_fn, cfg.precision, cfg.distributed, self.dist)
         self.optimizer, self.scaler = build_optimizer(cfg, self.model, self.device, sharded=self.dist.sharded)
 
         # Each rank takes its slices of the global batch: micro-batch m of rank r is part r*accum + m.
@@ -159,7 +159,9 @@ class Trainer:
             self.model_cfg, cfg.precision, cfg.checkpointing, self.micro_batch, self.model_cfg.block_size,
             loss_impl(cfg, self.device), cfg.loss.chunk_bytes, loss_low_memory=cfg.loss.low_memory,
             grad_accum=t.grad_accum, world_size=world,
-            sharded=self.dist.sharded, device=self.device.type, optimizer_impl=optimizer_impl(cfg, self.device))
+            sharded=self.dist.sharded, device=self.device.type, optimizer_impl=optimizer_impl(cfg, self.device),
+            fsdp_unit_blocks=cfg.distributed.fsdp_unit_blocks,
+            reshard_after_forward=cfg.distributed.reshard_after_forward)
 
         self.config_dict = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True)
         self.step, self.wandb_id = 0, None

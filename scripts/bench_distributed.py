@@ -30,13 +30,14 @@ STEPS = {"gpt2-124m": 30, "gpt2-1.5b": 16}
 MODES = [("none", 1), ("ddp", None), ("fsdp", None)]  # None: --gpus
 
 
-def overrides(model: str, mode: str, world: int, micro_batch: int, steps: int, out_dir: str) -> list[str]:
+def overrides(model: str, mode: str, world: int, micro_batch: int, steps: int, out_dir: str,
+              extra: list[str]) -> list[str]:
     log_every = steps // 3
     return [f"model={model}", "precision=bf16", "loss=fused", "optimizer.impl=fused", f"distributed={mode}",
             f"trainer.batch_size={micro_batch * world}", f"trainer.max_steps={steps}",
             f"trainer.log_every={log_every}", f"trainer.eval_every={steps}", "trainer.eval_batches=1",
             f"trainer.save_every={steps}", "trainer.sample_tokens=0", "trainer.warmup_steps=2", "trainer.lr=3e-4",
-            "trainer.min_lr=3e-5", "logger.mode=disabled", f"trainer.out_dir={out_dir}"]
+            "trainer.min_lr=3e-5", "logger.mode=disabled", f"trainer.out_dir={out_dir}", *extra]
 
 
 def worker(args) -> None:
@@ -62,11 +63,13 @@ def worker(args) -> None:
     distributed.teardown()
 
 
-def launch(model: str, mode: str, world: int, args, scratch: Path) -> dict:
-    part = scratch / f"{model}-{mode}-{world}"
+def launch(model: str, mode: str, world: int, args, scratch: Path, extra: str = "") -> dict:
+    """One torchrun job; `extra`: space-separated config overrides, shown beside the mode."""
+    part = scratch / f"{model}-{mode}-{world}-{len(list(scratch.iterdir()))}"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
            __file__, "--worker", "--part", str(part), "--overrides",
-           *overrides(model, mode, world, args.micro_batch, args.steps or STEPS[model], str(part))]
+           *overrides(model, mode, world, args.micro_batch, args.steps or STEPS[model], str(part), extra.split())]
+    mode = f"{mode} {extra.replace('distributed.', '')}".strip()
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=REPO,
                          env={**os.environ, "OMP_NUM_THREADS": "4"})
     if out.returncode != 0:
@@ -81,18 +84,19 @@ def launch(model: str, mode: str, world: int, args, scratch: Path) -> dict:
 
 
 def table(rows: list[dict]) -> str:
-    lines = [f"{'model':<10} {'mode':<5} {'gpus':>4} {'tok/s':>10} {'x 1 GPU':>7} {'MFU':>6} "
+    width = max(len(r["mode"]) for r in rows)
+    lines = [f"{'model':<10} {'mode':<{width}} {'gpus':>4} {'tok/s':>10} {'x 1 GPU':>7} {'MFU':>6} "
              f"{'peak GB/GPU (pred)':>20} {'opt state GB/GPU (pred)':>24}"]
     single = {r["model"]: r.get("tokens_per_s") for r in rows if r["gpus"] == 1}
     for r in rows:
         if "error" in r:
-            lines.append(f"{r['model']:<10} {r['mode']:<5} {r['gpus']:>4} {r['error']}")
+            lines.append(f"{r['model']:<10} {r['mode']:<{width}} {r['gpus']:>4} {r['error']}")
             continue
         speedup = r["tokens_per_s"] / single[r["model"]] if single.get(r["model"]) else float("nan")
         peak = f"{max(r['peak_allocated_gb']):.2f} ({r['peak_pred_gb']:.2f})"
         opt = f"{max(r['optimizer_state_gb']):.2f} ({r['optimizer_state_pred_gb']:.2f})"
         mfu = f"{r['mfu']:.1%}" if r["mfu"] else "-"
-        lines.append(f"{r['model']:<10} {r['mode']:<5} {r['gpus']:>4} {r['tokens_per_s']:>10,.0f} {speedup:>6.2f}x "
+        lines.append(f"{r['model']:<10} {r['mode']:<{width}} {r['gpus']:>4} {r['tokens_per_s']:>10,.0f} {speedup:>6.2f}x "
                      f"{mfu:>6} {peak:>20} {opt:>24}")
     return "\n".join(lines)
 
@@ -100,10 +104,14 @@ def table(rows: list[dict]) -> str:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["gpt2-124m", "gpt2-1.5b"])
+    ap.add_argument("--modes", nargs="+", default=[m for m, _ in MODES], choices=[m for m, _ in MODES])
     ap.add_argument("--gpus", type=int, default=2)
     ap.add_argument("--micro-batch", type=int, default=8, help="sequences per GPU per step")
     ap.add_argument("--steps", type=int, default=None, help="default: per model, see STEPS")
     ap.add_argument("--timeout", type=int, default=150, help="seconds per run")
+    ap.add_argument("--fsdp-ablate", nargs="*", default=[], metavar="OVERRIDES",
+                    help="more fsdp rows, each a quoted, space-separated set of overrides, e.g. "
+                         "'distributed.fsdp_unit_blocks=4 distributed.reshard_after_forward=false'")
     ap.add_argument("--out", default="bench_distributed.json")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--part", help=argparse.SUPPRESS)
@@ -119,8 +127,10 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         for model in args.models:
-            for mode, world in MODES:
-                rows.append(launch(model, mode, world or args.gpus, args, Path(scratch)))
+            runs = [(mode, world, "") for mode, world in MODES if mode in args.modes]
+            runs += [("fsdp", None, extra) for extra in args.fsdp_ablate]
+            for mode, world, extra in runs:
+                rows.append(launch(model, mode, world or args.gpus, args, Path(scratch), extra))
                 print(table(rows).splitlines()[-1], flush=True)
                 Path(args.out).write_text(json.dumps(rows, indent=1))  # kept if a later run overruns the call
     print(table(rows))

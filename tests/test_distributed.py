@@ -109,6 +109,10 @@ def runs(data_cache, tmp_path_factory):
         # the fused AdamW (Triton's interpreter here) reading each rank's gradient shards in place
         "fsdp_fused": {"overrides": overrides(data_cache, root / "fsdp_fused", "distributed=fsdp",
                                               "optimizer.impl=fused")},
+        # blocks grouped 3 + 1 into FSDP units, kept gathered from forward to backward, recomputed there
+        "fsdp_units": {"overrides": overrides(data_cache, root / "fsdp_units", "distributed=fsdp",
+                                              "distributed.fsdp_unit_blocks=3", "distributed.reshard_after_forward=false",
+                                              "checkpointing=full")},
         "fsdp_crash": {"overrides": overrides(data_cache, root / "resumed", "distributed=fsdp"), "crash_at": 7},
         "fsdp_resumed": {"overrides": overrides(data_cache, root / "resumed", "distributed=fsdp",
                                                 "trainer.resume=auto")},
@@ -128,7 +132,7 @@ def runs(data_cache, tmp_path_factory):
     return root, reference, reports
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp", "fsdp_fused"])
+@pytest.mark.parametrize("mode", ["ddp", "fsdp", "fsdp_fused", "fsdp_units"])
 def test_losses_match_the_single_process_run(runs, mode):
     root, reference, reports = runs
     train_ref, val_ref = read_losses(root / "single")

@@ -112,6 +112,27 @@ def test_gpt2_124m_none_vs_full_and_sharding():
     assert sharded.adam_m == none.adam_m // 4 and sharded.activations_total == none.activations_total
 
 
+def test_fsdp_holds_one_nth_of_the_state_plus_the_gathered_units():
+    cfg = ModelConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304)
+    C, per_block = cfg.n_embd, 12 * cfg.n_embd**2 + 13 * cfg.n_embd  # a GPT-2 block with biases
+
+    def fsdp(**kw):
+        return predict(cfg, PRECISIONS["bf16"], POLICIES["none"], 16, 1024, "fused", None, world_size=2,
+                       sharded=True, **kw)
+
+    one = fsdp()
+    # The fp32 shards are the params and the masters, their grads fp32: 16 B/param over 2 ranks.
+    assert one.weights == 0 and one.state == pytest.approx(16 * one.n_params / 2, rel=0.01)
+    root = one.n_params - cfg.n_layer * per_block  # embeddings, final norm, the tied head
+    assert one.gathered == (root + 2 * per_block) * 2  # bf16 compute copies: the root + two 1-block units
+    four = fsdp(fsdp_unit_blocks=4)
+    assert four.gathered - one.gathered == 6 * per_block * 2
+    assert four.backward_transient - one.backward_transient == 3 * per_block * (2 + 4)  # bf16 grads, fp32 RS input
+    assert fsdp(reshard_after_forward=False).gathered == one.n_params * 2  # every unit stays gathered
+    assert four.peak - one.peak >= four.gathered - one.gathered
+    assert "FSDP gathered params" in one.table()
+
+
 def test_table_dict_and_compare_read_well():
     est = predict(small(), PRECISIONS["bf16"], POLICIES["every_k"], B, T, "fused", None)
     table = est.table()
