@@ -10,7 +10,9 @@ Everything here is PyTorch's own engine (torch.distributed, DistributedDataParal
         them as the precision's param_dtype for compute and reduce-scatters gradients in fp32. So a
         precision that asks for bf16/fp16 params with fp32 masters (`bf16`, `fp16`) maps to fp32
         shards + bf16/fp16 compute, and FusedAdamW sees fp32 params and keeps no separate master.
-        Without masters (`bf16_no_master`) the shards stay in the param dtype.
+        Without masters (`bf16_no_master`) the shards stay in the param dtype. Blocks are sharded
+        `distributed.fsdp_unit_blocks` at a time: FSDP2's hooks are Python that runs per unit, and
+        with a unit per block the host, not the link, set the step time.
 
 A rank that dies must not leave the others waiting forever: collectives time out after
 `distributed.timeout_s` and raise, and torchrun stops the remaining workers when one exits non-zero.

@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from .checkpointing import recomputed_blocks
-from .config import CheckpointingConfig, CheckpointPolicy, DType, ModelConfig, PrecisionConfig
+from .config import CheckpointingConfig, CheckpointPolicy, DistributedConfig, DType, ModelConfig, PrecisionConfig
 
 GB = 1e9
 _BYTES = {DType.fp32: 4, DType.bf16: 2, DType.fp16: 2}
@@ -161,8 +161,8 @@ def predict(model_cfg: ModelConfig, precision_cfg: PrecisionConfig, ckpt_cfg: Ch
             micro_batch: int, seq_len: int, loss_impl: str, chunk_bytes: int | None, grad_accum: int = 1,
             loss_low_memory: bool = False,
             world_size: int = 1, sharded: bool = False, device: str = "cuda",
-            optimizer_impl: str = "fused", fsdp_unit_blocks: int = 1,
-            reshard_after_forward: bool = True) -> MemoryEstimate:
+            optimizer_impl: str = "fused", fsdp_unit_blocks: int = DistributedConfig.fsdp_unit_blocks,
+            reshard_after_forward: bool = DistributedConfig.reshard_after_forward) -> MemoryEstimate:
     """Predicted memory of one training step. `loss_impl`, `optimizer_impl` as resolved for the device
     (fused | torch; fused | foreach | loop). `sharded`: FSDP, the persistent state divided by `world_size`
     plus the gathered units (`fsdp_unit_blocks`, `reshard_after_forward`: distributed's config).

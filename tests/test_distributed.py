@@ -106,9 +106,9 @@ def runs(data_cache, tmp_path_factory):
     jobs = {
         "ddp": {"overrides": overrides(data_cache, root / "ddp", "distributed=ddp", "trainer.grad_accum=2")},
         "fsdp": {"overrides": fsdp},
-        # the fused AdamW (Triton's interpreter here) reading each rank's gradient shards in place
+        # the fused AdamW (Triton's interpreter here) reading each rank's gradient shards in place; a unit per block
         "fsdp_fused": {"overrides": overrides(data_cache, root / "fsdp_fused", "distributed=fsdp",
-                                              "optimizer.impl=fused")},
+                                              "optimizer.impl=fused", "distributed.fsdp_unit_blocks=1")},
         # blocks grouped 3 + 1 into FSDP units, kept gathered from forward to backward, recomputed there
         "fsdp_units": {"overrides": overrides(data_cache, root / "fsdp_units", "distributed=fsdp",
                                               "distributed.fsdp_unit_blocks=3", "distributed.reshard_after_forward=false",

@@ -120,7 +120,7 @@ def test_fsdp_holds_one_nth_of_the_state_plus_the_gathered_units():
         return predict(cfg, PRECISIONS["bf16"], POLICIES["none"], 16, 1024, "fused", None, world_size=2,
                        sharded=True, **kw)
 
-    one = fsdp()
+    one = fsdp(fsdp_unit_blocks=1)
     # The fp32 shards are the params and the masters, their grads fp32: 16 B/param over 2 ranks.
     assert one.weights == 0 and one.state == pytest.approx(16 * one.n_params / 2, rel=0.01)
     root = one.n_params - cfg.n_layer * per_block  # embeddings, final norm, the tied head
@@ -128,7 +128,7 @@ def test_fsdp_holds_one_nth_of_the_state_plus_the_gathered_units():
     four = fsdp(fsdp_unit_blocks=4)
     assert four.gathered - one.gathered == 6 * per_block * 2
     assert four.backward_transient - one.backward_transient == 3 * per_block * (2 + 4)  # bf16 grads, fp32 RS input
-    assert fsdp(reshard_after_forward=False).gathered == one.n_params * 2  # every unit stays gathered
+    assert fsdp(reshard_after_forward=False).gathered == one.n_params * 2  # every block stays gathered
     assert four.peak - one.peak >= four.gathered - one.gathered
     assert "FSDP gathered params" in one.table()
 
