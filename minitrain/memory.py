@@ -143,17 +143,14 @@ def _block_bytes(cfg: ModelConfig, tokens: int, seq_len: int, r: int, a: int, st
     dropout = cfg.dropout > 0
     # CPU flash attention has no dropout: the math path runs instead, in fp32 whatever the input dtype.
     math_attention = dropout and device == "cpu"
-    if kind == "selective":
-        # Input + the four matmul outputs (qkv 3C, attn proj C, fc 4C, mlp proj C) + attention: its fused
-        # kernel's output and logsumexp, or on the math path the two bmm outputs (scores and scores @ v).
-        attention = 4 * (C + H * seq_len) if math_attention else C * a + 4 * H
-        return tokens * (C * r + 9 * C * a + attention)
     # kept: LN inputs x, x1 (r) and both LNs' mean/rstd; LN outputs (a: autocast casts them for the
     # matmul); qkv (3C, SDPA's q/k/v views); attention output (C, also c_proj's input); fc out (4C, GELU's
     # input); GELU out (4C, c_proj's input); per head an fp32 logsumexp, or on the math path fp32 q/k/v
     # copies plus softmax, mask and dropped scores (3·H·T); two residual dropout masks.
     mask = (1 if device == "cuda" else a) if dropout else 0  # CUDA: bool; CPU: x * mask in x's dtype
     attention = C * a + (4 * 3 * (C + H * seq_len) if math_attention else 3 * C * a + 4 * H)
+    if kind == "selective":  # the same, less what it reruns: both LN outputs and stats, GELU out
+        return tokens * (2 * C * r + attention + 4 * C * a + 2 * C * mask)
     return tokens * (2 * C * r + 4 * stats + 2 * C * a + attention + 8 * C * a + 2 * C * mask)
 
 
@@ -236,8 +233,8 @@ def predict(model_cfg: ModelConfig, precision_cfg: PrecisionConfig, ckpt_cfg: Ch
 
     # The top of backward in the last block: incoming grad, grads of the MLP hidden (GELU out, fc out),
     # the block's recomputed activations, and the wte gradient produced by the loss before accumulation.
-    # selective recomputes LN outputs, x1, GELU out and the LN stats.
-    recompute = {"recomputed": block["kept"], "selective": N * (C * p + 6 * C * a + 4 * stats), "kept": 0}[kinds[-1]]
+    # selective reruns GELU's output there (then, smaller, each norm's).
+    recompute = {"recomputed": block["kept"], "selective": N * 4 * C * a, "kept": 0}[kinds[-1]]
     backward_transient = N * C * p + 8 * N * C * a + recompute + V * C * p + unit_grads
 
     # Optimizer step temporaries. The fused step reads the grads in place: none. loop and foreach first

@@ -30,12 +30,17 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        q, k, v = self.c_attn(x).split(C, dim=2)
+        return self.c_proj(self.attend(self.c_attn(x)))
+
+    def attend(self, qkv: torch.Tensor) -> torch.Tensor:
+        """(B, T, 3C) projections -> (B, T, C) causal attention output, heads concatenated."""
+        B, T, C3 = qkv.shape
+        C = C3 // 3
+        q, k, v = qkv.split(C, dim=2)
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
                                            dropout_p=self.dropout if self.training else 0.0)
-        return self.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+        return y.transpose(1, 2).contiguous().view(B, T, C)
 
 
 class MLP(nn.Module):
@@ -46,10 +51,14 @@ class MLP(nn.Module):
         self.gelu_impl = cfg.gelu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.c_fc(x)
-        if self.gelu_impl == KernelImpl.fused or (self.gelu_impl == KernelImpl.auto and h.is_cuda):
-            return self.c_proj(gelu_tanh(h))  # one memory pass each way (minitrain/ops/gelu.py)
-        return self.c_proj(F.gelu(h, approximate="tanh"))
+        return self.c_proj(self.activation(self.c_fc(x)))
+
+    def fused_gelu(self, h: torch.Tensor) -> bool:
+        return self.gelu_impl == KernelImpl.fused or (self.gelu_impl == KernelImpl.auto and h.is_cuda)
+
+    def activation(self, h: torch.Tensor) -> torch.Tensor:
+        """tanh-GELU: the Triton kernel (one memory pass each way, minitrain/ops/gelu.py) or torch's."""
+        return gelu_tanh(h) if self.fused_gelu(h) else F.gelu(h, approximate="tanh")
 
 
 class Block(nn.Module):

@@ -2,19 +2,24 @@ import pytest
 import torch
 
 from minitrain.checkpointing import apply_policy, recompute_flops_per_token, recomputed_blocks
-from minitrain.config import CheckpointingConfig, CheckpointPolicy, ConfigError, ModelConfig, resolve
+from minitrain.config import CheckpointingConfig, CheckpointPolicy, ConfigError, KernelImpl, ModelConfig, resolve
 from minitrain.model import GPT
 
 POLICIES = [CheckpointingConfig(CheckpointPolicy.none), CheckpointingConfig(CheckpointPolicy.full),
             CheckpointingConfig(CheckpointPolicy.every_k, every_k=2), CheckpointingConfig(CheckpointPolicy.selective)]
 
 
-def grads(policy: CheckpointingConfig, dropout: float, compile_backend=None) -> dict[str, torch.Tensor]:
+def grads(policy: CheckpointingConfig, dropout: float, compile_backend=None, gelu=KernelImpl.auto,
+          autocast=False) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
-    model = GPT(ModelConfig(n_layer=3, n_head=2, n_embd=32, block_size=16, vocab_size=64, dropout=dropout))
+    model = GPT(ModelConfig(n_layer=3, n_head=2, n_embd=32, block_size=16, vocab_size=64, dropout=dropout, gelu=gelu))
     apply_policy(model, policy)
     idx = torch.randint(0, 64, (2, 16))
-    loss_of = lambda i: torch.nn.functional.cross_entropy(model(i).flatten(0, 1), i.roll(-1, 1).flatten())
+
+    def loss_of(i):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            return torch.nn.functional.cross_entropy(model(i).flatten(0, 1).float(), i.roll(-1, 1).flatten())
+
     if compile_backend:
         loss_of = torch.compile(loss_of, backend=compile_backend)
     torch.manual_seed(1)  # the dropout masks: checkpointing must replay the same ones
@@ -27,6 +32,16 @@ def grads(policy: CheckpointingConfig, dropout: float, compile_backend=None) -> 
 def test_gradients_equal_no_checkpointing(policy, dropout):
     reference, got = grads(POLICIES[0], dropout), grads(policy, dropout)
     for name in reference:
+        torch.testing.assert_close(got[name], reference[name], rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.parametrize("gelu, autocast", [(KernelImpl.fused, False), (KernelImpl.torch, True)])
+def test_selective_gradients_with_the_fused_gelu_and_under_autocast(gelu, autocast):
+    """selective runs its own backward for the norms, the GELU (Triton's or torch's) and their linear
+    layers, in the dtypes autocast gave their forward (fp32 params, bf16 matmuls)."""
+    reference, got = (grads(p, 0.0, gelu=gelu, autocast=autocast) for p in (POLICIES[0], POLICIES[3]))
+    for name in reference:
+        assert got[name].dtype == reference[name].dtype == torch.float32
         torch.testing.assert_close(got[name], reference[name], rtol=1e-5, atol=1e-7, msg=name)
 
 

@@ -104,15 +104,16 @@ def runs(data_cache, tmp_path_factory):
     reference.fit()
     fsdp = overrides(data_cache, root / "fsdp", "distributed=fsdp")
     jobs = {
-        "ddp": {"overrides": overrides(data_cache, root / "ddp", "distributed=ddp", "trainer.grad_accum=2")},
+        "ddp": {"overrides": overrides(data_cache, root / "ddp", "distributed=ddp", "trainer.grad_accum=2",
+                                       "checkpointing=full")},
         "fsdp": {"overrides": fsdp},
         # the fused AdamW (Triton's interpreter here) reading each rank's gradient shards in place; a unit per block
         "fsdp_fused": {"overrides": overrides(data_cache, root / "fsdp_fused", "distributed=fsdp",
                                               "optimizer.impl=fused", "distributed.fsdp_unit_blocks=1")},
-        # blocks grouped 3 + 1 into FSDP units, kept gathered from forward to backward, recomputed there
+        # blocks grouped 3 + 1 into FSDP units, kept gathered from forward to backward; selective's own block forward
         "fsdp_units": {"overrides": overrides(data_cache, root / "fsdp_units", "distributed=fsdp",
                                               "distributed.fsdp_unit_blocks=3", "distributed.reshard_after_forward=false",
-                                              "checkpointing=full")},
+                                              "checkpointing=selective")},
         "fsdp_crash": {"overrides": overrides(data_cache, root / "resumed", "distributed=fsdp"), "crash_at": 7},
         "fsdp_resumed": {"overrides": overrides(data_cache, root / "resumed", "distributed=fsdp",
                                                 "trainer.resume=auto")},

@@ -2,6 +2,6 @@
 
 from minitrain.ops.cross_entropy import fused_linear_cross_entropy
 from minitrain.ops.cross_entropy_reference import linear_cross_entropy_reference
-from minitrain.ops.gelu import gelu_tanh
+from minitrain.ops.gelu import gelu_tanh, gelu_tanh_backward
 
-__all__ = ["fused_linear_cross_entropy", "gelu_tanh", "linear_cross_entropy_reference"]
+__all__ = ["fused_linear_cross_entropy", "gelu_tanh", "gelu_tanh_backward", "linear_cross_entropy_reference"]

@@ -117,3 +117,9 @@ def gelu_tanh(x: Tensor) -> Tensor:
     """F.gelu(x, approximate="tanh") for any float dtype and shape; fp32 math, output in x's dtype."""
     check_runnable(x, "gelu_tanh", "model.gelu=torch")
     return _gelu_tanh(x)
+
+
+def gelu_tanh_backward(grad_out: Tensor, x: Tensor) -> Tensor:
+    """grad_out * gelu_tanh'(x), in x's dtype: for callers that run their own backward (selective
+    checkpointing)."""
+    return _gelu_tanh_backward(grad_out, x)
