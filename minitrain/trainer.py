@@ -143,7 +143,7 @@ class Trainer:
         with torch.device(self.device):
             self.model = GPT(self.model_cfg)
         self.model.to(dtype=distributed.param_dtype(cfg.precision, self.dist))
-        checkpointing.apply_policy(self.model, cfg.checkpointing)
+        checkpointing.apply_policy(self.model, cfg.checkpointing, compiled=cfg.trainer.compile)
         self.loss_fn = build_loss(cfg, self.device)
         self.loss_module = distributed.wrap(self.model, self.loss_fn, cfg.precision, cfg.distributed, self.dist)
         self.optimizer, self.scaler = build_optimizer(cfg, self.model, self.device, sharded=self.dist.sharded)

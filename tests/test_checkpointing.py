@@ -13,7 +13,7 @@ def grads(policy: CheckpointingConfig, dropout: float, compile_backend=None, gel
           autocast=False) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     model = GPT(ModelConfig(n_layer=3, n_head=2, n_embd=32, block_size=16, vocab_size=64, dropout=dropout, gelu=gelu))
-    apply_policy(model, policy)
+    apply_policy(model, policy, compiled=compile_backend is not None)
     idx = torch.randint(0, 64, (2, 16))
 
     def loss_of(i):
