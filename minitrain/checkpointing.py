@@ -19,9 +19,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy as SavePolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .config import CheckpointingConfig, CheckpointPolicy, ModelConfig
-from .model import GPT, Block, run_block
-from .ops import gelu_tanh, gelu_tanh_backward
-
+from .model import GPT, Block, run_block, tanh_gelu
+from .ops import gelu_tanh_backward
 
 aten = torch.ops.aten
 
@@ -98,19 +97,16 @@ class _GeluThenLinear(torch.autograd.Function):
     def forward(ctx, h, weight, bias, fused: bool):
         ctx.fused, ctx.dtype, ctx.has_bias = fused, _matmul_dtype(h, weight), bias is not None
         ctx.save_for_backward(h, weight)
-        return F.linear(_gelu(h, fused), weight, bias)
+        return F.linear(tanh_gelu(h, fused), weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out):
         h, weight = ctx.saved_tensors
-        grad_a, grad_weight, grad_bias = _linear_grads(grad_out, _gelu(h, ctx.fused), weight, ctx.has_bias, ctx.dtype)
+        grad_a, grad_weight, grad_bias = _linear_grads(grad_out, tanh_gelu(h, ctx.fused), weight, ctx.has_bias,
+                                                       ctx.dtype)
         grad_h = gelu_tanh_backward(grad_a, h) if ctx.fused else torch.ops.aten.gelu_backward(grad_a, h,
                                                                                               approximate="tanh")
         return grad_h, grad_weight, grad_bias, None
-
-
-def _gelu(h: torch.Tensor, fused: bool) -> torch.Tensor:
-    return gelu_tanh(h) if fused else F.gelu(h, approximate="tanh")
 
 
 def _forward_recomputing_elementwise(block: Block, x: torch.Tensor) -> torch.Tensor:

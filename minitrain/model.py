@@ -51,14 +51,16 @@ class MLP(nn.Module):
         self.gelu_impl = cfg.gelu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(self.activation(self.c_fc(x)))
+        h = self.c_fc(x)
+        return self.c_proj(tanh_gelu(h, self.fused_gelu(h)))
 
     def fused_gelu(self, h: torch.Tensor) -> bool:
         return self.gelu_impl == KernelImpl.fused or (self.gelu_impl == KernelImpl.auto and h.is_cuda)
 
-    def activation(self, h: torch.Tensor) -> torch.Tensor:
-        """tanh-GELU: the Triton kernel (one memory pass each way, minitrain/ops/gelu.py) or torch's."""
-        return gelu_tanh(h) if self.fused_gelu(h) else F.gelu(h, approximate="tanh")
+
+def tanh_gelu(h: torch.Tensor, fused: bool) -> torch.Tensor:
+    """The Triton kernel (one memory pass each way, minitrain/ops/gelu.py) or torch's."""
+    return gelu_tanh(h) if fused else F.gelu(h, approximate="tanh")
 
 
 class Block(nn.Module):
