@@ -111,7 +111,7 @@ def main() -> None:
     ap.add_argument("--timeout", type=int, default=150, help="seconds per run")
     ap.add_argument("--fsdp-ablate", nargs="*", default=[], metavar="OVERRIDES",
                     help="more fsdp rows, each a quoted, space-separated set of overrides, e.g. "
-                         "'distributed.fsdp_unit_blocks=4 distributed.reshard_after_forward=false'")
+                         "'distributed.fsdp_unit_blocks=1 distributed.reshard_after_forward=false'")
     ap.add_argument("--out", default="bench_distributed.json")
     ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--part", help=argparse.SUPPRESS)
