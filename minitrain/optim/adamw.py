@@ -17,7 +17,8 @@ Gradients stay autograd's own tensors, which backward creates (no 2 B/param duri
 a step's memory peaks, and no per-parameter `grad += new`: the first micro-batch's gradient is
 stolen, not added). The fused step reads them where they are, through a per-step table of their
 offsets (adamw_triton.py). loop and foreach gather them into a zeroed flat buffer of the state's
-layout with one multi-tensor copy and point p.grad at its views (a repeated step copies nothing);
+layout with one multi-tensor copy and point p.grad at its views (a repeated step copies nothing;
+not under FSDP, where wrapping each view as a DTensor cost ~10 ms of host time a step at 148 tensors);
 zero_grad(set_to_none) frees it. DDP and FSDP2 see plain p.grad tensors. With grad_dtype=fp32 a
 post-accumulate hook adds each low-precision gradient into an fp32 flat buffer's view and frees
 p.grad (micro-batches accumulate in fp32); every implementation reads that buffer.
@@ -116,7 +117,8 @@ class _Bucket:
 
     def gather_grads(self):
         """The flat gradient buffer the step reads, p.grad pointed at its views (zeros where a
-        parameter has no gradient). Repeated steps over the same grads copy nothing."""
+        parameter has no gradient). Repeated steps over the same grads copy nothing (under FSDP they copy
+        again: p.grad stays FSDP's)."""
         made = self._ensure_grads()
         if self.main_grads:  # the hooks have filled it
             return
@@ -128,8 +130,9 @@ class _Bucket:
                if p.grad is not None and _local(p.grad) is not view]
         if new:
             torch._foreach_copy_([view for view, _ in new], [_local(p.grad) for _, p in new])
-            for view, p in new:
-                p.grad = _like(p, view)
+            if not self.sharded:  # under FSDP a DTensor per view costs more host time than the copy it saves
+                for view, p in new:
+                    p.grad = view
 
     def release_grads(self):
         self.grad = self.grads = None
