@@ -18,8 +18,8 @@ a step's memory peaks, and no per-parameter `grad += new`: the first micro-batch
 stolen, not added). The fused step reads them where they are, through a per-step table of their
 offsets (adamw_triton.py). loop and foreach gather them into a zeroed flat buffer of the state's
 layout with one multi-tensor copy and point p.grad at its views (a repeated step copies nothing;
-not under FSDP, where wrapping each view as a DTensor took most of the gather's host time: 11.8 vs 2.2 ms
-a step at 148 tensors, cProfile on a CPU);
+not under FSDP, where wrapping each view as a DTensor took most of the gather's host time: 11.8 ms a step
+with, 2.2 without, at 148 tensors, cProfile on a CPU);
 zero_grad(set_to_none) frees it. DDP and FSDP2 see plain p.grad tensors. With grad_dtype=fp32 a
 post-accumulate hook adds each low-precision gradient into an fp32 flat buffer's view and frees
 p.grad (micro-batches accumulate in fp32); every implementation reads that buffer.
