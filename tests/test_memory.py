@@ -114,7 +114,7 @@ def test_gpt2_124m_none_vs_full_and_sharding():
 
 def test_fsdp_holds_one_nth_of_the_state_plus_the_gathered_units():
     cfg = ModelConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304)
-    C, per_block = cfg.n_embd, 12 * cfg.n_embd**2 + 13 * cfg.n_embd  # a GPT-2 block with biases
+    per_block = 12 * cfg.n_embd**2 + 13 * cfg.n_embd  # a GPT-2 block with biases
 
     def fsdp(**kw):
         return predict(cfg, PRECISIONS["bf16"], POLICIES["none"], 16, 1024, "fused", None, world_size=2,
