@@ -114,6 +114,9 @@ def runs(data_cache, tmp_path_factory):
         "fsdp_units": {"overrides": overrides(data_cache, root / "fsdp_units", "distributed=fsdp",
                                               "distributed.fsdp_unit_blocks=3", "distributed.reshard_after_forward=false",
                                               "checkpointing=selective")},
+        # units of 3 + 1 blocks, resharded after forward, re-gathered for full checkpointing's recompute
+        "fsdp_recompute": {"overrides": overrides(data_cache, root / "fsdp_recompute", "distributed=fsdp",
+                                                  "distributed.fsdp_unit_blocks=3", "checkpointing=full")},
         "fsdp_crash": {"overrides": overrides(data_cache, root / "resumed", "distributed=fsdp"), "crash_at": 7},
         "fsdp_resumed": {"overrides": overrides(data_cache, root / "resumed", "distributed=fsdp",
                                                 "trainer.resume=auto")},
@@ -133,7 +136,7 @@ def runs(data_cache, tmp_path_factory):
     return root, reference, reports
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp", "fsdp_fused", "fsdp_units"])
+@pytest.mark.parametrize("mode", ["ddp", "fsdp", "fsdp_fused", "fsdp_units", "fsdp_recompute"])
 def test_losses_match_the_single_process_run(runs, mode):
     root, reference, reports = runs
     train_ref, val_ref = read_losses(root / "single")
