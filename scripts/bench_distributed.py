@@ -63,9 +63,9 @@ def worker(args) -> None:
     distributed.teardown()
 
 
-def launch(model: str, mode: str, world: int, args, scratch: Path, extra: str = "") -> dict:
-    """One torchrun job; `extra`: space-separated config overrides, shown beside the mode."""
-    part = scratch / f"{model}-{mode}-{world}-{len(list(scratch.iterdir()))}"
+def launch(model: str, mode: str, world: int, args, part: Path, extra: str = "") -> dict:
+    """One torchrun job, its run dir and rank reports at `part`; `extra`: space-separated config overrides,
+    shown beside the mode."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
            __file__, "--worker", "--part", str(part), "--overrides",
            *overrides(model, mode, world, args.micro_batch, args.steps or STEPS[model], str(part), extra.split())]
@@ -130,7 +130,7 @@ def main() -> None:
             runs = [(mode, world, "") for mode, world in MODES if mode in args.modes]
             runs += [("fsdp", None, extra) for extra in args.fsdp_ablate]
             for mode, world, extra in runs:
-                rows.append(launch(model, mode, world or args.gpus, args, Path(scratch), extra))
+                rows.append(launch(model, mode, world or args.gpus, args, Path(scratch) / f"run{len(rows)}", extra))
                 print(table(rows).splitlines()[-1], flush=True)
                 Path(args.out).write_text(json.dumps(rows, indent=1))  # kept if a later run overruns the call
     print(table(rows))
