@@ -1,12 +1,13 @@
 """Turn a sweep into a report: `python scripts/report.py <sweep dir> [--out DIR] [--wandb offline|online]`.
 
 Writes report.md (tokens/s, MFU, HFU, predicted and measured peak memory, final loss per cell) and two
-PNGs; the logic is minitrain/report.py.
+PNGs, and prints report.md; the logic is minitrain/tools/report.py.
 """
 
 import argparse
+import sys
 
-from minitrain.report import write_report
+from minitrain.tools.report import PLOTS_SKIPPED, ReportError, plotting_available, write_report
 
 
 def main() -> None:
@@ -17,8 +18,16 @@ def main() -> None:
                     help="log the plots to wandb (default: offline if the jobs have wandb dirs, else not)")
     ap.add_argument("--project", default="minitrain")
     args = ap.parse_args()
-    for name, path in write_report(args.sweep_dir, args.out, args.wandb, args.project).items():
+    try:
+        files = write_report(args.sweep_dir, args.out, args.wandb, args.project)
+    except ReportError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(files["report"].read_text())
+    for name, path in files.items():
         print(f"{name}: {path}")
+    if not plotting_available():
+        print(PLOTS_SKIPPED)
 
 
 if __name__ == "__main__":

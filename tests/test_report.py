@@ -5,7 +5,7 @@ import sys
 import pytest
 
 from minitrain import optimizer_model as om
-from minitrain.report import load_sweep, write_report
+from minitrain.tools.report import PLOTS_SKIPPED, load_sweep, write_report
 
 from conftest import REPO
 
@@ -15,15 +15,19 @@ CELLS = {"0_precision=fp32,checkpointing=none": (["precision=fp32", "checkpointi
                                                  [1500.0, 2500.0, 2700.0], 2.0, 2.2)}
 
 
+PLAN = {"plan": {"precision": "bf16", "micro_batch": 8, "grad_accum": 2}}
+
+
 def fabricate_sweep(root):
-    """Job dirs as the trainer writes them: .hydra/overrides.yaml, metrics.jsonl, memory.json."""
+    """Job dirs as the trainer writes them: .hydra/overrides.yaml, metrics.jsonl (the run's plan first,
+    then one record per log step), memory.json."""
     for job, (overrides, tokens_per_s, predicted, measured) in CELLS.items():
         d = root / job
         (d / ".hydra").mkdir(parents=True)
         (d / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
         records = [{"step": i + 1, "train/loss": 5.0 - i, "perf/tokens_per_s": t, "perf/mfu": t / 1e4,
                     "perf/hfu": t / 8e3} for i, t in enumerate(tokens_per_s)]
-        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+        (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [PLAN, *records]))
         terms = {"weights": 0.1, "grads": 0.1, "masters": 0.2, "adam_m": 0.2, "adam_v": 0.2}
         (d / "memory.json").write_text(json.dumps({
             **{f"mem_pred/{k}_gb": v for k, v in terms.items()}, "mem_pred/activations_total_gb": predicted - 1.0,
@@ -34,6 +38,7 @@ def test_report_from_fabricated_sweep(tmp_path):
     fabricate_sweep(tmp_path)
     cells = load_sweep(tmp_path)
     assert [c.name for c in cells] == ["precision=fp32,checkpointing=none", "precision=bf16,checkpointing=full"]
+    assert [r["step"] for r in cells[0].records] == [1, 2, 3]  # the plan record is not a step
     assert cells[0].tokens_per_s == 1050.0  # median after the first (warm-up) interval
     assert cells[1].final_loss == 3.0 and cells[1].measured_gb == 2.2
     files = write_report(tmp_path, out_dir=tmp_path / "out", wandb_mode=None)
@@ -41,6 +46,27 @@ def test_report_from_fabricated_sweep(tmp_path):
     assert "| precision=bf16,checkpointing=full | 2,600 | 26.0% | 32.5% | 2.000 | 2.200 | 0.909 | 3.0000 |" in md
     for name in ("throughput_vs_memory", "memory_breakdown"):
         assert files[name].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_report_without_matplotlib_writes_the_table(tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
+    fabricate_sweep(tmp_path)
+    files = write_report(tmp_path, wandb_mode=None)
+    assert list(files) == ["report"] and not list(tmp_path.glob("*.png"))
+    assert "| precision=bf16,checkpointing=full | 2,600 |" in files["report"].read_text()
+
+
+def test_training_and_the_report_table_import_no_matplotlib():
+    code = ("import sys, minitrain.trainer, minitrain.tools.report; "
+            "sys.exit('matplotlib' in sys.modules)")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+
+
+def test_report_script_names_a_dir_without_a_sweep(tmp_path):
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "report.py"), str(tmp_path)],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and f"error: no <job>/metrics.jsonl under {tmp_path}" in out.stderr
+    assert "Traceback" not in out.stderr
 
 
 def test_report_logs_plots_to_wandb_offline(tmp_path, monkeypatch):
@@ -60,7 +86,8 @@ def test_report_on_a_real_cpu_multirun(data_cache, tmp_path):
     subprocess.run(cmd, check=True, cwd=tmp_path, capture_output=True, timeout=600)
     out = subprocess.run([sys.executable, str(REPO / "scripts" / "report.py"), str(sweep)],
                          check=True, cwd=tmp_path, capture_output=True, text=True, timeout=300)
-    assert "report.md" in out.stdout
+    assert "report.md" in out.stdout and "| checkpointing=selective |" in out.stdout
+    assert PLOTS_SKIPPED not in out.stdout
     md = (sweep / "report.md").read_text()
     assert "| checkpointing=none |" in md and "| checkpointing=selective |" in md
     assert (sweep / "throughput_vs_memory.png").exists() and (sweep / "memory_breakdown.png").exists()

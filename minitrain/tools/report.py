@@ -3,6 +3,7 @@
 Reads each job dir of `<sweep>/<job_num>/`: `.hydra/overrides.yaml` (the cell's name),
 `metrics.jsonl` (one record per log step) and `memory.json` (predicted terms + measured peaks).
 Throughput is the median over log intervals after the first (which holds compilation and warm-up).
+matplotlib is an optional install that only the plots import: without it the report is the table alone.
 """
 
 from __future__ import annotations
@@ -17,6 +18,11 @@ import yaml
 
 # The stacked bar's segments: `mem_pred/<key>_gb` keys of memory.MemoryEstimate.as_dict().
 BREAKDOWN = ("weights", "grads", "masters", "adam_m", "adam_v", "activations_total", "transient")
+PLOTS_SKIPPED = "plots skipped: matplotlib is not installed (pip install -e '.[plots]')"
+
+
+class ReportError(ValueError):
+    """A directory that holds no sweep: the message names it."""
 
 
 @dataclass
@@ -68,9 +74,16 @@ def load_sweep(sweep_dir: Path) -> list[Cell]:
     overrides = [_overrides(job) for job in jobs]
     shared = set.intersection(*map(set, overrides)) if len(jobs) > 1 else set()
     return [Cell(name=",".join(o for o in ov if o not in shared) or job.name,
-                 records=[json.loads(line) for line in (job / "metrics.jsonl").read_text().splitlines() if line.strip()],
+                 records=read_step_records(job / "metrics.jsonl"),
                  memory=json.loads((job / "memory.json").read_text()) if (job / "memory.json").exists() else {})
             for job, ov in zip(jobs, overrides)]
+
+
+def read_step_records(path: Path) -> list[dict]:
+    """The log steps of one metrics.jsonl, in order: a record without "step" (the run's plan, written
+    first) describes the run, not a log step."""
+    records = (json.loads(line) for line in Path(path).read_text().splitlines() if line.strip())
+    return [r for r in records if "step" in r]
 
 
 def _overrides(job: Path) -> list[str]:
@@ -99,13 +112,28 @@ def markdown_table(cells: list[Cell]) -> str:
     return "\n".join([head, *rows])
 
 
-def plot_throughput_vs_memory(cells: list[Cell], path: Path) -> Path:
-    """One labelled point per cell: what a cell costs in memory against what it delivers."""
+def plotting_available() -> bool:
+    """matplotlib is an optional install (the `plots` extra); the table needs none of it."""
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def _pyplot():
+    """matplotlib.pyplot drawing to files, no display needed."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    return plt
+
+
+def plot_throughput_vs_memory(cells: list[Cell], path: Path) -> Path:
+    """One labelled point per cell: what a cell costs in memory against what it delivers."""
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(8, 5.5))
     for c in cells:
         memory = c.measured_gb if c.measured_gb is not None else c.predicted_gb
@@ -124,11 +152,7 @@ def plot_throughput_vs_memory(cells: list[Cell], path: Path) -> Path:
 
 def plot_memory_breakdown(cells: list[Cell], path: Path) -> Path:
     """The predicted peak of each cell, stacked by term, with the measured peak as a marker."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     fig, ax = plt.subplots(figsize=(max(6.0, 0.9 * len(cells) + 2), 5.5))
     x = range(len(cells))
     bottom = [0.0] * len(cells)
@@ -162,17 +186,21 @@ def log_to_wandb(sweep_dir: Path, files: dict[str, Path], table_md: str, mode: s
 
 def write_report(sweep_dir: Path, out_dir: Optional[Path] = None, wandb_mode: Optional[str] = None,
                  project: str = "minitrain") -> dict[str, Path]:
-    """report.md + throughput_vs_memory.png + memory_breakdown.png in `out_dir` (default: the sweep dir).
-    wandb_mode (offline | online): also log the plots to wandb; None: only if the jobs logged to wandb."""
+    """report.md + throughput_vs_memory.png + memory_breakdown.png in `out_dir` (default: the sweep dir);
+    the PNGs only where matplotlib is installed. wandb_mode (offline | online): also log the table and
+    plots to wandb; None: only if the jobs logged to wandb."""
     sweep_dir = Path(sweep_dir)
     out_dir = Path(out_dir or sweep_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cells = load_sweep(sweep_dir)
     if not cells:
-        raise FileNotFoundError(f"no <job>/metrics.jsonl under {sweep_dir}: is it a sweep dir (-m)?")
+        raise ReportError(f"no <job>/metrics.jsonl under {sweep_dir}: give the directory of a sweep "
+                          "(`train.py -m ...` writes runs/multirun/<date>/<time>/<job>/)")
     table = markdown_table(cells)
-    plots = {"throughput_vs_memory": plot_throughput_vs_memory(cells, out_dir / "throughput_vs_memory.png"),
-             "memory_breakdown": plot_memory_breakdown(cells, out_dir / "memory_breakdown.png")}
+    plots = {}
+    if plotting_available():
+        plots = {"throughput_vs_memory": plot_throughput_vs_memory(cells, out_dir / "throughput_vs_memory.png"),
+                 "memory_breakdown": plot_memory_breakdown(cells, out_dir / "memory_breakdown.png")}
     report = out_dir / "report.md"
     report.write_text(f"# Sweep report: {sweep_dir}\n\n{table}\n\n"
                       + "".join(f"![{name}]({path.name})\n" for name, path in plots.items()))
