@@ -2,12 +2,17 @@
 
 Every record is written to all three with the same keys, so a run or a sweep can be read back
 without wandb (`metrics.jsonl`, one JSON object per line) and compared with what wandb shows.
+`metrics.jsonl` is strict JSON: a non-finite float (NaN, ±inf, also inside a nested value) is written
+as `null`, since a bare `NaN` makes a strict reader reject the line. Its first line may be the run's
+plan, `{"plan": {...}}`, the one record without a `step`. Every console line is also appended to
+`train.log` in the run dir, so the run dir tells the console's story after the terminal is gone.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 from pathlib import Path
 from typing import Any, Optional
 
@@ -33,15 +38,41 @@ def console_line(record: dict[str, Any]) -> str:
     return " | ".join(parts)
 
 
+def json_safe(value: Any) -> Any:
+    """`value` with every non-finite float replaced by None (JSON null), at any depth."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+def _json_line(record: dict[str, Any]) -> str:
+    return json.dumps(json_safe(record), allow_nan=False) + "\n"
+
+
 class RunLogger:
-    """Console + metrics.jsonl + wandb for one run (one job of a sweep)."""
+    """Console + metrics.jsonl + train.log + wandb for one run (one job of a sweep).
+
+    resume_step: the step this run continues from (None: a fresh run, the file is left as it is). The
+    records past it were logged by the run that crashed after its last checkpoint and will be logged
+    again, so they are dropped (a line torn by the crash too): the file then continues exactly.
+    """
 
     def __init__(self, cfg: LoggerConfig, out_dir: Path, config: dict, run_id: Optional[str],
-                 group: Optional[str], name: Optional[str], enabled: bool = True):
+                 group: Optional[str], name: Optional[str], enabled: bool = True,
+                 resume_step: Optional[int] = None):
         self.enabled = enabled  # False on ranks other than 0
         self.jsonl = out_dir / "metrics.jsonl"
+        self.log_file = out_dir / "train.log"
         self.wandb_run = None
-        if not enabled or cfg.mode == LoggerMode.disabled:
+        if not enabled:
+            return
+        if resume_step is not None:
+            self._rewrite([r for r in self._records() if r.get("step", 0) <= resume_step])
+        if cfg.mode == LoggerMode.disabled:
             return
         import wandb
 
@@ -54,11 +85,43 @@ class RunLogger:
     def run_id(self) -> Optional[str]:
         return self.wandb_run.id if self.wandb_run is not None else None
 
+    def _records(self) -> list[dict[str, Any]]:
+        if not self.jsonl.exists():
+            return []
+        records = []
+        for line in self.jsonl.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except ValueError:  # the torn last line of a killed run
+                continue
+        return records
+
+    def _rewrite(self, records: list[dict[str, Any]]) -> None:
+        """Replace metrics.jsonl at once: a crash mid-rewrite leaves the old file, never half of one."""
+        tmp = self.jsonl.with_name(f"{self.jsonl.name}.tmp.{os.getpid()}")
+        try:
+            with open(tmp, "w") as f:
+                f.writelines(_json_line(r) for r in records)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, self.jsonl)
+        finally:
+            tmp.unlink(missing_ok=True)  # still there only when the rewrite failed
+
+    def log_plan(self, plan: dict[str, Any]) -> None:
+        """The run's resolved plan as metrics.jsonl's first line (replacing the plan of the run it resumes)
+        and in wandb's config."""
+        if not self.enabled:
+            return
+        self._rewrite([{"plan": plan}] + [r for r in self._records() if "plan" not in r])
+        if self.wandb_run is not None:
+            self.wandb_run.config.update({"plan": plan}, allow_val_change=True)
+
     def log(self, record: dict[str, Any], console: bool = True) -> None:
         if not self.enabled:
             return
         with open(self.jsonl, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(_json_line(record))
         if self.wandb_run is not None:
             self.wandb_run.log({k: v for k, v in record.items() if k != "step"}, step=record["step"])
         if console:
@@ -69,6 +132,8 @@ class RunLogger:
             from tqdm.auto import tqdm
 
             tqdm.write(text)
+            with open(self.log_file, "a") as f:
+                f.write(text + "\n")
 
     def summary(self, values: dict[str, Any]) -> None:
         if self.wandb_run is not None:

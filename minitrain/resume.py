@@ -1,109 +1,397 @@
 """Training checkpoints: nothing lost on a crash, and a resumed run identical to an unbroken one.
 
 A checkpoint holds everything the next step depends on — model, optimizer (masters, moments, step),
-loss scaler, RNG states, the data sampler's position, the wandb run id and the config — and is
-written to a temporary file, fsynced, then renamed over `latest.pt`: a crash mid-save leaves the
-previous checkpoint intact.
+loss scaler, RNG states, the data sampler's position, the wandb run id and the config. The run dir
+keeps the last two: `checkpoints/latest.pt` and `checkpoints/previous.pt`. A save writes a temporary
+file whose name is unique to the process, fsyncs it, renames `latest.pt` to `previous.pt`, then the
+temporary to `latest.pt`, and fsyncs the directory: a crash at any point leaves `latest.pt`, or else
+`previous.pt`, complete, and `resume=auto` tries them in that order, falling back past an unreadable
+one with a note.
 
-Under torchrun (ddp, fsdp) the checkpoint is a directory written by torch.distributed.checkpoint:
-every rank writes its own shards (fsdp: its 1/N of the weights and Adam moments; ddp: replicated
-tensors are written once), to `latest.tmp/`, which rank 0 then swaps in for `latest/`. A multi-node
-job needs `trainer.out_dir` on a filesystem every node sees. RNG states and the wandb run id differ
-by rank and are stored per rank.
+Under torchrun (ddp, fsdp) a checkpoint is a directory written by torch.distributed.checkpoint: every
+rank writes its own shards (fsdp: its 1/N of the weights and Adam moments; ddp: replicated tensors are
+written once) into a temporary directory that rank 0 publishes as `latest/`, the one before kept as
+`previous/`, the same way. Beside the shards, `minitrain.json` records the job's world size, mode and
+config, so a resume checks the kind of job and the config before any rank reads a shard. A
+multi-node job needs `trainer.out_dir` on a filesystem every node sees. The parts that differ by rank
+(RNG states, running loss sums) are stored per rank.
+
+One run at a time owns a run dir (`RunDirLock`): two runs in one directory would interleave their
+metrics and overwrite each other's checkpoints.
 """
 
 from __future__ import annotations
 
+import fcntl
+import fnmatch
+import json
 import os
 import random
+import secrets
 import shutil
+import socket
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
 import numpy as np
 import torch
 
-LATEST = "latest.pt"
-LATEST_SHARDED = "latest"  # a torch.distributed.checkpoint directory
-_PER_RANK = ("rng", "wandb_id")
+LATEST, PREVIOUS = "latest.pt", "previous.pt"
+LATEST_SHARDED, PREVIOUS_SHARDED = "latest", "previous"  # torch.distributed.checkpoint directories
+JOB_INFO = "minitrain.json"  # in a sharded checkpoint: world_size, mode, config
+LOCK = ".lock"
+_TEMP_MARK = ".tmp"  # every temporary name holds it; no published name does
+_PER_RANK = ("rng", "progress")  # differ by rank: each rank's generators, its running loss sums
+
+
+class RunDirError(RuntimeError):
+    """A problem with the run directory or its checkpoints that the user can fix; the message names the
+    file and what to do (scripts/train.py prints it as one line, without a traceback)."""
+
+
+class CheckpointError(RunDirError):
+    """No usable checkpoint where one was asked for, or one that does not fit this run."""
+
+
+class RunDirBusyError(RunDirError):
+    """Another live process holds the run directory."""
 
 
 def checkpoint_dir(out_dir: Path) -> Path:
     return Path(out_dir) / "checkpoints"
 
 
-def rng_state() -> dict[str, Any]:
-    return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
-        "torch": torch.get_rng_state(),
-        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-    }
+class RandomState:
+    """The process's random generators (Python, NumPy, torch CPU and CUDA) as a checkpoint part: dropout
+    masks and anything else drawn after a resume continue the sequence of an unbroken run."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "python": random.getstate(),
+            "numpy": np.random.get_state(),
+            "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        random.setstate(state["python"])
+        np.random.set_state(state["numpy"])
+        torch.set_rng_state(state["torch"])
+        if state["cuda"] is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def set_rng_state(state: dict[str, Any]) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+# -- the run-directory lock -------------------------------------------------------------------------
+class RunDirLock:
+    """An exclusive flock on `out_dir/.lock`, holding the holder's pid and host.
+
+    The kernel drops a flock when its holder's last descriptor closes, so a run killed by any means
+    leaves no stale lock. Holding it makes this process the run dir's only writer: temporaries found
+    under `checkpoints/` at acquire time belong to dead runs and are removed.
+    """
+
+    def __init__(self, out_dir: Path):
+        self.out_dir = Path(out_dir)
+        self.path = self.out_dir / LOCK
+        self._fd: Optional[int] = None
+
+    def acquire(self) -> None:
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise RunDirBusyError(self._busy_message()) from None
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode(), 0)
+        self._fd = fd
+        remove_stale_temporaries(self.out_dir)
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.ftruncate(self._fd, 0)  # a reader never sees a finished holder's pid
+            os.close(self._fd)
+            self._fd = None
+
+    def __enter__(self) -> "RunDirLock":
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def _busy_message(self) -> str:
+        try:
+            holder = json.loads(self.path.read_text())
+            pid, host = holder["pid"], holder["host"]
+        except (OSError, ValueError, KeyError):  # the holder has the lock but has not written its pid yet
+            pid, host = None, None
+        here = host is None or host == socket.gethostname()
+        who = f"pid {pid}" if pid is not None else "a process that has not yet recorded its pid"
+        where = "" if here else f" on host {host}"
+        stop = f"stop pid {pid}{where}" if pid is not None else "stop the other run"
+        return (f"run dir {self.out_dir} is in use by another run ({who}{where}); two runs in one directory "
+                f"would corrupt each other's checkpoints and metrics. Give this run its own directory "
+                f"(hydra.run.dir=...), or {stop} first")
 
 
-def save_atomic(obj: dict[str, Any], path: Path) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "wb") as f:
-        torch.save(obj, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
+def remove_stale_temporaries(out_dir: Path) -> list[Path]:
+    """Delete the temporaries of interrupted saves (each can be as large as a checkpoint). Only safe for
+    the holder of the run dir's lock: another live writer's temporary would go too."""
+    stale = sorted(checkpoint_dir(out_dir).glob(f"*{_TEMP_MARK}*"))
+    for path in stale:
+        if path.is_dir():
+            shutil.rmtree(path, ignore_errors=True)
+        else:
+            path.unlink(missing_ok=True)
+    return stale
 
 
-def find_checkpoint(resume: str, out_dir: Path, sharded: bool = False) -> Optional[Path]:
-    """`none` -> None; `auto` -> the run dir's latest checkpoint if any; else a path that must exist.
-    sharded: the torch.distributed.checkpoint directory of a torchrun job instead of `latest.pt`."""
-    name = LATEST_SHARDED if sharded else LATEST
-    if resume == "none":
-        return None
-    if resume == "auto":
-        # A sharded save swaps directories in two renames (latest -> latest.old, latest.tmp -> latest);
-        # a crash between them leaves the previous checkpoint, complete, as latest.old.
-        candidates = [checkpoint_dir(out_dir) / n for n in ((name, name + ".old") if sharded else (name,))]
-        return next((path for path in candidates if path.exists()), None)
-    path = Path(resume).expanduser()
-    if path.is_dir() and not (path / ".metadata").exists():
-        path = checkpoint_dir(path) / name if (checkpoint_dir(path) / name).exists() else path / name
-    if not path.exists():
-        raise FileNotFoundError(f"trainer.resume={resume!r}: no checkpoint at {path}")
-    return path
+# -- saving -------------------------------------------------------------------------------------------
+def _temp_path(path: Path) -> Path:
+    """A name no other process or earlier save uses (two writers of one name can publish a mix of both)."""
+    return path.with_name(f"{path.name}{_TEMP_MARK}.{os.getpid()}.{secrets.token_hex(4)}")
 
 
-def load(path: Path, device: torch.device) -> dict[str, Any]:
-    # weights_only=False: the checkpoint holds RNG states and the config, written by us.
-    return torch.load(path, map_location=device, weights_only=False)
+def _fsync(path: Path) -> None:
+    """Make a file's bytes, or a directory's entries (the renames in it), durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _publish(tmp: Path, latest: Path, previous: Path) -> None:
+    """`tmp` (complete and synced) becomes `latest`; the `latest` it replaces becomes `previous`. Each
+    step is one rename, so a crash between any two leaves `latest`, or else `previous`, complete."""
+    aside = None
+    if latest.exists():
+        if previous.is_dir():  # a rename cannot replace a non-empty directory: move the oldest aside first
+            aside = _temp_path(previous)
+            os.replace(previous, aside)
+        os.replace(latest, previous)
+        _fsync(latest.parent)
+    os.replace(tmp, latest)
+    _fsync(latest.parent)
+    if aside is not None:
+        shutil.rmtree(aside, ignore_errors=True)
+
+
+def save_checkpoint(state: dict[str, Any], out_dir: Path) -> Path:
+    """Single process: publish `state` as checkpoints/latest.pt, keeping the one before as previous.pt."""
+    ckpts = checkpoint_dir(out_dir)
+    ckpts.mkdir(parents=True, exist_ok=True)
+    latest = ckpts / LATEST
+    tmp = _temp_path(latest)
+    try:
+        with open(tmp, "wb") as f:
+            torch.save(state, f)
+            f.flush()
+            os.fsync(f.fileno())
+        _publish(tmp, latest, ckpts / PREVIOUS)
+    finally:
+        tmp.unlink(missing_ok=True)  # still there only when the save failed
+    return latest
 
 
 def _by_rank(state: dict[str, Any], rank: int) -> dict[str, Any]:
     return {(f"{k}_rank{rank}" if k in _PER_RANK else k): v for k, v in state.items()}
 
 
-def save_sharded(state: dict[str, Any], path: Path, rank: int) -> None:
-    """Collective: every rank calls it with its own state (DTensors for sharded tensors)."""
+def save_sharded(state: dict[str, Any], out_dir: Path, rank: int, mode: str) -> Path:
+    """Collective: every rank calls it with its own state (DTensors for sharded tensors). Publishes
+    checkpoints/latest/, keeping the one before as previous/; `mode` (ddp | fsdp), the world size and
+    the state's `config` go into its minitrain.json, read by load_checkpoint before any shard."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    tmp = path.with_name(path.name + ".tmp")
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+    ckpts = checkpoint_dir(out_dir)
+    latest = ckpts / LATEST_SHARDED
+    name = [_temp_path(latest).name if rank == 0 else None]
+    dist.broadcast_object_list(name, src=0)  # every rank writes into the directory rank 0 named
+    tmp = ckpts / name[0]
+    try:
+        shards = {k: v for k, v in state.items() if k != "config"}  # the config lives in minitrain.json
+        dcp.save(_by_rank(shards, rank), checkpoint_id=tmp)  # returns once every rank's shards and the metadata are written
+        if rank == 0:
+            info = {"world_size": dist.get_world_size(), "mode": mode, "config": state["config"]}
+            with open(tmp / JOB_INFO, "w") as f:
+                json.dump(info, f, indent=1)
+                f.flush()
+                os.fsync(f.fileno())
+            _fsync(tmp)
+            _publish(tmp, latest, ckpts / PREVIOUS_SHARDED)
+    finally:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)  # still there only when the save failed
     dist.barrier()
-    dcp.save(_by_rank(state, rank), checkpoint_id=tmp)  # returns once every rank's shards and the metadata are written
-    if rank == 0:
-        old = path.with_name(path.name + ".old")
-        if path.exists():
-            os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+    return latest
+
+
+# -- loading ------------------------------------------------------------------------------------------
+@dataclass
+class Loaded:
+    """A checkpoint read for resuming: its state, where it came from, and lines for the console (a
+    fallback past an unreadable checkpoint, the config changes that were allowed)."""
+
+    state: dict[str, Any]
+    path: Path
+    notes: list[str] = field(default_factory=list)
+
+
+class _Unusable(Exception):
+    """Why one candidate checkpoint cannot be resumed from (the next one may be)."""
+
+
+def _reason(e: BaseException) -> str:
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {first.split('. ')[0]}" if first else type(e).__name__
+
+
+def load(path: Path, device: torch.device) -> dict[str, Any]:
+    """A single-process checkpoint file; raises CheckpointError naming the file if it cannot be read."""
+    try:
+        # weights_only=False: the checkpoint holds RNG states and the config, written by us.
+        state = torch.load(path, map_location=device, weights_only=False)
+    except Exception as e:  # whatever the reader trips on (zip, pickle, EOF), the file is unusable
+        raise CheckpointError(f"{path} is unreadable ({_reason(e)})") from None
+    if not isinstance(state, dict):
+        raise CheckpointError(f"{path} is not a minitrain checkpoint (it holds a {type(state).__name__})")
+    return state
+
+
+def _shown(path: Path, out_dir: Path) -> str:
+    try:
+        return str(path.relative_to(out_dir))
+    except ValueError:
+        return str(path)
+
+
+def _candidates(ckpts: Path, sharded: bool) -> list[Path]:
+    names = (LATEST_SHARDED, PREVIOUS_SHARDED) if sharded else (LATEST, PREVIOUS)
+    return [ckpts / name for name in names]
+
+
+def _kind_error(path: Path, shown: str, resume_value: str) -> CheckpointError:
+    """A checkpoint of the other kind: a torchrun job's directory under one process, or the converse."""
+    if path.is_dir():
+        try:
+            info = json.loads((path / JOB_INFO).read_text())
+            world, mode = info["world_size"], info["mode"]
+        except (OSError, ValueError, KeyError):
+            world, mode = "N", "ddp|fsdp"
+        return CheckpointError(
+            f"{shown} was written by a torchrun job ({world} processes, distributed={mode}); this run is a "
+            f"single process. Resume it with `torchrun --standalone --nproc_per_node={world} scripts/train.py "
+            f"distributed={mode} trainer.resume={resume_value} ...` and the run's other overrides, or give "
+            f"this run its own directory (hydra.run.dir=...)")
+    return CheckpointError(
+        f"{shown} was written by a single-process run; this job runs under torchrun. Resume it with "
+        f"`python scripts/train.py trainer.resume={resume_value} ...` and the run's other overrides, or give "
+        f"this job its own directory (hydra.run.dir=...)")
+
+
+def load_checkpoint(resume: str, out_dir: Path, device: torch.device, *, template: dict[str, Any],
+                    sharded: bool = False, rank: int = 0) -> Optional[Loaded]:
+    """The checkpoint `trainer.resume` names, checked against this run; None for a fresh start.
+
+    resume: `none`; `auto` (out_dir's latest checkpoint, else the previous one, else a fresh start); a
+    run dir or its checkpoints/ dir (the same, in that dir); or a checkpoint file / sharded directory
+    (that one only). template: this run's live state: its keys are required in the checkpoint, and its
+    `config` is compared with the saved one (config_changes: a breaking change raises). sharded: a
+    torchrun job's checkpoint, loaded collectively into `template` (load_sharded); which one is decided
+    from the files, identically on every rank, before any shard is read.
+
+    Raises CheckpointError naming each file tried and why, or the config keys that changed.
+    """
+    if resume == "none":
+        return None
+    out_dir = Path(out_dir)
+    path = Path(resume).expanduser() if resume != "auto" else checkpoint_dir(out_dir)
+    if not path.exists():
+        if resume == "auto":
+            return None
+        raise CheckpointError(f"trainer.resume={resume!r}: no checkpoint at {path}")
+    if path.is_dir() and not (path / ".metadata").exists():  # a run dir or a checkpoints dir: search it
+        ckpts = checkpoint_dir(path) if checkpoint_dir(path).is_dir() else path
+        candidates = _candidates(ckpts, sharded)
+        if not any(p.exists() for p in candidates):
+            other = next((p for p in _candidates(ckpts, not sharded) if p.exists()), None)
+            if other is not None:
+                raise _kind_error(other, _shown(other, out_dir), resume)
+            if resume == "auto":
+                return None
+            raise CheckpointError(f"trainer.resume={resume!r}: no checkpoint in {ckpts}")
+    else:
+        if path.is_dir() != sharded:
+            raise _kind_error(path, _shown(path, out_dir), resume)
+        candidates = [path]
+
+    problems = []
+    for candidate in candidates:
+        shown = _shown(candidate, out_dir)
+        if not candidate.exists():
+            problems.append(f"{shown} is absent (a save was interrupted)")
+            continue
+        try:
+            state, config_notes = (_load_sharded_checked(candidate, shown, template, rank) if sharded
+                                   else _load_file_checked(candidate, shown, template, device))
+        except _Unusable as e:
+            problems.append(f"{shown} {e}")
+            continue
+        fallback = [f"{'; '.join(problems)}; resumed from {shown}"] if problems else []
+        return Loaded(state=state, path=candidate, notes=fallback + config_notes)
+    raise CheckpointError("no usable checkpoint to resume from: " + "; ".join(problems)
+                          + ". Point trainer.resume at a good checkpoint, or start a new run dir "
+                            "(hydra.run.dir=...) with trainer.resume=none")
+
+
+def _check_config(saved: dict, template: dict[str, Any], shown: str) -> list[str]:
+    changes = config_changes(saved, template["config"])
+    if changes.breaking:
+        raise CheckpointError(changes.refusal(shown))
+    return [changes.accepted()] if changes.allowed else []
+
+
+def _load_file_checked(path: Path, shown: str, template: dict[str, Any],
+                       device: torch.device) -> tuple[dict[str, Any], list[str]]:
+    try:
+        state = load(path, device)
+    except CheckpointError as e:
+        raise _Unusable(str(e).removeprefix(f"{path} ")) from None
+    missing = sorted(template.keys() - state.keys())
+    if missing:
+        raise _Unusable(f"is incomplete (no {', '.join(missing)})")
+    return state, _check_config(state["config"], template, shown)
+
+
+def _load_sharded_checked(path: Path, shown: str, template: dict[str, Any],
+                          rank: int) -> tuple[dict[str, Any], list[str]]:
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    if not (path / ".metadata").is_file():
+        raise _Unusable("is incomplete (no .metadata: its save did not finish)")
+    try:
+        info = json.loads((path / JOB_INFO).read_text())
+        world, config = info["world_size"], info["config"]
+    except (OSError, ValueError, KeyError) as e:
+        raise _Unusable(f"has no readable {JOB_INFO} ({_reason(e)})") from None
+    if world != dist.get_world_size():
+        raise CheckpointError(
+            f"{shown} was written by {world} processes; this job has {dist.get_world_size()} (each rank's RNG "
+            f"state and data position are its own). Resume with torchrun --nproc_per_node={world}, or start a new "
+            "run dir (hydra.run.dir=...)")
+    notes = _check_config(config, template, shown)
+    try:
+        state = load_sharded(path, {k: v for k, v in template.items() if k != "config"}, rank)
+    except (CheckpointException, RuntimeError, OSError, ValueError) as e:  # a shard torn after its save
+        raise CheckpointError(f"{shown} could not be loaded ({_reason(e)}); point trainer.resume at "
+                              "another checkpoint or start a new run dir (hydra.run.dir=...)") from None
+    return {**state, "config": config}, notes
 
 
 def load_sharded(path: Path, template: dict[str, Any], rank: int) -> dict[str, Any]:
@@ -114,3 +402,85 @@ def load_sharded(path: Path, template: dict[str, Any], rank: int) -> dict[str, A
     state = _by_rank(template, rank)
     dcp.load(state, checkpoint_id=path)
     return {k: state[f"{k}_rank{rank}" if k in _PER_RANK else k] for k in template}
+
+
+# -- the config a run resumes with ---------------------------------------------------------------------
+# Keys that may change between a checkpoint and its resume, each with why the resumed run is still the
+# same run: they steer how long it goes, what is reported, where files go, or how the same arithmetic is
+# scheduled on the device. Any other difference (shapes, data, precision, lr, batch, seed, optimizer,
+# world size...) changes what the steps compute and is refused. fnmatch patterns.
+ALLOWED_CHANGES: dict[str, str] = {
+    "trainer.max_steps": "extending or shortening the run is what resuming is for (the cosine schedule "
+                         "is laid over the new length from here on)",
+    "trainer.log_every": "how often metrics are reported, not what a step computes",
+    "trainer.eval_every": "evaluation reads the model without changing it",
+    "trainer.eval_batches": "evaluation reads the model without changing it",
+    "trainer.save_every": "how often checkpoints are written",
+    "trainer.sample_tokens": "the end-of-run sample only",
+    "trainer.out_dir": "a run dir moved or copied elsewhere",
+    "trainer.resume": "how this start finds its checkpoint",
+    "trainer.device": "where the same arithmetic runs (kernel rounding aside)",
+    "trainer.compile": "the same graph, compiled or not",
+    "trainer.compile_mode": "the same graph, compiled differently",
+    "trainer.peak_flops": "the MFU denominator only",
+    "trainer.memory_budget": "a check of the plan before allocating",
+    "trainer.micro_batch": "how the global batch is split into micro-batches; the sum is the same",
+    "trainer.max_skipped_steps": "when a diverging run is stopped, not what a step computes",
+    "checkpointing.*": "which activations are recomputed in backward instead of kept; the same values",
+    "logger.*": "where and under which names metrics are reported",
+    "data.num_proc": "how many processes tokenize; the tokens are the same",
+    "data.cache_dir": "where the token cache lives; its contents are the same",
+    "distributed.timeout_s": "how long a rank waits for a stalled peer",
+    "loss.chunk_bytes": "the fused loss's workspace tile; the same loss",
+}
+
+_ABSENT = object()
+
+
+def _flatten(d: dict, prefix: str = "") -> dict[str, Any]:
+    flat = {}
+    for key, value in d.items():
+        if isinstance(value, dict) and value:
+            flat.update(_flatten(value, f"{prefix}{key}."))
+        else:
+            flat[f"{prefix}{key}"] = value
+    return flat
+
+
+def _show(value: Any) -> str:
+    if value is _ABSENT:
+        return "(not set)"
+    return "null" if value is None else str(value)
+
+
+@dataclass
+class ConfigChanges:
+    """Dotted keys whose value differs between a checkpoint's config and this run's: key -> (saved, now)."""
+
+    allowed: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    breaking: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+
+    def refusal(self, checkpoint: str) -> str:
+        lines = [f"{checkpoint} was saved by a run with a different config; resuming would silently make it "
+                 "another run:"]
+        lines += [f"  {key}: saved {_show(a)}, now {_show(b)}" for key, (a, b) in self.breaking.items()]
+        lines.append("Put the saved values back to resume it, or start a new run dir (hydra.run.dir=...) "
+                     "for the new config")
+        return "\n".join(lines)
+
+    def accepted(self) -> str:
+        return "config changed since the checkpoint (allowed): " + ", ".join(
+            f"{key} {_show(a)} -> {_show(b)}" for key, (a, b) in self.allowed.items())
+
+
+def config_changes(saved: dict, current: dict) -> ConfigChanges:
+    """Compare nested config dicts by dotted key; a key on one side only is a change (an older checkpoint
+    lacks newer keys). Allowed: the keys ALLOWED_CHANGES matches; breaking: every other difference."""
+    saved_flat, current_flat = _flatten(saved), _flatten(current)
+    changes = ConfigChanges()
+    for key in sorted(saved_flat.keys() | current_flat.keys()):
+        before, now = saved_flat.get(key, _ABSENT), current_flat.get(key, _ABSENT)
+        if before is _ABSENT or now is _ABSENT or before != now:
+            allowed = any(fnmatch.fnmatchcase(key, pattern) for pattern in ALLOWED_CHANGES)
+            (changes.allowed if allowed else changes.breaking)[key] = (before, now)
+    return changes

@@ -1,0 +1,393 @@
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from minitrain import resume
+from minitrain.config import resolve
+from minitrain.resume import CheckpointError, RunDirBusyError, RunDirError
+
+CPU = torch.device("cpu")
+CONFIG = {"trainer": {"lr": 0.001, "max_steps": 20}, "model": {"n_layer": 2}}
+
+
+def state_at(step: int, config: dict = CONFIG) -> dict:
+    return {"model": {"w": torch.full((4,), float(step))}, "step": step, "config": config}
+
+
+def template(config: dict = CONFIG) -> dict:
+    return {"model": {"w": torch.zeros(4)}, "step": 0, "config": config}
+
+
+def saved_step(path) -> int:
+    return torch.load(path, weights_only=False)["step"]
+
+
+# -- the run-directory lock ---------------------------------------------------------------------------
+HOLDER = ("import sys\nfrom minitrain.resume import RunDirLock\nRunDirLock(sys.argv[1]).acquire()\n"
+          "print('locked', flush=True)\nsys.stdin.read()\n")
+
+
+def test_a_second_process_is_refused_naming_the_holder_until_the_holder_is_killed(tmp_path):
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(tmp_path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "locked"
+        with pytest.raises(RunDirBusyError) as busy:
+            resume.RunDirLock(tmp_path).acquire()
+        message = str(busy.value)
+        assert f"pid {holder.pid}" in message and str(tmp_path) in message and "hydra.run.dir=" in message
+        assert isinstance(busy.value, RunDirError)
+    finally:
+        holder.kill()  # SIGKILL: no cleanup runs in the holder; the kernel drops its lock
+        holder.wait()
+    with resume.RunDirLock(tmp_path) as lock:
+        assert json.loads(lock.path.read_text())["pid"] == os.getpid()
+
+
+def test_the_lock_is_released_on_exit_and_excludes_a_second_holder_meanwhile(tmp_path):
+    with pytest.raises(KeyError):
+        with resume.RunDirLock(tmp_path):
+            with pytest.raises(RunDirBusyError, match=f"pid {os.getpid()}"):
+                resume.RunDirLock(tmp_path).acquire()
+            raise KeyError("the run failed")
+    lock = resume.RunDirLock(tmp_path)
+    lock.acquire()
+    lock.release()
+    assert (tmp_path / resume.LOCK).read_text() == ""  # no pid of a finished holder left to mislead
+
+
+def test_taking_the_lock_removes_the_temporaries_of_dead_runs(tmp_path):
+    resume.save_checkpoint(state_at(1), tmp_path)
+    ckpts = resume.checkpoint_dir(tmp_path)
+    (ckpts / "latest.pt.tmp.999.beef").write_bytes(b"half a checkpoint")
+    (ckpts / "latest.tmp.999.beef").mkdir()
+    (ckpts / "latest.tmp.999.beef" / "__0_0.distcp").write_bytes(b"a shard")
+    with resume.RunDirLock(tmp_path):
+        assert sorted(p.name for p in ckpts.iterdir()) == [resume.LATEST]
+
+
+# -- saving: the last two kept, a crash anywhere recoverable ------------------------------------------
+def test_each_save_keeps_the_one_before_as_previous(tmp_path):
+    for step in (1, 2, 3):
+        path = resume.save_checkpoint(state_at(step), tmp_path)
+    ckpts = resume.checkpoint_dir(tmp_path)
+    assert path == ckpts / resume.LATEST
+    assert (saved_step(ckpts / resume.LATEST), saved_step(ckpts / resume.PREVIOUS)) == (3, 2)
+    assert sorted(p.name for p in ckpts.iterdir()) == [resume.LATEST, resume.PREVIOUS]  # no temporary left
+
+
+def test_a_failed_write_leaves_both_checkpoints_and_no_temporary(tmp_path, monkeypatch):
+    resume.save_checkpoint(state_at(1), tmp_path)
+    resume.save_checkpoint(state_at(2), tmp_path)
+
+    def disk_full(obj, f):
+        f.write(b"PK\x03\x04 partial")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", disk_full)
+    with pytest.raises(OSError, match="disk full"):
+        resume.save_checkpoint(state_at(3), tmp_path)
+    ckpts = resume.checkpoint_dir(tmp_path)
+    assert (saved_step(ckpts / resume.LATEST), saved_step(ckpts / resume.PREVIOUS)) == (2, 1)
+    assert sorted(p.name for p in ckpts.iterdir()) == [resume.LATEST, resume.PREVIOUS]
+
+
+def test_temporary_names_differ_between_saves(tmp_path):
+    latest = resume.checkpoint_dir(tmp_path) / resume.LATEST
+    a, b = resume._temp_path(latest), resume._temp_path(latest)
+    assert a != b and str(os.getpid()) in a.name and resume._TEMP_MARK in a.name
+
+
+class Crash(BaseException):
+    """The process dies: this filesystem operation and every later one never happen."""
+
+
+MUTATIONS = [(os, "replace"), (os, "rename"), (os, "unlink"), (os, "remove"), (shutil, "rmtree")]
+
+
+def save_with_crash(monkeypatch, save, crash_at: int) -> bool:
+    """Run `save` with the process dying before its `crash_at`-th filesystem mutation (the write of
+    the checkpoint's bytes is mutation 0); True if it finished first."""
+    done = [0]
+
+    def dying(real):
+        def op(*args, **kwargs):
+            if done[0] >= crash_at:
+                raise Crash()
+            done[0] += 1
+            return real(*args, **kwargs)
+        return op
+
+    real_save = torch.save
+
+    def torn_save(obj, f, *args, **kwargs):
+        if crash_at == 0:
+            f.write(b"PK\x03\x04 torn")
+            raise Crash()
+        done[0] += 1
+        return real_save(obj, f, *args, **kwargs)
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    with monkeypatch.context() as m:
+        for module, name in MUTATIONS:
+            m.setattr(module, name, dying(getattr(module, name)))
+        m.setattr(torch, "save", torn_save)
+        try:
+            save()
+            return True
+        except (Crash, CheckpointException):  # torch.distributed.checkpoint wraps what its writer raised
+            return False
+
+
+def single_process(out_dir, step):
+    resume.save_checkpoint(state_at(step), out_dir)
+
+
+def sharded(out_dir, step):
+    resume.save_sharded(state_at(step), out_dir, rank=0, mode="fsdp")
+
+
+@pytest.fixture(scope="module")
+def process_group(tmp_path_factory):
+    """A one-rank gloo group: torch.distributed.checkpoint's collectives run as under torchrun."""
+    import torch.distributed as dist
+
+    store = tmp_path_factory.mktemp("store") / "store"
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{store}")
+    yield
+    dist.destroy_process_group()
+
+
+def resumed_step(out_dir, is_sharded: bool) -> int:
+    loaded = resume.load_checkpoint("auto", out_dir, CPU, template=template(), sharded=is_sharded)
+    assert torch.equal(loaded.state["model"]["w"], torch.full((4,), float(loaded.state["step"])))
+    return loaded.state["step"]
+
+
+@pytest.mark.parametrize("save", [single_process, sharded])
+def test_a_crash_between_any_two_filesystem_operations_leaves_a_checkpoint_to_resume(tmp_path, monkeypatch,
+                                                                                      save, request):
+    """Steps 1 and 2 saved, the save of step 3 killed at every point in turn: resume=auto must find step 2
+    or 3, complete; before the publish begins both earlier checkpoints are untouched; then saving goes on."""
+    is_sharded = save is sharded
+    if is_sharded:
+        request.getfixturevalue("process_group")
+    crash_at, finished = 0, False
+    while not finished:
+        out_dir = tmp_path / f"crash{crash_at}"
+        save(out_dir, 1)
+        save(out_dir, 2)
+        finished = save_with_crash(monkeypatch, lambda: save(out_dir, 3), crash_at)
+        assert resumed_step(out_dir, is_sharded) in ((3,) if finished else (2, 3)), crash_at
+        if crash_at == 0:
+            names = (resume.LATEST_SHARDED, resume.PREVIOUS_SHARDED) if is_sharded else (resume.LATEST, resume.PREVIOUS)
+            both = [resume.load_checkpoint(str(resume.checkpoint_dir(out_dir) / n), out_dir, CPU, template=template(),
+                                           sharded=is_sharded) for n in names]
+            assert [b.state["step"] for b in both] == [2, 1]
+        with resume.RunDirLock(out_dir):  # a restart: the dead save's temporaries go, the next save works
+            save(out_dir, 4)
+            assert resumed_step(out_dir, is_sharded) == 4
+            assert not list(resume.checkpoint_dir(out_dir).glob("*.tmp*"))
+        crash_at += 1
+    assert crash_at >= 3  # the write and the two renames were each interrupted once
+
+
+def test_a_sharded_save_records_the_job_beside_its_shards(tmp_path, process_group):
+    resume.save_sharded(state_at(5), tmp_path, rank=0, mode="ddp")
+    info = json.loads((resume.checkpoint_dir(tmp_path) / resume.LATEST_SHARDED / resume.JOB_INFO).read_text())
+    assert info == {"world_size": 1, "mode": "ddp", "config": CONFIG}
+
+
+# -- loading: fallback, clear errors ------------------------------------------------------------------
+def two_checkpoints(out_dir, config: dict = CONFIG):
+    resume.save_checkpoint(state_at(1, config), out_dir)
+    resume.save_checkpoint(state_at(2, config), out_dir)
+    return resume.checkpoint_dir(out_dir) / resume.LATEST
+
+
+def truncate(path):
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) // 2])
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (truncate, "PytorchStreamReader failed reading zip archive"),
+    (lambda p: p.write_bytes(b"not a checkpoint, just text\n" * 10), "UnpicklingError"),
+    (lambda p: p.write_bytes(b""), "EOFError"),
+    (lambda p: torch.save({"step": 2}, p), "incomplete (no config, model)"),
+    (lambda p: torch.save([1, 2], p), "not a minitrain checkpoint"),
+])
+def test_auto_falls_back_past_a_bad_latest_with_a_note(tmp_path, damage, reason):
+    damage(two_checkpoints(tmp_path))
+    loaded = resume.load_checkpoint("auto", tmp_path, CPU, template=template())
+    assert loaded.state["step"] == 1 and loaded.path == resume.checkpoint_dir(tmp_path) / resume.PREVIOUS
+    assert len(loaded.notes) == 1
+    assert "checkpoints/latest.pt" in loaded.notes[0] and reason in loaded.notes[0]
+    assert loaded.notes[0].endswith("resumed from checkpoints/previous.pt")
+
+
+def test_auto_takes_previous_when_a_save_stopped_between_its_renames(tmp_path):
+    os.replace(two_checkpoints(tmp_path), resume.checkpoint_dir(tmp_path) / "latest.pt.tmp.1.ab")
+    loaded = resume.load_checkpoint("auto", tmp_path, CPU, template=template())
+    assert loaded.state["step"] == 1 and "checkpoints/latest.pt is absent" in loaded.notes[0]
+
+
+def test_auto_names_every_bad_checkpoint_when_none_is_usable(tmp_path):
+    latest = two_checkpoints(tmp_path)
+    truncate(latest)
+    (latest.parent / resume.PREVIOUS).write_bytes(b"")
+    with pytest.raises(CheckpointError) as error:
+        resume.load_checkpoint("auto", tmp_path, CPU, template=template())
+    message = str(error.value)
+    assert "checkpoints/latest.pt is unreadable (RuntimeError: PytorchStreamReader" in message
+    assert "checkpoints/previous.pt is unreadable (EOFError" in message
+
+
+def test_a_good_latest_is_taken_without_notes_and_a_fresh_dir_starts_fresh(tmp_path):
+    assert resume.load_checkpoint("auto", tmp_path, CPU, template=template()) is None
+    assert resume.load_checkpoint("none", tmp_path, CPU, template=template()) is None
+    two_checkpoints(tmp_path)
+    assert resume.load_checkpoint("none", tmp_path, CPU, template=template()) is None
+    loaded = resume.load_checkpoint("auto", tmp_path, CPU, template=template())
+    assert loaded.state["step"] == 2 and loaded.notes == []
+
+
+def test_an_explicit_checkpoint_file_never_falls_back(tmp_path):
+    latest = two_checkpoints(tmp_path)
+    truncate(latest)
+    with pytest.raises(CheckpointError, match=r"latest\.pt is unreadable") as error:
+        resume.load_checkpoint(str(latest), tmp_path / "new-run", CPU, template=template())
+    assert "previous" not in str(error.value)
+    with pytest.raises(CheckpointError, match="no checkpoint at"):
+        resume.load_checkpoint(str(tmp_path / "nothing.pt"), tmp_path, CPU, template=template())
+
+
+def test_an_explicit_run_dir_is_searched_like_auto(tmp_path):
+    truncate(two_checkpoints(tmp_path / "old-run"))
+    loaded = resume.load_checkpoint(str(tmp_path / "old-run"), tmp_path / "new-run", CPU, template=template())
+    assert loaded.state["step"] == 1 and "unreadable" in loaded.notes[0]
+
+
+def write_sharded_dir(path, world_size=4, mode="fsdp"):
+    path.mkdir(parents=True)
+    (path / ".metadata").write_bytes(b"")
+    (path / resume.JOB_INFO).write_text(json.dumps({"world_size": world_size, "mode": mode, "config": CONFIG}))
+
+
+def test_a_torchrun_checkpoint_resumed_by_one_process_is_refused_with_the_command(tmp_path):
+    write_sharded_dir(resume.checkpoint_dir(tmp_path) / resume.LATEST_SHARDED)
+    for value in ("auto", str(resume.checkpoint_dir(tmp_path) / resume.LATEST_SHARDED)):
+        with pytest.raises(CheckpointError) as error:
+            resume.load_checkpoint(value, tmp_path, CPU, template=template(), sharded=False)
+        message = str(error.value)
+        assert "torchrun job (4 processes, distributed=fsdp)" in message
+        assert "torchrun --standalone --nproc_per_node=4 scripts/train.py distributed=fsdp" in message
+
+
+def test_a_single_process_checkpoint_resumed_under_torchrun_is_refused(tmp_path):
+    latest = two_checkpoints(tmp_path)
+    for value in ("auto", str(latest)):
+        with pytest.raises(CheckpointError, match="written by a single-process run.*python scripts/train.py"):
+            resume.load_checkpoint(value, tmp_path, CPU, template=template(), sharded=True)
+
+
+def test_sharded_auto_falls_back_past_an_unfinished_latest(tmp_path, process_group):
+    resume.save_sharded(state_at(1), tmp_path, rank=0, mode="fsdp")
+    resume.save_sharded(state_at(2), tmp_path, rank=0, mode="fsdp")
+    latest = resume.checkpoint_dir(tmp_path) / resume.LATEST_SHARDED
+    (latest / resume.JOB_INFO).unlink()
+    loaded = resume.load_checkpoint("auto", tmp_path, CPU, template=template(), sharded=True)
+    assert loaded.state["step"] == 1 and loaded.state["config"] == CONFIG
+    assert torch.equal(loaded.state["model"]["w"], torch.full((4,), 1.0))
+    assert f"checkpoints/latest has no readable {resume.JOB_INFO}" in loaded.notes[0]
+    (latest / ".metadata").unlink()
+    assert "no .metadata" in resume.load_checkpoint("auto", tmp_path, CPU, template=template(), sharded=True).notes[0]
+
+
+def test_a_sharded_checkpoint_of_another_world_size_is_refused(tmp_path, process_group):
+    write_sharded_dir(resume.checkpoint_dir(tmp_path) / resume.LATEST_SHARDED, world_size=2)
+    with pytest.raises(CheckpointError, match="written by 2 processes; this job has 1.*--nproc_per_node=2"):
+        resume.load_checkpoint("auto", tmp_path, CPU, template=template(), sharded=True)
+
+
+def test_a_sharded_checkpoint_with_a_torn_shard_fails_naming_it(tmp_path, process_group):
+    resume.save_sharded(state_at(1), tmp_path, rank=0, mode="fsdp")
+    latest = resume.checkpoint_dir(tmp_path) / resume.LATEST_SHARDED
+    for shard in latest.glob("*.distcp"):
+        shard.write_bytes(b"xx")
+    with pytest.raises(CheckpointError, match="checkpoints/latest could not be loaded"):
+        resume.load_checkpoint("auto", tmp_path, CPU, template=template(), sharded=True)
+
+
+@pytest.mark.parametrize("is_sharded", [False, True])
+def test_a_changed_config_is_refused_or_noted_by_either_kind(tmp_path, is_sharded, request):
+    if is_sharded:
+        request.getfixturevalue("process_group")
+        resume.save_sharded(state_at(1), tmp_path, rank=0, mode="fsdp")
+    else:
+        resume.save_checkpoint(state_at(1), tmp_path)
+    changed_lr = {"trainer": {"lr": 0.01, "max_steps": 20}, "model": {"n_layer": 2}}
+    with pytest.raises(CheckpointError, match=r"trainer\.lr: saved 0\.001, now 0\.01"):
+        resume.load_checkpoint("auto", tmp_path, CPU, template=template(changed_lr), sharded=is_sharded)
+    longer = {"trainer": {"lr": 0.001, "max_steps": 40}, "model": {"n_layer": 2}}
+    loaded = resume.load_checkpoint("auto", tmp_path, CPU, template=template(longer), sharded=is_sharded)
+    assert loaded.notes == ["config changed since the checkpoint (allowed): trainer.max_steps 20 -> 40"]
+
+
+# -- the config a run resumes with ---------------------------------------------------------------------
+def config_dict(make_cfg, *overrides) -> dict:
+    """As the trainer stores it in a checkpoint."""
+    return OmegaConf.to_container(OmegaConf.structured(resolve(make_cfg(*overrides))), resolve=True,
+                                  enum_to_str=True)
+
+
+def test_deliberate_changes_are_allowed_and_the_rest_break_the_run(make_cfg):
+    saved = config_dict(make_cfg)
+    now = config_dict(make_cfg, "trainer.max_steps=50", "trainer.log_every=2", "trainer.micro_batch=4",
+                      "logger.project=other", "trainer.lr=0.01", "precision=bf16", "trainer.batch_size=16")
+    changes = resume.config_changes(saved, now)
+    assert changes.allowed == {"trainer.max_steps": (10, 50), "trainer.log_every": (5, 2),
+                               "trainer.micro_batch": ("auto", "4"), "logger.project": ("minitrain", "other")}
+    assert changes.breaking["trainer.lr"] == (0.001, 0.01)
+    assert changes.breaking["trainer.batch_size"] == (8, 16)
+    assert changes.breaking["precision.param_dtype"] == ("fp32", "bf16")
+    assert "trainer.max_steps" not in changes.breaking
+    message = changes.refusal("checkpoints/latest.pt")
+    assert message.startswith("checkpoints/latest.pt was saved by a run with a different config")
+    assert "  trainer.lr: saved 0.001, now 0.01\n" in message
+    assert "  precision.master_weights: saved False, now True\n" in message
+    assert "hydra.run.dir=" in message
+    assert changes.accepted() == ("config changed since the checkpoint (allowed): logger.project minitrain -> "
+                                      "other, trainer.log_every 5 -> 2, trainer.max_steps 10 -> 50, "
+                                      "trainer.micro_batch auto -> 4")
+
+
+def test_the_same_config_has_no_changes(make_cfg):
+    changes = resume.config_changes(config_dict(make_cfg), config_dict(make_cfg))
+    assert changes.allowed == {} and changes.breaking == {}
+
+
+def test_a_key_on_one_side_only_is_a_change(make_cfg):
+    saved = config_dict(make_cfg)
+    del saved["optimizer"]["eps"]  # a checkpoint older than the key
+    del saved["logger"]["tags"]
+    now = {**config_dict(make_cfg), "plan": {"world_size": 2, "param_dtype": "fp32"}}
+    changes = resume.config_changes(saved, now)
+    assert changes.breaking["optimizer.eps"] == (resume._ABSENT, 1e-8)
+    assert changes.breaking["plan.world_size"] == (resume._ABSENT, 2)
+    assert changes.allowed == {"logger.tags": (resume._ABSENT, [])}
+    assert "  plan.world_size: saved (not set), now 2\n" in changes.refusal("latest.pt")
+    gone = resume.config_changes(now, saved)  # and the converse: a key this run no longer has
+    assert gone.breaking["plan.param_dtype"] == ("fp32", resume._ABSENT)
+
+
+def test_nested_values_compare_whole(make_cfg):
+    changes = resume.config_changes(config_dict(make_cfg), config_dict(make_cfg, "optimizer.betas=[0.9,0.99]"))
+    assert changes.breaking == {"optimizer.betas": ([0.9, 0.95], [0.9, 0.99])}
