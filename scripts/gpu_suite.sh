@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# One GPU session's worth of checks and measurements, for the device machine (see docs/benchmarks.md).
+# The GPU tests and the measurements of docs/benchmarks.md, by section name, on a machine with an NVIDIA GPU.
 # Usage: scripts/gpu_suite.sh OUT_DIR [tests] [optimizer] [cross_entropy] [ce_rows] [ce_chunks] [gelu] [train]
 #        [step] [step15b] [sweep]
 set -uo pipefail
@@ -33,7 +33,7 @@ for what in "$@"; do
     ce_rows) timeout 200 python3 scripts/tune_cross_entropy_rows.py --out "$out/tune_ce_rows.json" 2>&1 | tail -60 ;;
     ce_chunks) timeout 200 python3 scripts/bench_cross_entropy.py --shapes 16384x768x50304 16384x2048x128256 \
                  --chunk-mib 16 32 64 --out "$out/bench_ce_chunks.json" 2>&1 | tail -16 ;;
-    sweep)  # issue 5's 12-cell sweep, one process per cell so each cell's peak memory is its own
+    sweep)  # the 12-cell precision x checkpointing sweep, one process per cell so each cell's peak memory is its own
       sw=/tmp/sweep-124m; rm -rf $sw; i=0
       for p in fp32 bf16 fp16; do for c in none full every_k selective; do
         timeout 120 python3 scripts/train.py model=gpt2-124m precision=$p checkpointing=$c trainer.batch_size=16 \
