@@ -1,21 +1,25 @@
 """Corpus -> byte-level BPE tokenizer -> token memmap -> batches of random windows.
 
 Everything before the batches is done once and cached under `data.cache_dir`, keyed by the corpus
-and the tokenizer settings, so a second run (or every job of a sweep) starts training at once. Batches
-are a pure function of (seed, step): resuming, changing grad_accum or adding ranks never changes which
-windows a step sees.
+and the tokenizer settings, so a second run (or every job of a sweep) starts training at once; the cache is
+checked against its own record at every start and rebuilt when it does not match. Batches are a pure
+function of (seed, step): resuming, changing grad_accum or adding ranks never changes which windows a step
+sees.
 """
 
 from __future__ import annotations
 
+import fcntl
 import glob
 import hashlib
 import json
 import os
 import shutil
+import sys
 import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Optional
 
 import numpy as np
 import torch
@@ -24,6 +28,14 @@ from .config import DataConfig, DataSource
 
 EOT = "<|endoftext|>"
 _FORMAT_VERSION = 1  # bump when the cached layout or tokenizer recipe changes
+# The token file's checksum covers this many evenly spaced chunks: the whole file up to
+# _CHECK_CHUNKS * _CHECK_CHUNK_BYTES, a fixed read beyond, so checking a multi-GB cache at every start stays cheap.
+_CHECK_CHUNKS = 64
+_CHECK_CHUNK_BYTES = 1 << 20
+# A corpus file whose head holds a NUL byte, or more than this share of bytes that are not UTF-8, is not text
+# (a binary file, or text in another encoding the tokenizer would learn as replacement characters).
+_SNIFF_BYTES = 8192
+_MAX_UNDECODABLE_SHARE = 0.25
 
 
 class DataError(ValueError):
@@ -38,6 +50,10 @@ def stdlib_files() -> list[str]:
                   and os.path.getsize(f) > 0)  # empty __init__.py files carry no text
 
 
+def _some(files: list[str]) -> str:
+    return ", ".join(files[:5]) + (f" and {len(files) - 5} more" if len(files) > 5 else "")
+
+
 def _local_files(cfg: DataConfig) -> list[str]:
     if cfg.source == DataSource.stdlib:
         files = stdlib_files()
@@ -50,9 +66,26 @@ def _local_files(cfg: DataConfig) -> list[str]:
         raise DataError(f"{where} matched no files")
     empty = [f for f in files if os.path.getsize(f) == 0]
     if empty:
-        shown = ", ".join(empty[:5]) + (f" and {len(empty) - 5} more" if len(empty) > 5 else "")
-        raise DataError(f"{where}: {len(empty)} of {len(files)} files are empty: {shown}")
+        raise DataError(f"{where}: {len(empty)} of {len(files)} files are empty: {_some(empty)}")
     return files
+
+
+def _is_text(path: str) -> bool:
+    """Whether the file's head reads as UTF-8 text; a few stray bytes pass (they become replacement characters)."""
+    with open(path, "rb") as f:
+        head = f.read(_SNIFF_BYTES)
+    if b"\0" in head:
+        return False
+    undecodable = len(head) - len(head.decode("utf-8", errors="ignore").encode("utf-8"))
+    return undecodable <= _MAX_UNDECODABLE_SHARE * len(head)
+
+
+def _require_text(files: list[str], cfg: DataConfig) -> None:
+    """A binary file matched by the glob would otherwise be tokenised as noise without a word."""
+    binary = [f for f in files if not _is_text(f)]
+    if binary:
+        raise DataError(f"data.paths={cfg.paths!r}: {len(binary)} of {len(files)} files are not UTF-8 text: "
+                        f"{_some(binary)} (narrow data.paths to text files)")
 
 
 def _digest(*parts) -> str:
@@ -67,15 +100,24 @@ def corpus_identity(cfg: DataConfig) -> str:
     return _digest("files", [(f, os.path.getsize(f), os.stat(f).st_mtime_ns) for f in _local_files(cfg)])
 
 
+def hf_cache_dir(cfg: DataConfig) -> Path:
+    """Where the datasets library keeps its copies of the corpus: inside `data.cache_dir`, not the home directory."""
+    return Path(os.path.expanduser(cfg.cache_dir)) / "hf-datasets"
+
+
 def load_corpus(cfg: DataConfig):
     """The corpus as a `datasets.Dataset` with one document per row in column `text`."""
     import datasets
 
+    cache_dir = str(hf_cache_dir(cfg))
     if cfg.source != DataSource.hub:
-        return datasets.load_dataset("text", data_files=_local_files(cfg), sample_by="document", split="train",
-                                     encoding_errors="replace")
+        files = _local_files(cfg)
+        if cfg.source == DataSource.files:
+            _require_text(files, cfg)
+        return datasets.load_dataset("text", data_files=files, sample_by="document", split="train",
+                                     encoding_errors="replace", cache_dir=cache_dir)
     try:
-        ds = datasets.load_dataset(cfg.hub_name, cfg.hub_config, split=cfg.hub_split)
+        ds = datasets.load_dataset(cfg.hub_name, cfg.hub_config, split=cfg.hub_split, cache_dir=cache_dir)
     except Exception as e:  # the hub's errors are long; say which setting to look at first
         raise DataError(f"data.hub_name={cfg.hub_name!r} (config {cfg.hub_config!r}, split "
                         f"{cfg.hub_split!r}) could not be loaded: {e}") from e
@@ -140,42 +182,136 @@ def _write_tokens(ds, tokenizer, out: Path, cfg: DataConfig, progress: bool) -> 
     total = int(np.asarray(encoded.with_format("numpy")["n"], dtype=np.int64).sum())
     dtype = np.uint16 if tokenizer.get_vocab_size() <= np.iinfo(np.uint16).max + 1 else np.uint32
     mm = np.memmap(out / "tokens.bin", dtype=dtype, mode="w+", shape=(total,))
-    pos = 0
+    pos, max_token = 0, 0
     with tqdm(total=total, unit="tok", unit_scale=True, desc="writing tokens", disable=not progress) as bar:
         for batch in encoded.iter(batch_size=1024):
             flat = np.fromiter((t for ids in batch["ids"] for t in ids), dtype=dtype)
             mm[pos:pos + len(flat)] = flat
             pos += len(flat)
+            max_token = max(max_token, int(flat.max()))
             bar.update(len(flat))
     mm.flush()
+    del mm
     n_val = max(1, int(total * cfg.val_fraction))
-    return {"n_tokens": total, "n_val": n_val, "dtype": np.dtype(dtype).name, "n_docs": len(ds)}
+    return {"n_tokens": total, "n_val": n_val, "dtype": np.dtype(dtype).name, "n_docs": len(ds),
+            "max_token": max_token, "checksum": _tokens_checksum(out / "tokens.bin")}
 
 
-def prepare_data(cfg: DataConfig, block_size: int, progress: bool = True) -> TokenData:
-    """Tokenizer and token file for `cfg`, built once and cached; checks the corpus fits `block_size`."""
+def _tokens_checksum(path: Path) -> str:
+    """sha256 of `_CHECK_CHUNKS` evenly spaced chunks of `_CHECK_CHUNK_BYTES`, the first at the start and the last
+    at the end: every byte of a file of up to `_CHECK_CHUNKS` chunks, a fixed read of a larger one. The price of
+    a check cheap enough for every start: the bytes between the chunks of a large file are not covered (its
+    size is checked on its own)."""
+    size = path.stat().st_size
+    n_chunks = max(1, min(_CHECK_CHUNKS, -(-size // _CHECK_CHUNK_BYTES)))
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for i in range(n_chunks):
+            f.seek(i * (size - _CHECK_CHUNK_BYTES) // (n_chunks - 1) if n_chunks > 1 else 0)
+            digest.update(f.read(_CHECK_CHUNK_BYTES))
+    return digest.hexdigest()
+
+
+# What meta.json must record for the cache to be checked; a cache without them predates the check.
+_META_FIELDS = ("n_tokens", "n_val", "dtype", "max_token", "checksum", "tokenizer_checksum")
+
+
+class _UnusableCache(DataError):
+    """A published cache that does not match its own record; the message says what is wrong."""
+
+
+def _open_cache(path: Path) -> TokenData:
+    """The cache at `path`, checked against its meta.json before anything reads it: a truncated or rewritten
+    token file would otherwise fail as an mmap error at start, or as an out-of-range embedding index mid-run."""
     from tokenizers import Tokenizer
 
-    key = _digest(_FORMAT_VERSION, corpus_identity(cfg), cfg.vocab_size, cfg.val_fraction)
-    final = Path(os.path.expanduser(cfg.cache_dir)) / f"{cfg.name}-{key}"
-    if not (final / "meta.json").exists():  # the corpus is read only to build the cache
-        ds = load_corpus(cfg)
+    if not path.is_dir():
+        raise _UnusableCache("it does not exist")
+    try:
+        meta = json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError) as e:
+        raise _UnusableCache(f"meta.json is unreadable: {e}") from None
+    if not isinstance(meta, dict):
+        raise _UnusableCache("meta.json is unreadable: not a JSON object")
+    missing = [field for field in _META_FIELDS if field not in meta]
+    if missing:
+        raise _UnusableCache(f"meta.json has no {', '.join(missing)}: written by an older minitrain")
+    try:
+        tokenizer_json = (path / "tokenizer.json").read_bytes()
+        tokenizer = Tokenizer.from_str(tokenizer_json.decode())
+    except Exception as e:  # tokenizers reports malformed JSON as a bare Exception
+        raise _UnusableCache(f"tokenizer.json is unreadable: {e}") from None
+    if hashlib.sha256(tokenizer_json).hexdigest() != meta["tokenizer_checksum"]:
+        raise _UnusableCache("tokenizer.json does not match its checksum in meta.json")
+    if meta["max_token"] >= tokenizer.get_vocab_size():
+        raise _UnusableCache(f"its largest token id {meta['max_token']} is outside the tokenizer's "
+                             f"{tokenizer.get_vocab_size()} ids")
+    tokens_path = path / "tokens.bin"
+    try:
+        dtype, n_tokens, n_val = np.dtype(meta["dtype"]), int(meta["n_tokens"]), int(meta["n_val"])
+    except (TypeError, ValueError) as e:
+        raise _UnusableCache(f"meta.json is unreadable: {e}") from None
+    if not 0 < n_val < n_tokens:
+        raise _UnusableCache(f"meta.json is unreadable: n_val={n_val} for n_tokens={n_tokens}")
+    try:
+        size = tokens_path.stat().st_size
+    except OSError as e:
+        raise _UnusableCache(f"tokens.bin is unreadable: {e}") from None
+    if size != n_tokens * dtype.itemsize:
+        raise _UnusableCache(f"tokens.bin holds {size} bytes, meta.json records {n_tokens * dtype.itemsize}")
+    if _tokens_checksum(tokens_path) != meta["checksum"]:
+        raise _UnusableCache("tokens.bin does not match its checksum in meta.json")
+    tokens = np.memmap(tokens_path, dtype=dtype, mode="r", shape=(n_tokens,))
+    return TokenData(tokenizer, tokens, n_val, path)
+
+
+def _build_cache(cfg: DataConfig, final: Path, progress: bool, notify: Callable[[str], None]) -> TokenData:
+    """Builds the cache at `final` under an exclusive lock on `<final>.lock`, so that concurrent ranks or sweep
+    jobs build it once. It is published by renaming a complete `<final>.tmp` (a crash mid-build leaves only that),
+    an unusable cache moved aside first: a reader sees a whole cache or none, never a half-replaced one."""
+    final.parent.mkdir(parents=True, exist_ok=True)
+    with open(final.with_name(final.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when its holder dies
+        try:
+            return _open_cache(final)  # another process built it while this one waited
+        except _UnusableCache as why:
+            if final.exists():
+                notify(f"data cache {final} is unusable ({why}); rebuilding it")
+        ds = load_corpus(cfg)  # the corpus is read only to build the cache
         if len(ds) == 0:
             raise DataError(f"the {cfg.name} corpus has no documents")
-        tmp = final.with_name(final.name + f".tmp{os.getpid()}")
-        shutil.rmtree(tmp, ignore_errors=True)
-        tmp.mkdir(parents=True)
+        tmp, aside = final.with_name(final.name + ".tmp"), final.with_name(final.name + ".old")
+        for leftover in (tmp, aside):  # of a build that crashed
+            shutil.rmtree(leftover, ignore_errors=True)
+        tmp.mkdir()
         tokenizer = _train_tokenizer(ds, cfg.vocab_size, progress)
         tokenizer.save(str(tmp / "tokenizer.json"))
         meta = _write_tokens(ds, tokenizer, tmp, cfg, progress)
+        meta["tokenizer_checksum"] = hashlib.sha256((tmp / "tokenizer.json").read_bytes()).hexdigest()
         (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        try:  # atomic publish: a crash mid-build leaves only a .tmp dir, never a half cache
-            os.replace(tmp, final)
-        except OSError:  # another process published the same key first
-            shutil.rmtree(tmp, ignore_errors=True)
-    meta = json.loads((final / "meta.json").read_text())
-    tokens = np.memmap(final / "tokens.bin", dtype=np.dtype(meta["dtype"]), mode="r", shape=(meta["n_tokens"],))
-    data = TokenData(Tokenizer.from_file(str(final / "tokenizer.json")), tokens, meta["n_val"], final)
+        if final.exists():
+            os.replace(final, aside)
+        os.replace(tmp, final)
+        shutil.rmtree(aside, ignore_errors=True)
+        return _open_cache(final)
+
+
+def _print_to_stderr(message: str) -> None:
+    from tqdm.auto import tqdm
+
+    tqdm.write(message, file=sys.stderr)
+
+
+def prepare_data(cfg: DataConfig, block_size: int, progress: bool = True,
+                 notify: Optional[Callable[[str], None]] = None) -> TokenData:
+    """Tokenizer and token file for `cfg`, built once and cached; checks the corpus fits `block_size`.
+    `notify` receives the line saying that an unusable cache is being rebuilt (default: stderr)."""
+    key = _digest(_FORMAT_VERSION, corpus_identity(cfg), cfg.vocab_size, cfg.val_fraction)
+    final = Path(os.path.expanduser(cfg.cache_dir)) / f"{cfg.name}-{key}"
+    try:
+        data = _open_cache(final)
+    except _UnusableCache:
+        data = _build_cache(cfg, final, progress, notify or _print_to_stderr)
     for split, arr in (("train", data.train), ("val", data.val)):
         if len(arr) < block_size + 1:
             raise DataError(f"the {cfg.name} corpus is too short: its {split} split has {len(arr)} tokens, "
@@ -196,12 +332,67 @@ class Batches:
         rng = np.random.default_rng([self.seed, step])
         return rng.integers(0, len(self.tokens) - self.block_size, size=self.batch_size)
 
-    def get(self, step: int, part: int = 0, n_parts: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
-        """Inputs and targets (B/n_parts, T) of slice `part` of step `step`'s global batch."""
+    def host_windows(self, step: int, part: int = 0, n_parts: int = 1) -> torch.Tensor:
+        """Windows (B/n_parts, T+1) of slice `part` of step `step`'s global batch, int64 on the host; in pinned
+        memory when the batches go to CUDA, so that the copy to the device need not wait for the host."""
         per = self.batch_size // n_parts
         starts = self.starts(step)[part * per:(part + 1) * per]
-        T = self.block_size
-        win = torch.from_numpy(np.stack([self.tokens[s:s + T + 1] for s in starts]).astype(np.int64))
+        win = torch.empty((len(starts), self.block_size + 1), dtype=torch.int64,
+                          pin_memory=self.device.type == "cuda")
+        win.numpy()[:] = self.tokens[starts[:, None] + np.arange(self.block_size + 1)]
+        return win
+
+    def get(self, step: int, part: int = 0, n_parts: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """Inputs and targets (B/n_parts, T) of slice `part` of step `step`'s global batch."""
+        win = self.host_windows(step, part, n_parts)
         if self.device.type == "cuda":
-            win = win.pin_memory().to(self.device, non_blocking=True)
+            win = win.to(self.device, non_blocking=True)
         return win[:, :-1], win[:, 1:]
+
+
+class DeviceBatches(Batches):
+    """`Batches` with the next request's windows prepared while the current step runs: on CUDA they are gathered
+    into pinned memory and copied on a side stream, so the step's launches wait neither for the host's gather
+    nor for a copy on the compute stream, and nothing makes the host wait for the device.
+
+    The caller asks in a predictable order: for each step, the aligned run of `grad_accum` parts of its rank
+    (part rank*grad_accum + 0 .. grad_accum-1 of n_parts), then the next step. A request that is not the
+    predicted one (the first after a resume, an eval pass, another split) is built on the spot: the result is
+    the same, so the batches stay a pure function of (seed, step). On the CPU the same order is kept, without
+    a copy.
+
+    Pinned buffers come from torch's caching host allocator, which hands a buffer out again only once the copy
+    recorded on it has completed (an event query, never a wait): the ring of host buffers the prefetch needs,
+    without the host synchronising with the device."""
+
+    def __init__(self, tokens: np.ndarray, block_size: int, batch_size: int, seed: int, device: torch.device,
+                 grad_accum: int = 1):
+        super().__init__(tokens, block_size, batch_size, seed, device)
+        self.grad_accum = grad_accum
+        self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._next: Optional[tuple] = None  # (request, windows, copy-done event) of the predicted request
+
+    def get(self, step: int, part: int = 0, n_parts: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        request = (step, part, n_parts)
+        staged = self._next if self._next is not None and self._next[0] == request else self._stage(request)
+        _, win, copied = staged
+        if copied is not None:
+            consumer = torch.cuda.current_stream(self.device)
+            consumer.wait_event(copied)
+            win.record_stream(consumer)  # its memory is not handed out again before the step has read it
+        self._next = self._stage(self._following(request))
+        return win[:, :-1], win[:, 1:]
+
+    def _following(self, request: tuple[int, int, int]) -> tuple[int, int, int]:
+        step, part, n_parts = request
+        if (part + 1) % self.grad_accum:
+            return step, part + 1, n_parts
+        return step + 1, part + 1 - self.grad_accum, n_parts
+
+    def _stage(self, request: tuple[int, int, int]) -> tuple:
+        win = self.host_windows(*request)
+        if self.copy_stream is None:
+            return request, win, None
+        with torch.cuda.stream(self.copy_stream):
+            win = win.to(self.device, non_blocking=True)
+        return request, win, self.copy_stream.record_event()

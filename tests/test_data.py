@@ -1,3 +1,10 @@
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 import torch
@@ -74,3 +81,189 @@ def test_batches_depend_only_on_seed_and_step(stdlib_data):
     # Splitting the global batch into parts (micro-batches, ranks) keeps the same windows.
     parts = [b.get(5, p, 4)[0] for p in range(4)]
     assert torch.equal(torch.cat(parts), x1)
+
+
+def test_batches_are_the_token_windows_at_their_starts(stdlib_data):
+    b = Batches(stdlib_data.train, 32, 8, seed=3, device=torch.device("cpu"))
+    x, y = b.get(7, 1, 2)
+    assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (4, 32)
+    for row, start in zip(range(4), b.starts(7)[4:]):
+        window = torch.from_numpy(stdlib_data.train[start:start + 33].astype(np.int64))
+        assert torch.equal(x[row], window[:-1]) and torch.equal(y[row], window[1:])
+
+
+# -- the token cache checks itself at every start ---------------------------------------------------------------
+
+def _small_corpus(tmp_path):
+    words = "alpha beta gamma delta epsilon zeta eta theta iota kappa lambda mu".split()
+    (tmp_path / "text").mkdir(exist_ok=True)
+    for i in range(4):
+        (tmp_path / "text" / f"doc{i}.txt").write_text(
+            " ".join(words[(i * 7 + j * j) % len(words)] for j in range(400)) + f" {i}\n")
+    return DataConfig(name="files", source="files", paths=str(tmp_path / "text" / "*.txt"), vocab_size=300,
+                      cache_dir=str(tmp_path / "cache"), val_fraction=0.1, num_proc=1)
+
+
+def _truncate(path):
+    tokens = path / "tokens.bin"
+    tokens.write_bytes(tokens.read_bytes()[:tokens.stat().st_size // 2])
+
+
+def _large_ids(path):
+    with open(path / "tokens.bin", "r+b") as f:  # ids far beyond the vocabulary, same size
+        f.seek(f.seek(0, 2) // 2)
+        f.write(b"\xff" * 64)
+
+
+def _meta(path, edit):
+    meta = json.loads((path / "meta.json").read_text())
+    edit(meta)
+    (path / "meta.json").write_text(json.dumps(meta))
+
+
+@pytest.mark.parametrize("corrupt, reason", [
+    (_truncate, "tokens.bin holds"),
+    (lambda p: (p / "tokens.bin").unlink(), "tokens.bin is unreadable"),
+    (_large_ids, "tokens.bin does not match its checksum"),
+    (lambda p: (p / "meta.json").write_text('{"n_tokens": 12'), "meta.json is unreadable"),
+    (lambda p: _meta(p, lambda m: m.update(n_tokens="many")), "meta.json is unreadable"),
+    (lambda p: _meta(p, lambda m: m.pop("checksum")), "older minitrain"),
+    (lambda p: _meta(p, lambda m: m.update(max_token=300)), "largest token id 300"),
+    (lambda p: (p / "tokenizer.json").write_text("{}"), "tokenizer.json is unreadable"),
+    (lambda p: (p / "tokenizer.json").write_text(  # still a valid tokenizer, another one
+        (p / "tokenizer.json").read_text().replace('"add_prefix_space": false', '"add_prefix_space": true', 1)),
+     "tokenizer.json does not match"),
+])
+def test_an_unusable_cache_is_rebuilt_saying_why(tmp_path, corrupt, reason):
+    cfg = _small_corpus(tmp_path)
+    said = []
+    fresh = prepare_data(cfg, block_size=16, progress=False, notify=said.append)
+    assert said == []  # a first build is no news
+    fresh_tokens, fresh_vocab = np.array(fresh.tokens), fresh.tokenizer.get_vocab()
+    corrupt(fresh.path)
+    (fresh.path.parent / (fresh.path.name + ".tmp")).mkdir()  # left by a build that crashed
+    again = prepare_data(cfg, block_size=16, progress=False, notify=said.append)
+    assert len(said) == 1 and str(fresh.path) in said[0] and reason in said[0], said
+    assert again.path == fresh.path and again.n_val == fresh.n_val
+    np.testing.assert_array_equal(np.array(again.tokens), fresh_tokens)
+    assert again.tokenizer.get_vocab() == fresh_vocab
+    assert sorted(p.name for p in fresh.path.parent.iterdir()) == sorted(
+        [fresh.path.name, fresh.path.name + ".lock", "hf-datasets"])  # nothing left aside
+    quiet = []
+    prepare_data(cfg, block_size=16, progress=False, notify=quiet.append)
+    assert quiet == []  # the rebuilt cache passes its own check
+
+
+def test_a_cache_rebuilt_by_another_process_while_waiting_is_used(tmp_path, monkeypatch):
+    """Ranks and sweep jobs that find the cache unusable queue on its lock; once the first has rebuilt it,
+    the others read that one."""
+    cfg = _small_corpus(tmp_path)
+    fresh = prepare_data(cfg, block_size=16, progress=False)
+    good = tmp_path / "good"
+    shutil.copytree(fresh.path, good)
+    _truncate(fresh.path)
+    real_flock = data_mod.fcntl.flock
+
+    def flock_after_another_rebuild(fd, op):
+        shutil.rmtree(fresh.path)  # what the lock's holder does before it lets go
+        shutil.copytree(good, fresh.path)
+        return real_flock(fd, op)
+
+    def fail(*a, **k):
+        raise AssertionError("rebuilt a cache that another process had just rebuilt")
+
+    monkeypatch.setattr(data_mod.fcntl, "flock", flock_after_another_rebuild)
+    monkeypatch.setattr(data_mod, "load_corpus", fail)
+    said = []
+    again = prepare_data(cfg, block_size=16, progress=False, notify=said.append)
+    assert said == []
+    np.testing.assert_array_equal(np.array(again.tokens), np.fromfile(good / "tokens.bin", dtype=again.tokens.dtype))
+
+
+def test_checksum_covers_a_small_file_whole_and_samples_a_large_one(tmp_path, monkeypatch):
+    monkeypatch.setattr(data_mod, "_CHECK_CHUNK_BYTES", 16)
+    monkeypatch.setattr(data_mod, "_CHECK_CHUNKS", 4)
+    path = tmp_path / "tokens.bin"
+
+    def checksum_after_flipping(data: bytes, offset: int) -> str:
+        flipped = bytearray(data)
+        flipped[offset] ^= 1
+        path.write_bytes(bytes(flipped))
+        return data_mod._tokens_checksum(path)
+
+    small = bytes(range(60))  # four chunks cover it whole
+    path.write_bytes(small)
+    original = data_mod._tokens_checksum(path)
+    assert all(checksum_after_flipping(small, i) != original for i in range(len(small)))
+    large = bytes(range(256)) * 4  # four chunks at 0, 336, 672, 1008
+    path.write_bytes(large)
+    original = data_mod._tokens_checksum(path)
+    assert checksum_after_flipping(large, 0) != original and checksum_after_flipping(large, 1023) != original
+    assert checksum_after_flipping(large, 340) != original and checksum_after_flipping(large, 100) == original
+
+
+# -- non-text input ------------------------------------------------------------------------------------------------
+
+def _write_corpus(tmp_path, **files):
+    (tmp_path / "text").mkdir()
+    for name, content in files.items():
+        (tmp_path / "text" / name.replace("_", ".")).write_bytes(content)
+    return DataConfig(name="files", source="files", paths=str(tmp_path / "text" / "*"), vocab_size=300,
+                      cache_dir=str(tmp_path / "cache"), val_fraction=0.1, num_proc=1)
+
+
+PROSE = "the quick brown fox jumps over the lazy dog, and then it rests a while. " * 60
+
+
+@pytest.mark.parametrize("binary", [
+    random.Random(0).randbytes(5000),  # compressed or random data
+    PROSE.encode("utf-16-le"),  # NUL bytes, otherwise valid UTF-8
+    ("съешь же ещё этих мягких французских булок, да выпей чаю. " * 40).encode("cp1251"),  # no NUL, not UTF-8
+])
+def test_non_text_files_are_refused_naming_them(tmp_path, binary):
+    bad = {f"blob{i}_bin": binary for i in range(6)}
+    cfg = _write_corpus(tmp_path, a_txt=PROSE.encode(), b_txt=PROSE.encode(), **bad)
+    with pytest.raises(DataError, match=r"data.paths=.*6 of 8 files are not UTF-8 text: .*blob0.bin.*and 1 more"):
+        prepare_data(cfg, block_size=16, progress=False)
+
+
+def test_text_with_a_few_stray_bytes_is_text(tmp_path):
+    latin1 = PROSE.encode() + "café, naïve, déjà vu ".encode("latin-1") + PROSE.encode()
+    cfg = _write_corpus(tmp_path, a_txt=latin1, b_txt=PROSE.encode(), c_py=open(data_mod.__file__, "rb").read())
+    data = prepare_data(cfg, block_size=16, progress=False)
+    assert "caf\ufffd" in data.decode(data.tokens[:len(data.tokens)])
+
+
+
+# -- the datasets library's own cache -----------------------------------------------------------------------------
+
+def test_a_build_writes_nothing_under_the_home_directory(tmp_path):
+    """The datasets library defaults to a cache under the home directory; data.cache_dir must hold everything."""
+    home = tmp_path / "home"
+    home.mkdir()
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_") and k != "XDG_CACHE_HOME"}
+    cfg = _small_corpus(tmp_path)
+    build = ("import sys; from minitrain.config import DataConfig; from minitrain.data import prepare_data; "
+             "prepare_data(DataConfig(name='files', source='files', paths=sys.argv[1], vocab_size=300, "
+             "cache_dir=sys.argv[2], val_fraction=0.1, num_proc=1), block_size=16, progress=False)")
+    subprocess.run([sys.executable, "-c", build, cfg.paths, cfg.cache_dir], env=env | {"HOME": str(home)},
+                   cwd=tmp_path, check=True, capture_output=True, timeout=120)
+    assert list(home.rglob("*")) == []
+    assert any((tmp_path / "cache" / "hf-datasets").iterdir())
+
+
+def test_a_hub_corpus_is_cached_under_data_cache_dir(tmp_path, monkeypatch):
+    import datasets
+
+    asked = {}
+
+    def load_dataset(name, config, split, cache_dir=None):
+        asked.update(name=name, cache_dir=cache_dir)
+        return datasets.Dataset.from_dict({"story": [PROSE] * 4, "id": list(range(4))})
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    cfg = DataConfig(name="hub", source="hub", hub_name="someone/stories", text_column="story", vocab_size=300,
+                     cache_dir=str(tmp_path / "cache"), val_fraction=0.1, num_proc=1)
+    data = prepare_data(cfg, block_size=16, progress=False)
+    assert asked == {"name": "someone/stories", "cache_dir": str(tmp_path / "cache" / "hf-datasets")}
+    assert "quick brown fox" in data.decode(data.tokens[:64])
