@@ -1,12 +1,24 @@
-"""Dynamic loss scaling for fp16, with all state on the device.
+"""Dynamic loss scaling for fp16, with all state on the device: the one home of the loss-scale rule.
 
-The scale and growth tracker are 0-d device tensors, so the optimizer can back off or
-grow them inside its step without reading them back to the host. The update rule is
-`torch._amp_update_scale_`, i.e. exactly `torch.amp.GradScaler.update`; the fused Triton
-step reimplements the same rule in its finalize kernel.
+The scale and growth tracker are 0-d device tensors, so the optimizer can back off or grow them inside
+its step without reading them back to the host. The rule is `DynamicLossScaler.update`, i.e.
+`torch._amp_update_scale_`, exactly `torch.amp.GradScaler.update`; the fused optimizer's finalize kernel
+(optim/adamw_triton.py) is its twin, tested against it.
 """
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass(frozen=True)
+class LossScaling:
+    """The rule's parameters, as torch.amp.GradScaler names them: an optimizer given these owns its scaler."""
+
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
 
 
 class DynamicLossScaler:
@@ -32,7 +44,8 @@ class DynamicLossScaler:
         return self._scale
 
     def update(self, found_inf):
-        """found_inf: 0-d float device tensor (1.0 = this step's grads overflowed)."""
+        """found_inf: 0-d float device tensor (1.0 = this step's grads overflowed). Back off on an overflow;
+        grow after growth_interval steps in a row without one (unless the grown scale is not finite)."""
         torch._amp_update_scale_(self._scale, self.growth_tracker, found_inf,
                                  self.growth_factor, self.backoff_factor, self.growth_interval)
 

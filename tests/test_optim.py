@@ -1,6 +1,9 @@
-"""FusedAdamW against torch references: torch.optim.AdamW, clip_grad_norm_, GradScaler."""
+"""AdamW (loop / foreach / fused) and TorchAdamW against torch references: torch.optim.AdamW,
+clip_grad_norm_, GradScaler; the fused finalize kernel against the torch rule it is the twin of."""
 
+import importlib.util
 import io
+import itertools
 import os
 
 os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
@@ -8,10 +11,13 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 import pytest
 import torch
 
-from minitrain.amp import DynamicLossScaler
+from minitrain.amp import DynamicLossScaler, LossScaling
 from minitrain.memory import LiveBytes
-from minitrain.optim import FusedAdamW
-from minitrain.optim.adamw_triton import BLOCK
+from minitrain.optim import AdamW, TorchAdamW
+from minitrain.optim.adamw import Counters, decide_step
+from minitrain.optim.adamw_triton import BLOCK, GRAD_MULT, INV_BC1, INV_BC2_SQRT, N_SCALARS, NOT_SKIPPED, finalize
+
+from conftest import REPO
 
 IMPLS = ["loop", "foreach", "fused"]
 SHAPES = [(1,), (13,), (1025,), (3, 5, 7), (BLOCK + 37,), (2, BLOCK)]
@@ -57,7 +63,7 @@ def test_fp32_parity_late_bias_correction(impl):
     m0 = [0.1 * torch.randn(s) for s in SHAPES]
     v0 = [0.01 * torch.rand(s) for s in SHAPES]
     ps, ref = params_like(init, torch.float32), params_like(init, torch.float32)
-    opt = FusedAdamW(two_groups(ps), max_grad_norm=None, impl=impl, **HP)
+    opt = AdamW(two_groups(ps), max_grad_norm=None, impl=impl, **HP)
     torch_opt = torch.optim.AdamW(two_groups(ref), **HP)
     order = group_order(len(SHAPES))
     opt.load_state_dict({**opt.state_dict(), "step": torch.tensor(1900.0), "state": {
@@ -81,6 +87,48 @@ def test_fp32_parity_late_bias_correction(impl):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
+def test_bias_correction_counts_steps_taken(impl):
+    """The first steps, where bias correction is large (t=1: 1/(1-beta1) = 10), after an overflowing first
+    step: a skipped step must not count, so the next one runs at t=1, as torch's AdamW's first step."""
+    torch.manual_seed(12)
+    init = [torch.randn(s) for s in SHAPES[:5]]
+    ps, ref = params_like(init, torch.float32), params_like(init, torch.float32)
+    opt = AdamW(two_groups(ps), max_grad_norm=None, impl=impl, **HP)
+    torch_opt = torch.optim.AdamW(two_groups(ref), **HP)
+    set_grads(ps, [torch.full(s, float("nan")) for s in SHAPES[:5]])
+    opt.step()
+    for _ in range(3):
+        grads = [torch.randn(s) for s in SHAPES[:5]]
+        set_grads(ps, grads)
+        reference_step(ref, torch_opt, grads, None)
+        opt.step()
+        for p, r in zip(ps, ref):
+            torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
+    assert opt.state_dict()["step"].item() == 3
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_weight_decay_shrinks_the_master(impl):
+    """Decay-dominated steps (lr*wd = 0.05, gradients far below eps): the decay must scale the fp32 master,
+    not be computed from the bf16 compute copy, whose rounding error times lr*wd (~1e-4 relative per step)
+    this tolerance sees."""
+    torch.manual_seed(13)
+    init = [torch.randn(s).bfloat16().float() for s in SHAPES[:5]]
+    ps, ref = params_like(init, torch.bfloat16), params_like(init, torch.float32)
+    hp = dict(lr=0.05, betas=(0.9, 0.95), eps=1e-8, weight_decay=1.0)
+    opt = AdamW(ps, max_grad_norm=None, impl=impl, **hp)
+    torch_opt = torch.optim.AdamW(ref, **hp)
+    for _ in range(4):
+        grads = [(1e-12 * torch.randn(s)).bfloat16() for s in SHAPES[:5]]
+        set_grads(ps, grads)
+        reference_step(ref, torch_opt, grads, None)
+        opt.step()
+    for i, (p, r) in enumerate(zip(ps, ref)):
+        torch.testing.assert_close(state(opt, i, "master"), r.detach(), rtol=1e-6, atol=0)
+        assert torch.equal(p, state(opt, i, "master").bfloat16())
+
+
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_master_weights_equal_fp32_adamw(dtype, impl):
     """Low-precision params: masters follow fp32 AdamW on an fp32 copy (clipped, and unscaled
@@ -88,15 +136,15 @@ def test_master_weights_equal_fp32_adamw(dtype, impl):
     torch.manual_seed(1)
     init = [torch.randn(s).to(dtype) for s in SHAPES[:5]]
     ps, ref = params_like(init, dtype), params_like(init, torch.float32)
-    opt = FusedAdamW(two_groups(ps), max_grad_norm=1.0, impl=impl, **HP)
+    scaling = LossScaling(init_scale=2.0**10) if dtype == torch.float16 else None
+    opt = AdamW(two_groups(ps), max_grad_norm=1.0, impl=impl, loss_scaling=scaling, **HP)
     torch_opt = torch.optim.AdamW(two_groups(ref), **HP)
-    scaler = DynamicLossScaler(init_scale=2.0**10) if dtype == torch.float16 else None
-    scale = 2.0**10 if scaler else 1.0
+    scale = 2.0**10 if scaling else 1.0
     for _ in range(5):
         grads = [torch.randn(p.shape).to(dtype) for p in ps]
         set_grads(ps, [(g.float() * scale).to(dtype) for g in grads])
         reference_step(ref, torch_opt, grads, 1.0)
-        opt.step(scaler=scaler)
+        opt.step()
     for i, k in enumerate(group_order(len(ps))):
         master = state(opt, i, "master")
         torch.testing.assert_close(master, ref[k].detach(), rtol=1e-5, atol=1e-6)
@@ -122,52 +170,56 @@ def assert_bit_identical(a, b):
 def test_overflow_skips_whole_step(impl, bad):
     torch.manual_seed(2)
     ps = params_like([torch.randn(s) for s in SHAPES[:5]], torch.float16)
-    opt = FusedAdamW(two_groups(ps), max_grad_norm=1.0, impl=impl, **HP)
-    scaler = DynamicLossScaler(init_scale=2.0**8)
+    opt = AdamW(two_groups(ps), max_grad_norm=1.0, impl=impl, loss_scaling=LossScaling(init_scale=2.0**8), **HP)
     set_grads(ps, [torch.randn(p.shape).half() for p in ps])
-    opt.step(scaler=scaler)  # a real step first, so moments and masters are non-trivial
+    opt.step()  # a real step first, so moments and masters are non-trivial
     before = snapshot(opt, ps)
 
     grads = [torch.randn(p.shape).half() for p in ps]
     grads[2].view(-1)[7] = bad
     set_grads(ps, grads)
-    opt.step(scaler=scaler)
+    opt.step()
     assert_bit_identical(snapshot(opt, ps), before)
-    assert scaler.get_scale().item() == 2.0**7
+    assert opt.stats()["loss_scale"].item() == 2.0**7
     assert opt.stats()["skipped_steps"].item() == 1
 
     set_grads(ps, [torch.randn(p.shape).half() for p in ps])
-    opt.step(scaler=scaler)
+    opt.step()
     assert opt.state_dict()["step"].item() == 2
     assert not torch.equal(ps[0], before[0])
     assert opt.stats()["skipped_steps"].item() == 1
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("max_norm", [0.5, None])
+@pytest.mark.parametrize("max_norm", [0.5, 1e3, None])
 def test_clipping_matches_clip_grad_norm(impl, max_norm):
-    """Norm of the unscaled grads, clip coefficient as clip_grad_norm_; None = report only."""
+    """Norm of the unscaled grads, clip coefficient as clip_grad_norm_ (0.5: clipped; 1e3: above the norm, a
+    coefficient of 1); None = report only. Adam's update barely sees a uniform gradient scale, so the moments
+    are compared too: m is (1 - beta1) times the clipped gradient after the first step."""
     torch.manual_seed(3)
     init = [torch.randn(s) for s in SHAPES[:5]]
     ps, ref = params_like(init, torch.float32), params_like(init, torch.float32)
-    opt = FusedAdamW(two_groups(ps), max_grad_norm=max_norm, impl=impl, **HP)
+    opt = AdamW(two_groups(ps), max_grad_norm=max_norm, impl=impl, loss_scaling=LossScaling(init_scale=2.0**4),
+                **HP)
     torch_opt = torch.optim.AdamW(two_groups(ref), **HP)
-    scaler = DynamicLossScaler(init_scale=2.0**4)
     for _ in range(3):
         grads = [5 * torch.randn(s) for s in SHAPES[:5]]
         set_grads(ps, [g * 2.0**4 for g in grads])
         norm = reference_step(ref, torch_opt, grads, max_norm)
-        opt.step(scaler=scaler)
+        opt.step()
         torch.testing.assert_close(opt.stats()["grad_norm"], norm)
-    for p, r in zip(ps, ref):
-        torch.testing.assert_close(p, r, rtol=1e-5, atol=1e-6)
+    for i, k in enumerate(group_order(len(ps))):
+        torch.testing.assert_close(ps[k], ref[k], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(state(opt, i, "exp_avg"), torch_opt.state[ref[k]]["exp_avg"], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(state(opt, i, "exp_avg_sq"), torch_opt.state[ref[k]]["exp_avg_sq"],
+                                   rtol=1e-5, atol=1e-9)
 
 
 def test_three_thousand_tiny_tensors_fused():
     torch.manual_seed(4)
     init = [torch.randn(1 + i % 5) for i in range(3000)]
     ps, ref = params_like(init, torch.float32), params_like(init, torch.float32)
-    opt = FusedAdamW(two_groups(ps), max_grad_norm=1.0, impl="fused", **HP)
+    opt = AdamW(two_groups(ps), max_grad_norm=1.0, impl="fused", **HP)
     torch_opt = torch.optim.AdamW(two_groups(ref), **HP)
     for _ in range(2):
         grads = [torch.randn(p.shape) for p in ps]
@@ -184,7 +236,7 @@ def test_masters_prevent_swamping(impl):
     kept = {}
     for master in (False, True):
         p = torch.nn.Parameter(torch.ones(64, dtype=torch.bfloat16))
-        opt = FusedAdamW([p], lr=1e-3, weight_decay=0.0, max_grad_norm=None, impl=impl,
+        opt = AdamW([p], lr=1e-3, weight_decay=0.0, max_grad_norm=None, impl=impl,
                          master_weights=master)
         for _ in range(20):
             p.grad = torch.ones_like(p)
@@ -204,12 +256,13 @@ def test_impls_agree():
     out = {}
     for impl in IMPLS:
         ps = params_like(init, torch.float16)
-        opt = FusedAdamW(two_groups(ps), max_grad_norm=1.0, impl=impl, **HP)
-        scaler = DynamicLossScaler(init_scale=2.0**6, growth_interval=2)
+        opt = AdamW(two_groups(ps), max_grad_norm=1.0, impl=impl,
+                    loss_scaling=LossScaling(init_scale=2.0**6, growth_interval=2), **HP)
         for gs in grads:
             set_grads(ps, gs)
-            opt.step(scaler=scaler)
-        out[impl] = snapshot(opt, ps) + [scaler.get_scale().clone()]
+            opt.step()
+        out[impl] = snapshot(opt, ps) + [opt.loss_scaler.get_scale().clone(), opt.loss_scaler.growth_tracker.clone(),
+                                         opt.stats()["skipped_steps"].clone()]
     assert_bit_identical(out["loop"], out["foreach"])
     for a, b in zip(out["fused"], out["foreach"]):
         if a.dtype == torch.float16:  # the compute copy: fp32 masters a rounding apart may round apart
@@ -224,7 +277,7 @@ def test_state_dict_resume_is_bit_identical(impl):
     init = [torch.randn(s) for s in SHAPES[:5]]
     grads = [[torch.randn(s).to(torch.bfloat16) for s in SHAPES[:5]] for _ in range(6)]
     ps = params_like(init, torch.bfloat16)
-    opt = FusedAdamW(two_groups(ps), impl=impl, **HP)
+    opt = AdamW(two_groups(ps), impl=impl, **HP)
     for gs in grads[:3]:
         set_grads(ps, gs)
         opt.step()
@@ -237,7 +290,7 @@ def test_state_dict_resume_is_bit_identical(impl):
     buf.seek(0)
     ckpt = torch.load(buf)
     ps2 = params_like(ckpt["model"], torch.bfloat16)
-    opt2 = FusedAdamW(two_groups(ps2), impl=impl, **{**HP, "lr": 0.5})  # lr comes from the ckpt
+    opt2 = AdamW(two_groups(ps2), impl=impl, **{**HP, "lr": 0.5})  # lr comes from the ckpt
     opt2.load_state_dict(ckpt["opt"])
     for gs in grads[3:]:
         set_grads(ps2, gs)
@@ -254,7 +307,7 @@ def test_fp32_main_grads_and_foreign_zero_grad(impl):
     init = torch.randn(8, 3).to(torch.bfloat16)
     for grad_dtype in ("fp32", None):
         w = torch.nn.Parameter(init.clone())
-        opt = FusedAdamW([w], impl=impl, grad_dtype=grad_dtype, max_grad_norm=None, **HP)
+        opt = AdamW([w], impl=impl, grad_dtype=grad_dtype, max_grad_norm=None, **HP)
         ref = torch.nn.Parameter(init.float())
         torch_opt = torch.optim.AdamW([ref], **HP)
         for _ in range(2):
@@ -275,29 +328,27 @@ def test_fp32_main_grads_and_foreign_zero_grad(impl):
 
 
 def test_fused_on_cpu_needs_interpreter(monkeypatch):
-    from minitrain.ops import _runtime
+    from minitrain import triton_runtime
 
-    monkeypatch.setattr(_runtime, "_INTERPRETED", False)  # as if TRITON_INTERPRET was unset at import
+    monkeypatch.setattr(triton_runtime, "interpreted", lambda: False)  # as if TRITON_INTERPRET was unset at import
     with pytest.raises(RuntimeError, match="foreach"):
-        FusedAdamW([torch.nn.Parameter(torch.randn(3, device="cpu"))], impl="fused")
+        AdamW([torch.nn.Parameter(torch.randn(3, device="cpu"))], impl="fused")
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs are only observable on CUDA")
 @pytest.mark.parametrize("impl", ["foreach", "fused"])
 def test_step_never_syncs(impl):
     ps = [torch.nn.Parameter(torch.randn(s, device="cuda").half()) for s in SHAPES]
-    opt = FusedAdamW(two_groups(ps), impl=impl, **HP)
-    scaler = DynamicLossScaler(device="cuda")
+    opt = AdamW(two_groups(ps), impl=impl, loss_scaling=LossScaling(), **HP)
     for p in ps:
         p.grad = torch.randn_like(p)
-    opt.step(scaler=scaler)  # first step: compiles kernels, uploads hyperparameters
+    opt.step()  # first step: compiles kernels, uploads hyperparameters
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for step in range(3):
-            for g in opt.param_groups:
-                g["lr"] = 1e-4 * (step + 1)
-            opt.step(scaler=scaler)
+            opt.set_lr(1e-4 * (step + 1))
+            opt.step()
             opt.zero_grad()
     finally:
         torch.cuda.set_sync_debug_mode("default")
@@ -312,7 +363,7 @@ def test_compute_copy_rounds_ties_to_even(impl):
     above = (below.view(torch.int16) + 1).view(torch.bfloat16)  # the next bf16 away from zero
     ties = (below.float() + above.float()) / 2  # exact in fp32: bf16 has 16 fewer mantissa bits
     p = torch.nn.Parameter(torch.zeros_like(below))
-    opt = FusedAdamW([p], lr=0.0, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, max_grad_norm=None, impl=impl)
+    opt = AdamW([p], lr=0.0, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.0, max_grad_norm=None, impl=impl)
     sd = opt.state_dict()
     sd["state"][0]["master"] = ties
     opt.load_state_dict(sd)
@@ -330,26 +381,26 @@ def test_grads_stay_autograds_own(impl):
     torch.manual_seed(3)
     init = [torch.randn(s) for s in SHAPES]
     ps, ref = params_like(init, torch.float32), params_like(init, torch.float32)
-    opt = FusedAdamW(two_groups(ps), max_grad_norm=None, impl=impl, **HP)
+    opt = AdamW(two_groups(ps), max_grad_norm=None, impl=impl, **HP)
     torch_opt = torch.optim.AdamW(two_groups(ref), **HP)
     for step in range(3):
         opt.zero_grad(set_to_none=True)
         torch_opt.zero_grad(set_to_none=True)
-        assert all(b.grad is None for b in opt.buckets) and all(p.grad is None for p in ps)
+        assert all(getattr(b.grads, "buffer", None) is None for b in opt.buckets) and all(p.grad is None for p in ps)
         xs = [torch.randn(s) for s in SHAPES]
         for params in (ps, ref):
             for _ in range(2):  # two micro-batches: the second accumulates into autograd's tensor
                 sum((p * x).square().sum() for p, x in zip(params, xs)).backward()
-        assert all(b.grad is None for b in opt.buckets)
+        assert all(getattr(b.grads, "buffer", None) is None for b in opt.buckets)
         autograds = [p.grad for p in ps]
         with LiveBytes() as live:
             opt.step()
         torch_opt.step()
         if impl == "fused":  # nothing gradient-sized made: a few bytes of offsets and hyperparameters
-            assert all(p.grad is g for p, g in zip(ps, autograds)) and all(b.grad is None for b in opt.buckets)
+            assert all(p.grad is g for p, g in zip(ps, autograds))
             assert live.peak <= 16 * len(ps) + 64
         else:
-            assert all(p.grad is view for b in opt.buckets for view, p in zip(b.grads, b.owners))
+            assert all(p.grad is view for b in opt.buckets for view, p in zip(b.grads.views, b.owners))
     for p, r in zip(ps, ref):
         torch.testing.assert_close(p.detach(), r.detach(), rtol=1e-5, atol=1e-6)
 
@@ -361,8 +412,8 @@ def test_fused_reads_gradients_wherever_they_are():
     torch.manual_seed(11)
     init = [torch.randn(s).bfloat16() for s in SHAPES]
     fused_ps, foreach_ps = params_like(init, torch.bfloat16), params_like(init, torch.bfloat16)
-    fused = FusedAdamW(two_groups(fused_ps), impl="fused", **HP)
-    foreach = FusedAdamW(two_groups(foreach_ps), impl="foreach", **HP)
+    fused = AdamW(two_groups(fused_ps), impl="fused", **HP)
+    foreach = AdamW(two_groups(foreach_ps), impl="foreach", **HP)
     numels = [p.numel() for p in fused_ps]
     for step in range(4):
         if step in (0, 2):  # (re)place the gradients: views of one buffer, each at an odd element offset
@@ -389,7 +440,134 @@ def test_fused_reads_gradients_wherever_they_are():
 
 def test_fused_rejects_a_gradient_it_cannot_read_in_place():
     p = torch.nn.Parameter(torch.randn(4, 6))
-    opt = FusedAdamW([p], impl="fused", **HP)
+    opt = AdamW([p], impl="fused", **HP)
     p.grad = torch.randn(6, 4).t()  # the right shape, transposed strides
     with pytest.raises(ValueError, match=r"contiguous.*stride \(1, 4\)"):
         opt.step()
+
+
+def step_case(rng, skipped, clip, scaled):
+    """One step's inputs to decide: partial sums of squares (one non-finite when skipped), counters at a random
+    step, and a scaler at a random point of its growth cycle (the boundary included)."""
+    n = rng.choice([1, 3, 1500])  # 1500 > FINALIZE_BLOCK: the kernel's loop runs twice
+    partials = torch.rand(n) * 10.0 ** rng.randint(-4, 4)
+    if skipped:
+        partials[rng.randrange(n)] = rng.choice([float("inf"), float("nan")])
+    counters = Counters(torch.tensor(float(rng.choice([0, 1, 7, 1900]))),
+                        torch.tensor(rng.randint(0, 5), dtype=torch.int32), torch.tensor(0.0))
+    scaler = None
+    if scaled:
+        scaler = DynamicLossScaler(init_scale=2.0 ** rng.randint(0, 24), growth_factor=rng.choice([2.0, 4.0]),
+                                   backoff_factor=rng.choice([0.5, 0.25]), growth_interval=rng.randint(1, 4))
+        scaler.growth_tracker.fill_(rng.randrange(scaler.growth_interval))
+    max_grad_norm = 10 ** rng.uniform(-2, 1) if clip else None
+    return partials, counters, scaler, max_grad_norm, rng.choice([(0.9, 0.95), (0.8, 0.999)])
+
+
+def copy_of(counters, scaler):
+    twin = None
+    if scaler is not None:
+        twin = DynamicLossScaler()
+        twin.load_state_dict(scaler.state_dict())
+    return Counters(*(t.clone() for t in (counters.step, counters.skipped, counters.grad_norm))), twin
+
+
+@pytest.mark.parametrize("skipped,clip,scaled", list(itertools.product([False, True], repeat=3)))
+def test_finalize_kernel_is_decide_steps_twin(skipped, clip, scaled):
+    """The fused step's finalize kernel decides what decide_step (the torch reference) decides: the step's
+    scalars, the step and skip counters, the norm, the loss scale and growth tracker."""
+    import random
+
+    rng = random.Random(4 * skipped + 2 * clip + scaled)
+    torch.manual_seed(14)
+    for _ in range(4):
+        partials, counters, scaler, max_grad_norm, betas = step_case(rng, skipped, clip, scaled)
+        ref_counters, ref_scaler = copy_of(counters, scaler)
+        want = decide_step(partials.sum(), ref_counters, max_grad_norm, betas, ref_scaler)
+        got = torch.full((N_SCALARS.value,), float("nan"))
+        finalize(partials, counters, scaler, max_grad_norm, betas, got)
+        slots = [GRAD_MULT.value, NOT_SKIPPED.value, INV_BC1.value, INV_BC2_SQRT.value]
+        torch.testing.assert_close(got[slots], torch.stack([want.grad_mult, want.not_skipped, want.inv_bc1,
+                                                            want.inv_bc2_sqrt]), rtol=1e-5, atol=0)
+        assert counters.step.item() == ref_counters.step.item()
+        assert counters.skipped.item() == ref_counters.skipped.item()
+        torch.testing.assert_close(counters.grad_norm, ref_counters.grad_norm, rtol=1e-5, atol=0, equal_nan=True)
+        if scaled:
+            assert scaler.get_scale().item() == ref_scaler.get_scale().item()
+            assert scaler.growth_tracker.item() == ref_scaler.growth_tracker.item()
+
+
+@pytest.mark.parametrize("scaling", [None, LossScaling(init_scale=2.0**8, growth_interval=2)])
+def test_torch_adamw_is_torchs_recipe(scaling):
+    """TorchAdamW, the benchmarks' plain-PyTorch reference, is torch.optim.AdamW + clip_grad_norm_ + GradScaler
+    written out: the loss scaled through scale(), per-group lr via set_lr, clipping active, an overflowing
+    step skipped and counted, the scale backed off and grown."""
+    torch.manual_seed(15)
+    init = [torch.randn(s) for s in SHAPES[:5]]
+    ps, ref = params_like(init, torch.float32), params_like(init, torch.float32)
+    opt = TorchAdamW(two_groups(ps), max_grad_norm=1.0, loss_scaling=scaling, **HP)
+    torch_opt = torch.optim.AdamW(two_groups(ref), **HP)
+    scaler = torch.amp.GradScaler(ref[0].device.type, init_scale=scaling.init_scale,
+                                  growth_interval=scaling.growth_interval) if scaling else None
+    overflow_step = 2 if scaling else None
+    for step in range(6):
+        xs = [3 * torch.randn(s) for s in SHAPES[:5]]
+        if step == overflow_step:
+            xs[1].view(-1)[0] = float("inf")
+        lr = 1e-3 * (step + 1)
+        opt.set_lr(lr)
+        opt.scale(sum((p * x).sum() for p, x in zip(ps, xs))).backward()
+        opt.step()
+        for g in torch_opt.param_groups:
+            g["lr"] = lr
+        loss = sum((p * x).sum() for p, x in zip(ref, xs))
+        (scaler.scale(loss) if scaler else loss).backward()
+        if scaler:
+            scaler.unscale_(torch_opt)
+        norm = torch.nn.utils.clip_grad_norm_(ref, 1.0)
+        if scaler:
+            scaler.step(torch_opt)
+            scaler.update()
+        else:
+            torch_opt.step()
+        if step != overflow_step:
+            torch.testing.assert_close(opt.stats()["grad_norm"], norm)
+        assert opt.stats()["loss_scale"].item() == (scaler.get_scale() if scaler else 1.0)
+        opt.zero_grad()
+        torch_opt.zero_grad()
+    for p, r in zip(ps, ref):
+        torch.testing.assert_close(p, r, rtol=1e-6, atol=1e-7)
+    assert opt.stats()["skipped_steps"].item() == (1 if scaling else 0)
+
+
+def precision(param_dtype, grad_dtype, master_weights, loss_scaling):
+    """A resolved precision, as minitrain.precision.Precision gives build_adamw."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(param_dtype=param_dtype, grad_dtype=grad_dtype, master_weights=master_weights,
+                           fp32_main_grads=grad_dtype != param_dtype, loss_scaling=loss_scaling,
+                           init_scale=2.0**9, growth_factor=4.0, backoff_factor=0.25, growth_interval=7)
+
+
+def test_build_adamw_follows_the_precision():
+    """fp16 + loss scaling: a scaler with the precision's parameters. bf16 under FSDP: the stored params are the
+    fp32 masters and their grads fp32, so no fp32 main-grad hooks. torch: TorchAdamW, never on shards."""
+    from minitrain.config import ConfigError
+    from minitrain.optim import build_adamw
+
+    fp16 = build_adamw([torch.nn.Parameter(torch.randn(3).half())], "foreach",
+                       precision(torch.float16, torch.float16, True, True))
+    scaler = fp16.loss_scaler
+    assert (scaler.get_scale().item(), scaler.growth_factor, scaler.backoff_factor, scaler.growth_interval) == \
+        (2.0**9, 4.0, 0.25, 7)
+    assert fp16.buckets[0].state.master is not None
+    sharded_bf16 = build_adamw([torch.nn.Parameter(torch.randn(3))], "foreach",
+                               precision(torch.bfloat16, torch.bfloat16, True, False))
+    assert sharded_bf16.buckets[0].grads.dtype == torch.float32 and sharded_bf16.loss_scaler is None
+    main_grads = build_adamw([torch.nn.Parameter(torch.randn(3).bfloat16())], "foreach",
+                             precision(torch.bfloat16, torch.float32, True, False))
+    assert main_grads.buckets[0].grads.dtype == torch.float32
+    reference = precision(torch.float32, torch.float32, False, False)
+    assert isinstance(build_adamw([torch.nn.Parameter(torch.randn(3))], "torch", reference), TorchAdamW)
+    with pytest.raises(ConfigError, match="optimizer.impl=torch"):
+        build_adamw([torch.nn.Parameter(torch.randn(3))], "torch", reference, reduce_sumsq=lambda t: t)

@@ -41,7 +41,7 @@ import math
 import torch
 from torch import Tensor
 
-from minitrain.ops._runtime import check_runnable
+from minitrain.triton_runtime import check_runnable
 from minitrain.ops.cross_entropy_triton import cross_entropy_rows, logit_grad_block
 
 DEFAULT_CHUNK_BYTES = 256 * 2**20

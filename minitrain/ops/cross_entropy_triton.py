@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from minitrain.ops._runtime import round_to_bf16_in_fp32, rounds_bf16
+from minitrain.triton_runtime import round_to_bf16_in_fp32, rounds_bf16
 
 ROWS_PER_SM = 8
 """Rows the row kernel streams at once per multiprocessor (0: one program per row, all at once). Tuned on

@@ -14,7 +14,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from minitrain.ops._runtime import check_runnable, round_to_bf16_in_fp32, rounds_bf16
+from minitrain.triton_runtime import check_runnable, round_to_bf16_in_fp32, rounds_bf16
 
 _BLOCK = 2048
 _NUM_WARPS = 4

@@ -1,6 +1,11 @@
-"""Optimizers: FusedAdamW (loop / foreach / fused Triton) and the plain-PyTorch baseline."""
+"""Optimizers: AdamW (loop / foreach / fused Triton) and the plain-PyTorch baseline, one interface:
+scale(loss), set_lr(lr), step(), zero_grad(), stats(), state_dict() / load_state_dict() (the loss scaler's
+state included), param_groups, device."""
 
-from .adamw import FusedAdamW
+from .adamw import AdamW
+from .build import build_adamw
 from .torch_baseline import TorchAdamW
 
-__all__ = ["FusedAdamW", "TorchAdamW"]
+FusedAdamW = AdamW  # the old name, until tests/test_memory.py says AdamW; then delete it
+
+__all__ = ["AdamW", "FusedAdamW", "TorchAdamW", "build_adamw"]

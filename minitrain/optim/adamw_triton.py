@@ -5,7 +5,7 @@
                     deterministic).
   _finalize_kernel  one program: global norm, non-finite flag, clip coefficient, 1/scale, bias
                     corrections, step/skip counters and the loss-scaler update. Twin of
-                    FusedAdamW._step_scalars.
+                    adamw.decide_step (and of amp.DynamicLossScaler.update).
   _adamw_kernel     one program per row of a work table, a row being one BLOCK-chunk of one
                     tensor: reads grad, master, m, v; writes master, m, v and the compute copy
                     (bf16/fp16 param) in the same pass. Exits at once on a skipped step.
@@ -16,7 +16,9 @@ compute copy -- the model's own parameters -- lives elsewhere; it is addressed a
 pointer + element offset), so the table is plain integers, the kernel never casts an integer to
 a pointer, and the model's storage is never re-pointed (module.to(), weight tying, state_dict
 loading keep working). The table costs 48 B per BLOCK elements, is built once, and a row never
-straddles two tensors, so full rows run unmasked and vectorised.
+straddles two tensors, so full rows run unmasked and vectorised. The kernels address the table, the
+step's scalars and the grad offsets through the named columns and slots below, which the host code
+that builds them uses too.
 
 Gradients are read where autograd left them, not gathered into a flat buffer first (which cost a
 memset and a copy, 6 B/param, and ~150 host calls per step): each step uploads one element
@@ -31,25 +33,48 @@ import torch
 import triton
 import triton.language as tl
 
-from minitrain.ops._runtime import round_to_bf16_in_fp32
+from minitrain.triton_runtime import round_to_bf16_in_fp32
 
-from .adamw import ALIGN
+from .layout import ALIGN
 
 BLOCK = 4096        # elements per update program: 16 per thread at 8 warps, 4 x 128-bit fp32 loads
 NUM_WARPS = 8
 FINALIZE_BLOCK = 1024
 
+# Columns of the work table, one row per BLOCK-chunk of one tensor.
+COL_STATE_OFFSET = tl.constexpr(0)  # the chunk's first element in the bucket's flat state buffers
+COL_PARAM_OFFSET = tl.constexpr(1)  # ... counted in elements from the bucket's lowest param address
+COL_NUMEL = tl.constexpr(2)         # elements in the chunk (BLOCK but for a tensor's last chunk)
+COL_GROUP = tl.constexpr(3)         # its param group: the column of the lr and weight-decay rows
+COL_TENSOR = tl.constexpr(4)        # its tensor: the index of the step's grad offset
+COL_START = tl.constexpr(5)         # the chunk's first element in its tensor
+TABLE_COLUMNS = tl.constexpr(6)
+
+# Slots of the step's scalars, written by _finalize_kernel and read by _adamw_kernel (adamw.StepScalars).
+GRAD_MULT = tl.constexpr(0)
+NOT_SKIPPED = tl.constexpr(1)
+INV_BC1 = tl.constexpr(2)
+INV_BC2_SQRT = tl.constexpr(3)
+N_SCALARS = tl.constexpr(4)
 
 _MISSING = tl.constexpr(-(2**62))  # grad offset of a parameter without a gradient: it reads the zero block
+
+
+def fused_bytes_per_param(param_dtype: torch.dtype, grad_dtype: torch.dtype, master_weights: bool) -> int:
+    """HBM bytes the fused step moves per parameter, its bandwidth floor: the gradient read twice (the norm
+    pass, then the update), m and v read and written, the fp32 master read and written (without one, the
+    param read instead), the param written."""
+    state = 2 * 4 * (3 if master_weights else 2)
+    return 2 * grad_dtype.itemsize + state + param_dtype.itemsize * (1 if master_weights else 2)
 
 
 @triton.jit
 def _grad_row(table_ptr, grad_offsets_ptr, zeros_ptr, GRAD_ALIGN: tl.constexpr):
     """This program's table row: its gradient's pointer (into the zero block for a missing one) and its numel."""
-    row = table_ptr + tl.program_id(0) * 6  # state offset, param offset, numel, group, tensor, start
-    goff = tl.load(grad_offsets_ptr + tl.load(row + 4))
-    goff = tl.where(goff == _MISSING, 0, goff + tl.load(row + 5))
-    return zeros_ptr + tl.multiple_of(goff, GRAD_ALIGN), tl.load(row + 2)
+    row = table_ptr + tl.program_id(0) * TABLE_COLUMNS
+    goff = tl.load(grad_offsets_ptr + tl.load(row + COL_TENSOR))
+    goff = tl.where(goff == _MISSING, 0, goff + tl.load(row + COL_START))
+    return zeros_ptr + tl.multiple_of(goff, GRAD_ALIGN), tl.load(row + COL_NUMEL)
 
 
 @triton.jit
@@ -73,7 +98,7 @@ def _finalize_kernel(partial_ptr, n_partials, scalars_ptr, step_ptr, skipped_ptr
     sumsq = tl.sum(acc, axis=0)
     finite = sumsq < float("inf")  # false for inf and nan (sumsq >= 0)
 
-    if HAS_SCALER:  # torch._amp_update_scale_, i.e. GradScaler.update
+    if HAS_SCALER:  # torch._amp_update_scale_, i.e. DynamicLossScaler.update
         scale = tl.load(scale_ptr)
         inv_scale = 1.0 / scale
         successful = tl.load(tracker_ptr) + 1
@@ -94,10 +119,10 @@ def _finalize_kernel(partial_ptr, n_partials, scalars_ptr, step_ptr, skipped_ptr
     tl.store(step_ptr, step)
     tl.store(skipped_ptr, tl.load(skipped_ptr) + 1 - finite.to(tl.int32))
     tl.store(norm_ptr, norm)
-    tl.store(scalars_ptr + 0, mult)
-    tl.store(scalars_ptr + 1, finite.to(tl.float32))
-    tl.store(scalars_ptr + 2, 1.0 / (1.0 - tl.exp2(t * log2_beta1)))
-    tl.store(scalars_ptr + 3, 1.0 / tl.sqrt_rn(1.0 - tl.exp2(t * log2_beta2)))
+    tl.store(scalars_ptr + GRAD_MULT, tl.where(finite, mult, 0.0))
+    tl.store(scalars_ptr + NOT_SKIPPED, finite.to(tl.float32))
+    tl.store(scalars_ptr + INV_BC1, 1.0 / (1.0 - tl.exp2(t * log2_beta1)))
+    tl.store(scalars_ptr + INV_BC2_SQRT, 1.0 / tl.sqrt_rn(1.0 - tl.exp2(t * log2_beta2)))
 
 
 @triton.jit
@@ -138,20 +163,20 @@ def _adamw_block(param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr, soff, poff, n, l
 
 
 @triton.jit
-def _adamw_kernel(table_ptr, grad_offsets_ptr, zeros_ptr, param_ptr, master_ptr, m_ptr, v_ptr, hyper_ptr,
-                  scalars_ptr, n_groups, beta1, beta2, eps, HAS_MASTER: tl.constexpr,
+def _adamw_kernel(table_ptr, grad_offsets_ptr, zeros_ptr, param_ptr, master_ptr, m_ptr, v_ptr, lr_ptr, wd_ptr,
+                  scalars_ptr, beta1, beta2, eps, HAS_MASTER: tl.constexpr,
                   PARAM_ALIGN: tl.constexpr, GRAD_ALIGN: tl.constexpr, BLOCK: tl.constexpr):
-    if tl.load(scalars_ptr + 1) != 0.0:  # not skipped
+    if tl.load(scalars_ptr + NOT_SKIPPED) != 0.0:
         grad_ptr, n = _grad_row(table_ptr, grad_offsets_ptr, zeros_ptr, GRAD_ALIGN)
-        row = table_ptr + tl.program_id(0) * 6
-        soff = tl.multiple_of(tl.load(row), 16)
-        poff = tl.multiple_of(tl.load(row + 1), PARAM_ALIGN)
-        group = tl.load(row + 3)
-        lr = tl.load(hyper_ptr + group)
-        wd = tl.load(hyper_ptr + n_groups + group)
-        grad_mult = tl.load(scalars_ptr)
-        inv_bc1 = tl.load(scalars_ptr + 2)
-        inv_bc2_sqrt = tl.load(scalars_ptr + 3)
+        row = table_ptr + tl.program_id(0) * TABLE_COLUMNS
+        soff = tl.multiple_of(tl.load(row + COL_STATE_OFFSET), 16)
+        poff = tl.multiple_of(tl.load(row + COL_PARAM_OFFSET), PARAM_ALIGN)
+        group = tl.load(row + COL_GROUP)
+        lr = tl.load(lr_ptr + group)
+        wd = tl.load(wd_ptr + group)
+        grad_mult = tl.load(scalars_ptr + GRAD_MULT)
+        inv_bc1 = tl.load(scalars_ptr + INV_BC1)
+        inv_bc2_sqrt = tl.load(scalars_ptr + INV_BC2_SQRT)
         if n == BLOCK:
             _adamw_block(param_ptr, grad_ptr, master_ptr, m_ptr, v_ptr, soff, poff, n, lr, wd,
                          grad_mult, inv_bc1, inv_bc2_sqrt, beta1, beta2, eps,
@@ -162,24 +187,47 @@ def _adamw_kernel(table_ptr, grad_offsets_ptr, zeros_ptr, param_ptr, master_ptr,
                          HAS_MASTER=HAS_MASTER, MASKED=True, BLOCK=BLOCK)
 
 
+def finalize(partials, counters, scaler, max_grad_norm, betas, scalars):
+    """Launch _finalize_kernel over a step's partial sums of squares: adamw.decide_step's twin, updating
+    `counters` and `scaler` in place and writing the step's scalars into `scalars` ([N_SCALARS] fp32)."""
+    if scaler is None:
+        scaling = (scalars, scalars, 1.0, 1.0, 1)  # placeholders, compiled out
+    else:
+        scaling = (scaler.get_scale(), scaler.growth_tracker, scaler.growth_factor,
+                   scaler.backoff_factor, scaler.growth_interval)
+    scale, tracker, growth, backoff, interval = scaling
+    beta1, beta2 = betas
+    _finalize_kernel[(1,)](
+        partials, partials.numel(), scalars, counters.step, counters.skipped, counters.grad_norm,
+        scale, tracker, float(max_grad_norm or 0.0), math.log2(beta1), math.log2(beta2), growth, backoff,
+        interval, HAS_SCALER=scaler is not None, CLIP=bool(max_grad_norm), BLOCK=FINALIZE_BLOCK)
+
+
 def _work_table(bucket):
-    """Rows (state offset, param offset, numel, group, tensor, start), one per BLOCK-chunk of each tensor
-    (start: the chunk's first element in its tensor).
-    Param offsets count elements from the bucket's lowest param address, so they are >= 0;
-    returns the table, that base param, and the alignment (elements) every param offset has."""
+    """The work table's rows, one per BLOCK-chunk of each tensor (columns COL_*). Param offsets count
+    elements from the bucket's lowest param address, so they are >= 0; returns the table, that base
+    param, and the alignment (elements) every param offset has."""
     base = min((p for p in bucket.params if p.numel()), key=lambda p: p.data_ptr())  # an empty shard has no address
     size = base.element_size()
-    rows, align = [], 16 // size
-    for tensor, (p, off, group) in enumerate(zip(bucket.params, bucket.offsets, bucket.groups)):
+    columns = {c: [] for c in (COL_STATE_OFFSET, COL_PARAM_OFFSET, COL_NUMEL, COL_GROUP, COL_TENSOR, COL_START)}
+    align = 16 // size
+    for tensor, (p, off, group) in enumerate(zip(bucket.params, bucket.layout.offsets, bucket.groups)):
         if not p.is_contiguous():
             raise ValueError("fused AdamW needs contiguous parameters")
         delta = p.data_ptr() - base.data_ptr()
         if delta % 16:
             align = 1
-        for start in range(0, p.numel(), BLOCK):
-            rows.append((off + start, delta // size + start, min(BLOCK, p.numel() - start), group, tensor, start))
-    table = torch.tensor(rows, dtype=torch.int64).to(base.device)
-    return table, base, (align if base.data_ptr() % 16 == 0 else 1)
+        starts = range(0, p.numel(), BLOCK)
+        columns[COL_STATE_OFFSET] += [off + start for start in starts]
+        columns[COL_PARAM_OFFSET] += [delta // size + start for start in starts]
+        columns[COL_NUMEL] += [min(BLOCK, p.numel() - start) for start in starts]
+        columns[COL_GROUP] += [group] * len(starts)
+        columns[COL_TENSOR] += [tensor] * len(starts)
+        columns[COL_START] += list(starts)
+    table = torch.empty(len(columns[COL_START]), TABLE_COLUMNS.value, dtype=torch.int64)
+    for col, values in columns.items():
+        table[:, col.value] = torch.tensor(values, dtype=torch.int64)
+    return table.to(base.device), base, (align if base.data_ptr() % 16 == 0 else 1)
 
 
 class _GradOffsets:
@@ -188,11 +236,11 @@ class _GradOffsets:
 
     def __init__(self, bucket):
         self.bucket = bucket
-        self.zeros = torch.zeros(BLOCK, dtype=bucket.grad_dtype, device=bucket.exp_avg.device)
+        self.zeros = torch.zeros(BLOCK, dtype=bucket.grads.dtype, device=bucket.params[0].device)
         self.ptrs = self.offsets = self.align = None
 
     def __call__(self):
-        grads = self.bucket.grad_tensors()
+        grads = self.bucket.grads.tensors()
         try:
             ptrs = list(map(torch.Tensor.data_ptr, grads))
         except TypeError:  # a parameter without a gradient
@@ -216,23 +264,24 @@ class _GradOffsets:
 
 
 class FusedStep:
-    """The launch plan of one FusedAdamW: work tables and scratch, built once."""
+    """The launch plan of one AdamW(impl="fused"): work tables and scratch, built once."""
 
-    def __init__(self, opt):
+    def __init__(self, buckets, betas, eps, max_grad_norm, reduce_sumsq):
         assert ALIGN % 16 == 0  # the kernel promises 16-element-aligned state offsets
-        self.opt = opt
-        self.plans = [(b, *_work_table(b)) for b in opt.buckets]
+        self.betas, self.eps, self.max_grad_norm, self.reduce_sumsq = betas, eps, max_grad_norm, reduce_sumsq
+        device = buckets[0].params[0].device
+        self.plans = [(b, *_work_table(b)) for b in buckets]
         self.base_ptrs = [base.data_ptr() for _, _, base, _ in self.plans]
-        self.grad_offsets = [_GradOffsets(b) for b in opt.buckets]
+        self.grad_offsets = [_GradOffsets(b) for b in buckets]
         self.n_partials = [table.shape[0] for _, table, _, _ in self.plans]
-        self.partials = torch.empty(sum(self.n_partials), dtype=torch.float32, device=opt.device)
-        self.scalars = torch.empty(4, dtype=torch.float32, device=opt.device)
+        self.partials = torch.empty(sum(self.n_partials), dtype=torch.float32, device=device)
+        self.scalars = torch.empty(N_SCALARS.value, dtype=torch.float32, device=device)
 
-    def __call__(self, scaler):
-        opt = self.opt
+    def __call__(self, lr, weight_decay, counters, scaler):
+        """One step. lr, weight_decay: [groups] fp32 device tensors; counters, scaler: updated in place."""
         for (_, _, base, _), ptr in zip(self.plans, self.base_ptrs):
             if base.data_ptr() != ptr:
-                raise RuntimeError("parameters moved since FusedAdamW was built; "
+                raise RuntimeError("parameters moved since the optimizer was built; "
                                    "build the optimizer after moving the model")
         grads = [offsets() for offsets in self.grad_offsets]
         start = 0
@@ -241,24 +290,15 @@ class FusedStep:
                                 num_warps=NUM_WARPS)
             start += n
         partials = self.partials
-        if opt.reduce_sumsq is not None:  # agree on one number across ranks, not on a partial per block
+        if self.reduce_sumsq is not None:  # agree on one number across ranks, not on a partial per block
             partials = partials.sum(0, keepdim=True)
-            opt.reduce_sumsq(partials)
-        beta1, beta2 = opt.betas
-        if scaler is None:
-            scaling = (self.scalars, self.scalars, 1.0, 1.0, 1)  # placeholders, compiled out
-        else:
-            scaling = (scaler.get_scale(), scaler.growth_tracker, scaler.growth_factor,
-                       scaler.backoff_factor, scaler.growth_interval)
-        scale, tracker, growth, backoff, interval = scaling
-        _finalize_kernel[(1,)](
-            partials, partials.numel(), self.scalars, opt._step, opt._skipped,
-            opt._grad_norm, scale, tracker, float(opt.max_grad_norm or 0.0),
-            math.log2(beta1), math.log2(beta2), growth, backoff, interval,
-            HAS_SCALER=scaler is not None, CLIP=bool(opt.max_grad_norm), BLOCK=FINALIZE_BLOCK)
+            self.reduce_sumsq(partials)
+        finalize(partials, counters, scaler, self.max_grad_norm, self.betas, self.scalars)
+        beta1, beta2 = self.betas
         for (b, table, base, align), (offsets, zeros, grad_align) in zip(self.plans, grads):
+            state = b.state
             _adamw_kernel[(table.shape[0],)](
-                table, offsets, zeros, base, b.master if b.master is not None else b.exp_avg,
-                b.exp_avg, b.exp_avg_sq, opt._hyper, self.scalars, opt._hyper.shape[1],
-                beta1, beta2, opt.eps, HAS_MASTER=b.master is not None, PARAM_ALIGN=align,
+                table, offsets, zeros, base, state.master if state.master is not None else state.exp_avg,
+                state.exp_avg, state.exp_avg_sq, lr, weight_decay, self.scalars,
+                beta1, beta2, self.eps, HAS_MASTER=state.master is not None, PARAM_ALIGN=align,
                 GRAD_ALIGN=grad_align, BLOCK=BLOCK, num_warps=NUM_WARPS)
