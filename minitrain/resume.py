@@ -75,11 +75,12 @@ class RandomState:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """`state` as torch.load(map_location=device) returns it: the generators take CPU tensors only."""
         random.setstate(state["python"])
         np.random.set_state(state["numpy"])
-        torch.set_rng_state(state["torch"])
+        torch.set_rng_state(state["torch"].cpu())
         if state["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all(state["cuda"])
+            torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
 # -- the run-directory lock -------------------------------------------------------------------------
@@ -215,7 +216,7 @@ def save_sharded(state: dict[str, Any], out_dir: Path, rank: int, mode: str) -> 
     tmp = ckpts / name[0]
     try:
         shards = {k: v for k, v in state.items() if k != "config"}  # the config lives in minitrain.json
-        dcp.save(_by_rank(shards, rank), checkpoint_id=tmp)  # returns once every rank's shards and the metadata are written
+        dcp.save(_by_rank(shards, rank), checkpoint_id=tmp)  # returns once every rank's shards and .metadata exist
         if rank == 0:
             info = {"world_size": dist.get_world_size(), "mode": mode, "config": state["config"]}
             with open(tmp / JOB_INFO, "w") as f:
@@ -389,6 +390,9 @@ def _load_sharded_checked(path: Path, shown: str, template: dict[str, Any],
     try:
         state = load_sharded(path, {k: v for k, v in template.items() if k != "config"}, rank)
     except (CheckpointException, RuntimeError, OSError, ValueError) as e:  # a shard torn after its save
+        if isinstance(e, CheckpointException):  # it wraps what each rank's reader raised
+            rank_failed, (e, _) = next(iter(e.failures.items()))
+            shown = f"{shown} (rank {rank_failed})"
         raise CheckpointError(f"{shown} could not be loaded ({_reason(e)}); point trainer.resume at "
                               "another checkpoint or start a new run dir (hydra.run.dir=...)") from None
     return {**state, "config": config}, notes

@@ -28,6 +28,19 @@ def saved_step(path) -> int:
     return torch.load(path, weights_only=False)["step"]
 
 
+def test_random_state_restores_every_generator(tmp_path):
+    import random
+
+    import numpy as np
+
+    saved = resume.RandomState().state_dict()
+    draws = (random.random(), np.random.rand(), torch.rand(()).item())
+    resume.save_checkpoint({**state_at(1), "rng": saved}, tmp_path)
+    resume.RandomState().load_state_dict(torch.load(resume.checkpoint_dir(tmp_path) / resume.LATEST,
+                                                    weights_only=False)["rng"])
+    assert (random.random(), np.random.rand(), torch.rand(()).item()) == draws
+
+
 # -- the run-directory lock ---------------------------------------------------------------------------
 HOLDER = ("import sys\nfrom minitrain.resume import RunDirLock\nRunDirLock(sys.argv[1]).acquire()\n"
           "print('locked', flush=True)\nsys.stdin.read()\n")
@@ -199,6 +212,39 @@ def test_a_crash_between_any_two_filesystem_operations_leaves_a_checkpoint_to_re
     assert crash_at >= 3  # the write and the two renames were each interrupted once
 
 
+def _two_rank_worker(rank, out_dir, store):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"file://{store}")
+    try:
+        def rank_state(value):
+            return {"model": {"w": torch.full((4,), value)}, "rng": {"torch": torch.full((2,), value + rank)},
+                    "progress": {"step": 3, "loss_sum": torch.tensor(value + 10 * rank)}, "config": CONFIG}
+
+        resume.save_sharded(rank_state(1.0), out_dir, rank, mode="ddp")
+        resume.save_sharded(rank_state(2.0), out_dir, rank, mode="ddp")
+        loaded = resume.load_checkpoint("auto", out_dir, CPU, template=rank_state(0.0), sharded=True, rank=rank)
+        torch.save(loaded.state, out_dir / f"loaded.rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_ranks_save_into_one_directory_and_each_gets_its_own_state_back(tmp_path):
+    """What differs by rank (RNG states, running loss sums) comes back to the rank that saved it; the
+    replicated weights to both; every rank writes into the one temporary directory rank 0 named."""
+    import torch.multiprocessing as mp
+
+    mp.start_processes(_two_rank_worker, args=(tmp_path, tmp_path / "store"), nprocs=2, start_method="spawn")
+    for rank in (0, 1):
+        state = torch.load(tmp_path / f"loaded.rank{rank}.pt", weights_only=False)
+        assert torch.equal(state["model"]["w"], torch.full((4,), 2.0))
+        assert torch.equal(state["rng"]["torch"], torch.full((2,), 2.0 + rank))
+        assert state["progress"]["loss_sum"].item() == 2.0 + 10 * rank and state["progress"]["step"] == 3
+    ckpts = resume.checkpoint_dir(tmp_path)
+    assert sorted(p.name for p in ckpts.iterdir()) == [resume.LATEST_SHARDED, resume.PREVIOUS_SHARDED]
+    assert json.loads((ckpts / resume.LATEST_SHARDED / resume.JOB_INFO).read_text())["world_size"] == 2
+
+
 def test_a_sharded_save_records_the_job_beside_its_shards(tmp_path, process_group):
     resume.save_sharded(state_at(5), tmp_path, rank=0, mode="ddp")
     info = json.loads((resume.checkpoint_dir(tmp_path) / resume.LATEST_SHARDED / resume.JOB_INFO).read_text())
@@ -322,7 +368,7 @@ def test_a_sharded_checkpoint_with_a_torn_shard_fails_naming_it(tmp_path, proces
     latest = resume.checkpoint_dir(tmp_path) / resume.LATEST_SHARDED
     for shard in latest.glob("*.distcp"):
         shard.write_bytes(b"xx")
-    with pytest.raises(CheckpointError, match="checkpoints/latest could not be loaded"):
+    with pytest.raises(CheckpointError, match=r"checkpoints/latest \(rank 0\) could not be loaded \(\w+Error"):
         resume.load_checkpoint("auto", tmp_path, CPU, template=template(), sharded=True)
 
 
@@ -391,3 +437,6 @@ def test_a_key_on_one_side_only_is_a_change(make_cfg):
 def test_nested_values_compare_whole(make_cfg):
     changes = resume.config_changes(config_dict(make_cfg), config_dict(make_cfg, "optimizer.betas=[0.9,0.99]"))
     assert changes.breaking == {"optimizer.betas": ([0.9, 0.95], [0.9, 0.99])}
+    deep = resume.config_changes({"plan": {"memory": {"budget_gb": 20, "fits": True}}},
+                                 {"plan": {"memory": {"budget_gb": 40, "fits": True}}})
+    assert deep.breaking == {"plan.memory.budget_gb": (20, 40)}
