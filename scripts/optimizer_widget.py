@@ -1,14 +1,15 @@
-"""Predict an AdamW step: per-tensor vs foreach vs fused, launch-bound vs bandwidth-bound, and its memory.
+"""Predict an AdamW step: per-tensor vs foreach vs fused, host-bound vs bandwidth-bound, and its memory.
 
-`python scripts/optimizer_widget.py [--params N] [--tensors K] [--launch-us U] [--bandwidth-tbs B]
-[--measured bench_optimizer.json] [--out optimizer_widget.png]`; defaults: GPT-2 124M, H200 values.
-The model is minitrain/optimizer_model.py.
+`python scripts/optimizer_widget.py [--params N] [--tensors K] [--launch-us U] [--host-us-per-tensor H]
+[--bandwidth-tbs B] [--measured bench_optimizer.json] [--out optimizer_widget.png]`; defaults: GPT-2 124M,
+H200 values. The model is minitrain/tools/optimizer_model.py; the plot needs matplotlib (the `plots` extra).
 """
 
 import argparse
+import importlib.util
 import json
 
-from minitrain import optimizer_model as om
+from minitrain.tools import optimizer_model as om
 from minitrain.config import ModelConfig
 from minitrain.memory import param_numels
 
@@ -25,17 +26,22 @@ def main() -> None:
     ap.add_argument("--params", type=int, default=params)
     ap.add_argument("--tensors", type=int, default=tensors)
     ap.add_argument("--launch-us", type=float, default=om.DEFAULT_LAUNCH_S * 1e6)
+    ap.add_argument("--host-us-per-tensor", type=float, default=om.FUSED_HOST_S_PER_TENSOR * 1e6,
+                    help="the fused step's host time per parameter tensor")
     ap.add_argument("--bandwidth-tbs", type=float, default=om.DEFAULT_BANDWIDTH / 1e12)
     ap.add_argument("--measured", default=None, help="scripts/bench_optimizer.py's JSON, overlaid on the plot")
     ap.add_argument("--out", default="optimizer_widget.png")
     args = ap.parse_args()
-    launch_s, bandwidth = args.launch_us * 1e-6, args.bandwidth_tbs * 1e12
+    launch_s, bandwidth, per_tensor = args.launch_us * 1e-6, args.bandwidth_tbs * 1e12, args.host_us_per_tensor * 1e-6
     measured = None
     if args.measured:
         with open(args.measured) as f:
             measured = om.measured_points(json.load(f))
-    print(om.table(args.params, args.tensors, launch_s, bandwidth))
-    print(f"plot: {om.plot(args.params, args.out, launch_s, bandwidth, measured, mark_tensors=args.tensors)}")
+    print(om.table(args.params, args.tensors, launch_s, bandwidth, per_tensor))
+    if importlib.util.find_spec("matplotlib") is None:
+        print("plot skipped: matplotlib is not installed (pip install -e '.[plots]')")
+        return
+    print(f"plot: {om.plot(args.params, args.out, launch_s, bandwidth, measured, args.tensors, per_tensor)}")
 
 
 if __name__ == "__main__":

@@ -571,3 +571,34 @@ def test_build_adamw_follows_the_precision():
     assert isinstance(build_adamw([torch.nn.Parameter(torch.randn(3))], "torch", reference), TorchAdamW)
     with pytest.raises(ConfigError, match="optimizer.impl=torch"):
         build_adamw([torch.nn.Parameter(torch.randn(3))], "torch", reference, reduce_sumsq=lambda t: t)
+
+
+def load_bench_optimizer():
+    spec = importlib.util.spec_from_file_location("bench_optimizer", REPO / "scripts" / "bench_optimizer.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_bench_optimizer_rows_pass_their_check_and_a_wrong_one_fails():
+    """scripts/bench_optimizer.py validates each row's first step before timing it: every row (ours through the
+    interpreter) passes on small shapes; a row that skips the update, or whose master copy autograd records
+    (the unfair torch baseline it used to time), is refused."""
+    bench = load_bench_optimizer()
+    shapes = [(48, 40), (40,), (BLOCK + 5,)]
+    weights, grads = bench.inputs(shapes, torch.get_default_device())
+    references = {clips: bench.reference_update(weights, grads, clips) for clips in (False, True)}
+    for name in bench.ROWS:
+        bench.checked_first_step(name, weights, grads, references)
+
+    def recorded_master_path(w, g):
+        step, nbytes, result = bench.torch_master_path(w, g)
+        masters, params = result()
+        return lambda: (step(), torch._foreach_copy_(params, masters)), nbytes, result
+
+    bench.ROWS["no update"] = (lambda w, g: (lambda: None, 0, lambda: (w, None)), False)
+    bench.ROWS["recorded"] = (recorded_master_path, False)
+    with pytest.raises(bench.ValidationError, match="no update: tensor 0"):
+        bench.checked_first_step("no update", weights, grads, references)
+    with pytest.raises(bench.ValidationError, match="recorded: autograd recorded"):
+        bench.checked_first_step("recorded", weights, grads, references)

@@ -2,9 +2,6 @@ import json
 import subprocess
 import sys
 
-import pytest
-
-from minitrain import optimizer_model as om
 from minitrain.tools.report import PLOTS_SKIPPED, load_sweep, write_report
 
 from conftest import REPO
@@ -91,25 +88,3 @@ def test_report_on_a_real_cpu_multirun(data_cache, tmp_path):
     md = (sweep / "report.md").read_text()
     assert "| checkpointing=none |" in md and "| checkpointing=selective |" in md
     assert (sweep / "throughput_vs_memory.png").exists() and (sweep / "memory_breakdown.png").exists()
-
-
-def test_optimizer_model_regimes():
-    params, bandwidth = 124_000_000, 4e12
-    fused = om.predict_step("fused", params, 148, bandwidth=bandwidth)
-    assert fused.bound == "bandwidth" and fused.seconds == pytest.approx(params * 30 / bandwidth)
-    assert om.predict_step("per-tensor", params, 100_000).bound == "launch"
-    assert om.predict_step("foreach", params, 148).launches < om.predict_step("per-tensor", params, 148).launches
-    assert om.memory_floor(params) == 16 * params and om.memory_floor(params, fp32_grads=True) == 18 * params
-    assert om.memory_floor(params, master_weights=False) == 16 * params
-
-
-def test_optimizer_widget_writes_table_and_plot(tmp_path):
-    bench = {"cases": {"gpt2-124m": {"tensors": 148, "params": 124_000_000, "rows": [
-        {"row": "loop", "ms": 12.0}, {"row": "foreach", "ms": 4.1}, {"row": "fused (ours)", "ms": 1.0},
-        {"row": "torch fused fp32", "ms": 1.3}]}}}
-    (tmp_path / "bench.json").write_text(json.dumps(bench))
-    assert om.measured_points(bench) == {"per-tensor": [(148, 12.0)], "foreach": [(148, 4.1)], "fused": [(148, 1.0)]}
-    out = subprocess.run([sys.executable, str(REPO / "scripts" / "optimizer_widget.py"), "--measured", "bench.json",
-                          "--out", "w.png"], check=True, cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert "fused" in out.stdout and "148 tensors" in out.stdout and "16 B/param" in out.stdout
-    assert (tmp_path / "w.png").read_bytes()[:4] == b"\x89PNG"

@@ -1,15 +1,17 @@
-"""How long an AdamW step takes, from two numbers: per-launch overhead and memory bandwidth.
+"""How long an AdamW step takes, from three numbers: per-launch overhead, per-tensor host work, bandwidth.
 
-The optimizer does ~1 FLOP per byte, so its time is whichever is larger: launching its kernels
-(launches x overhead; the GPU idles in between) or moving its bytes (bytes / bandwidth). The three
-implementations of minitrain.optim.FusedAdamW sit at different points:
+The optimizer does ~1 FLOP per byte, so its time is whichever is larger: the host's work to issue it
+(launches x overhead, plus what it does per parameter tensor; the GPU idles meanwhile) or moving its
+bytes (bytes / bandwidth). The three implementations of minitrain.optim.AdamW sit at different points:
 
   per-tensor  ~15 torch ops per parameter tensor, each a separate pass over memory
   foreach     the same ~15 ops over tensor lists: a launch per op per list chunk, still 15 passes
-  fused       a norm pass + a finalize + one update pass: 3 launches, the minimum bytes
+  fused       a norm pass + a finalize + one update pass: 3 launches, the minimum bytes; but the host
+              still reads every p.grad and its address each step, a term per tensor
 
 The memory floor is what AdamW with fp32 state keeps per parameter: weights + grads + m + v
 (+ fp32 masters for low-precision weights): 16 B/param for fp32 or bf16 + masters, 18 with fp32 grads.
+matplotlib is imported by `plot` only.
 """
 
 from __future__ import annotations
@@ -17,15 +19,23 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
+from minitrain.optim.adamw_triton import fused_bytes_per_param
+
 OPS_PER_STEP = 15  # torch ops of one unfused AdamW update with clipping and unscaling (optim/adamw.py)
 FOREACH_TENSORS_PER_LAUNCH = 48  # tensors one CUDA foreach kernel covers (multi_tensor_apply chunking)
 FUSED_LAUNCHES = 3
-# Bytes per parameter per step. fused: bf16 grad read twice (norm + update), master, m, v read and
-# written, bf16 param written (scripts/bench_optimizer.py's BYTES_OURS). Unfused: each of the ~15 ops
-# reads and writes its fp32 operands (counted op by op from optim/adamw.py's _adamw_ and unscaling).
-BYTES_PER_PARAM = {"fused": 30, "foreach": 130, "per-tensor": 130}
+# Bytes per parameter per step, bf16 params + fp32 masters. Unfused: each of the ~15 ops reads and writes
+# its fp32 operands (counted op by op from optim/adamw.py's _adamw_ and unscaling).
+BYTES_PER_PARAM = {"fused": fused_bytes_per_param(torch.bfloat16, torch.bfloat16, master_weights=True),
+                   "foreach": 130, "per-tensor": 130}
 IMPLS = tuple(BYTES_PER_PARAM)
 DEFAULT_LAUNCH_S = 5e-6  # eager PyTorch op dispatch + launch, measured on the H200 host
+# Host time per parameter tensor of a fused step (its p.grad and address read, compared, and the work
+# around them), measured on the H200 host: docs/benchmarks.md, "Fused AdamW". For the unfused paths the
+# per-tensor host work is inside their per-launch overhead.
+FUSED_HOST_S_PER_TENSOR = 0.3e-6
 DEFAULT_BANDWIDTH = 4.0e12  # B/s: device-to-device copy on the H200 (4.8 TB/s nominal)
 
 
@@ -34,16 +44,16 @@ class Prediction:
     impl: str
     n_tensors: int
     launches: int
-    launch_s: float
+    host_s: float
     memory_s: float
 
     @property
     def seconds(self) -> float:
-        return max(self.launch_s, self.memory_s)
+        return max(self.host_s, self.memory_s)
 
     @property
     def bound(self) -> str:
-        return "launch" if self.launch_s >= self.memory_s else "bandwidth"
+        return "host" if self.host_s >= self.memory_s else "bandwidth"
 
 
 def launches(impl: str, n_tensors: int) -> int:
@@ -55,9 +65,11 @@ def launches(impl: str, n_tensors: int) -> int:
 
 
 def predict_step(impl: str, n_params: int, n_tensors: int, launch_s: float = DEFAULT_LAUNCH_S,
-                 bandwidth: float = DEFAULT_BANDWIDTH) -> Prediction:
+                 bandwidth: float = DEFAULT_BANDWIDTH, host_s_per_tensor: float = FUSED_HOST_S_PER_TENSOR) -> Prediction:
+    """host_s_per_tensor: the fused step's per-tensor host term."""
     n = launches(impl, n_tensors)
-    return Prediction(impl, n_tensors, n, n * launch_s, n_params * BYTES_PER_PARAM[impl] / bandwidth)
+    host = n * launch_s + (n_tensors * host_s_per_tensor if impl == "fused" else 0.0)
+    return Prediction(impl, n_tensors, n, host, n_params * BYTES_PER_PARAM[impl] / bandwidth)
 
 
 def memory_floor(n_params: int, master_weights: bool = True, fp32_grads: bool = False) -> int:
@@ -69,13 +81,13 @@ def memory_floor(n_params: int, master_weights: bool = True, fp32_grads: bool = 
 
 
 def table(n_params: int, n_tensors: int, launch_s: float = DEFAULT_LAUNCH_S,
-          bandwidth: float = DEFAULT_BANDWIDTH) -> str:
+          bandwidth: float = DEFAULT_BANDWIDTH, host_s_per_tensor: float = FUSED_HOST_S_PER_TENSOR) -> str:
     lines = [f"AdamW step, {n_params / 1e6:.1f}M params in {n_tensors} tensors, {launch_s * 1e6:.1f} us/launch, "
-             f"{bandwidth / 1e12:.2f} TB/s",
-             f"{'impl':<11} {'launches':>9} {'launch ms':>10} {'memory ms':>10} {'step ms':>9}  bound"]
+             f"fused {host_s_per_tensor * 1e6:.2f} us/tensor of host work, {bandwidth / 1e12:.2f} TB/s",
+             f"{'impl':<11} {'launches':>9} {'host ms':>10} {'memory ms':>10} {'step ms':>9}  bound"]
     for impl in IMPLS:
-        p = predict_step(impl, n_params, n_tensors, launch_s, bandwidth)
-        lines.append(f"{impl:<11} {p.launches:>9} {p.launch_s * 1e3:>10.3f} {p.memory_s * 1e3:>10.3f} "
+        p = predict_step(impl, n_params, n_tensors, launch_s, bandwidth, host_s_per_tensor)
+        lines.append(f"{impl:<11} {p.launches:>9} {p.host_s * 1e3:>10.3f} {p.memory_s * 1e3:>10.3f} "
                      f"{p.seconds * 1e3:>9.3f}  {p.bound}")
     lines.append(f"memory floor: {memory_floor(n_params) / 1e9:.2f} GB (16 B/param), "
                  f"{memory_floor(n_params, fp32_grads=True) / 1e9:.2f} GB with fp32 grads (18 B/param)")
@@ -94,7 +106,8 @@ def measured_points(bench: dict) -> dict[str, list[tuple[int, float]]]:
 
 
 def plot(n_params: int, path, launch_s: float = DEFAULT_LAUNCH_S, bandwidth: float = DEFAULT_BANDWIDTH,
-         measured: dict[str, list[tuple[int, float]]] | None = None, mark_tensors: int | None = None):
+         measured: dict[str, list[tuple[int, float]]] | None = None, mark_tensors: int | None = None,
+         host_s_per_tensor: float = FUSED_HOST_S_PER_TENSOR):
     """Predicted step time against tensor count (fixed parameter count), measured points overlaid."""
     import matplotlib
 
@@ -104,8 +117,8 @@ def plot(n_params: int, path, launch_s: float = DEFAULT_LAUNCH_S, bandwidth: flo
     counts = sorted({round(10 ** (e / 8)) for e in range(0, 8 * 5 + 1)})  # 1 .. 100k tensors
     fig, ax = plt.subplots(figsize=(7.5, 5))
     for impl, color in zip(IMPLS, ("tab:green", "tab:blue", "tab:red")):
-        ax.plot(counts, [predict_step(impl, n_params, n, launch_s, bandwidth).seconds * 1e3 for n in counts],
-                color=color, label=f"{impl} (model)")
+        ax.plot(counts, [predict_step(impl, n_params, n, launch_s, bandwidth, host_s_per_tensor).seconds * 1e3
+                         for n in counts], color=color, label=f"{impl} (model)")
         if measured and impl in measured:
             ax.scatter(*zip(*measured[impl]), color=color, marker="o", edgecolor="black", zorder=3,
                        label=f"{impl} (measured)")
@@ -114,7 +127,7 @@ def plot(n_params: int, path, launch_s: float = DEFAULT_LAUNCH_S, bandwidth: flo
     if mark_tensors:
         ax.axvline(mark_tensors, color="gray", ls="--", lw=0.8, label=f"{mark_tensors} tensors")
     ax.set(xscale="log", yscale="log", xlabel="parameter tensors", ylabel="optimizer step (ms)",
-           title=f"AdamW step time, {n_params / 1e6:.0f}M params: launch-bound vs bandwidth-bound")
+           title=f"AdamW step time, {n_params / 1e6:.0f}M params: host-bound vs bandwidth-bound")
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
     fig.tight_layout()
