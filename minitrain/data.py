@@ -100,7 +100,7 @@ def corpus_identity(cfg: DataConfig) -> str:
     return _digest("files", [(f, os.path.getsize(f), os.stat(f).st_mtime_ns) for f in _local_files(cfg)])
 
 
-def hf_cache_dir(cfg: DataConfig) -> Path:
+def _hf_cache_dir(cfg: DataConfig) -> Path:
     """Where the datasets library keeps its copies of the corpus: inside `data.cache_dir`, not the home directory."""
     return Path(os.path.expanduser(cfg.cache_dir)) / "hf-datasets"
 
@@ -109,10 +109,10 @@ def load_corpus(cfg: DataConfig):
     """The corpus as a `datasets.Dataset` with one document per row in column `text`."""
     import datasets
 
-    cache_dir = str(hf_cache_dir(cfg))
+    cache_dir = str(_hf_cache_dir(cfg))
     if cfg.source != DataSource.hub:
         files = _local_files(cfg)
-        if cfg.source == DataSource.files:
+        if cfg.source == DataSource.files:  # the stdlib is known text, with other encodings in its test data
             _require_text(files, cfg)
         return datasets.load_dataset("text", data_files=files, sample_by="document", split="train",
                                      encoding_errors="replace", cache_dir=cache_dir)
@@ -334,7 +334,8 @@ class Batches:
 
     def host_windows(self, step: int, part: int = 0, n_parts: int = 1) -> torch.Tensor:
         """Windows (B/n_parts, T+1) of slice `part` of step `step`'s global batch, int64 on the host; in pinned
-        memory when the batches go to CUDA, so that the copy to the device need not wait for the host."""
+        memory when the batches go to CUDA, so that the copy to the device is asynchronous (from pageable memory
+        it would make the host wait)."""
         per = self.batch_size // n_parts
         starts = self.starts(step)[part * per:(part + 1) * per]
         win = torch.empty((len(starts), self.block_size + 1), dtype=torch.int64,
@@ -359,7 +360,8 @@ class DeviceBatches(Batches):
     (part rank*grad_accum + 0 .. grad_accum-1 of n_parts), then the next step. A request that is not the
     predicted one (the first after a resume, an eval pass, another split) is built on the spot: the result is
     the same, so the batches stay a pure function of (seed, step). On the CPU the same order is kept, without
-    a copy.
+    a copy. The next request's gather runs inside `get`, before it returns: it overlaps the device's work
+    whenever the host is ahead of the device, which it is at every step but the one after a log step's sync.
 
     Pinned buffers come from torch's caching host allocator, which hands a buffer out again only once the copy
     recorded on it has completed (an event query, never a wait): the ring of host buffers the prefetch needs,
