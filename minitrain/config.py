@@ -8,7 +8,6 @@ Checks that need more than a type (ranges, combinations) live in `__post_init__`
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
@@ -40,6 +39,7 @@ class DType(str, Enum):
 
 
 class CheckpointPolicy(str, Enum):
+    auto = "auto"  # the plan picks the cheapest policy that fits trainer.memory_budget
     none = "none"
     full = "full"
     every_k = "every_k"
@@ -60,6 +60,10 @@ class KernelImpl(str, Enum):
     auto = "auto"  # fused on CUDA, torch on CPU
     fused = "fused"
     torch = "torch"
+
+    def fused_on(self, device_type: str) -> bool:
+        """Whether the Triton kernel runs: asked for, or `auto` on CUDA (on a CPU the interpreter is a test tool)."""
+        return self == KernelImpl.fused or (self == KernelImpl.auto and device_type == "cuda")
 
 
 class DataSource(str, Enum):
@@ -138,7 +142,7 @@ class DataConfig:
 
 @dataclass
 class PrecisionConfig:
-    name: str = "fp32"
+    name: str = "auto"  # auto: a preset chosen per device (minitrain/precision.py)
     param_dtype: DType = DType.fp32  # dtype of the model's weights (the compute copy)
     autocast_dtype: Optional[DType] = None  # torch.autocast around forward + loss (fp32 params only)
     master_weights: bool = False  # fp32 master copy in the optimizer (for bf16/fp16 params)
@@ -150,6 +154,12 @@ class PrecisionConfig:
     growth_interval: int = 2000
 
     def __post_init__(self):
+        _require(self.init_scale > 0 and self.growth_factor > 1.0 and 0.0 < self.backoff_factor < 1.0,
+                 "precision.init_scale/growth_factor/backoff_factor",
+                 "need init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1")
+        _require(self.growth_interval >= 1, "precision.growth_interval", f"must be >= 1, got {self.growth_interval}")
+        if self.name == "auto":  # the combination is checked once the device's preset is filled in
+            return
         low = self.param_dtype != DType.fp32
         _require(not (self.master_weights and not low), "precision.master_weights",
                  "fp32 params need no fp32 master copy; set precision.master_weights=false")
@@ -160,14 +170,6 @@ class PrecisionConfig:
                  f"must be null (param dtype) or fp32, got {self.grad_dtype}")
         _require(self.grad_dtype is None or self.master_weights, "precision.grad_dtype",
                  "fp32 main grads go with fp32 master weights (precision.master_weights=true)")
-        _require(self.init_scale > 0 and self.growth_factor > 1.0 and 0.0 < self.backoff_factor < 1.0,
-                 "precision.init_scale/growth_factor/backoff_factor",
-                 "need init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1")
-        _require(self.growth_interval >= 1, "precision.growth_interval", f"must be >= 1, got {self.growth_interval}")
-
-    @property
-    def compute_dtype(self) -> DType:
-        return self.autocast_dtype or self.param_dtype
 
 
 @dataclass
@@ -230,14 +232,20 @@ class DistributedConfig:
         _require(self.fsdp_unit_blocks >= 1, "distributed.fsdp_unit_blocks", f"must be >= 1, got {self.fsdp_unit_blocks}")
 
 
+SWITCHES = ("auto", "true", "false")
+COMPILE_MODES = ("auto", "default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+
+
 @dataclass
 class TrainerConfig:
     max_steps: int = 300
     batch_size: int = 32  # global batch, sequences per optimizer step
-    grad_accum: int = 1  # micro-batches per step; batch_size / grad_accum sequences each
+    # Sequences per forward on each rank: auto (the plan picks what fits trainer.memory_budget, with
+    # checkpointing=auto) or a number dividing batch_size / world size; the rest is gradient accumulation.
+    micro_batch: str = "auto"
     lr: float = 1e-3
     min_lr: float = 1e-4
-    warmup_steps: int = 30
+    warmup_steps: Optional[int] = None  # linear warmup, then cosine decay; None: 10% of max_steps
     eval_every: int = 100
     eval_batches: int = 10
     log_every: int = 10
@@ -247,38 +255,52 @@ class TrainerConfig:
     out_dir: str = "."
     resume: str = "none"  # none | auto (latest checkpoint in out_dir) | a checkpoint path
     device: Device = Device.auto
-    compile: bool = False
-    # torch.compile mode: default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
-    compile_mode: str = "default"
+    # torch.compile of forward + loss: auto (on for CUDA, off on a CPU) | true | false
+    compile: str = "auto"
+    # auto: reduce-overhead (CUDA graphs) in one process on CUDA, default under ddp/fsdp;
+    # or default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
+    compile_mode: str = "auto"
+    tf32: bool = True  # fp32 matmuls on TF32 tensor cores (CUDA only)
+    memory_budget: float = 0.9  # fraction of the device's memory (a CPU: of available RAM) the plan may fill
+    # A run stops after this many optimizer steps skipped in a row (inf/NaN gradients); None: 3 without
+    # loss scaling (a diverged run), 25 with it (fp16 backs off once per skip; 25 halvings is a diverged run).
+    max_skipped_steps: Optional[int] = None
     # Peak FLOP/s of one device for MFU; None: looked up by GPU name and compute dtype.
     peak_flops: Optional[float] = None
 
     def __post_init__(self):
-        for key in ("max_steps", "batch_size", "grad_accum", "log_every", "eval_every", "save_every", "eval_batches"):
+        for key in ("max_steps", "batch_size", "log_every", "eval_every", "save_every", "eval_batches"):
             _require(getattr(self, key) >= 1, f"trainer.{key}", f"must be >= 1, got {getattr(self, key)}")
-        _require(self.batch_size % self.grad_accum == 0, "trainer.batch_size",
-                 f"{self.batch_size} sequences do not split into trainer.grad_accum={self.grad_accum} equal micro-batches")
+        self.compile = self.compile.lower()
+        _require(self.compile in SWITCHES, "trainer.compile", f"one of {SWITCHES}, got {self.compile!r}")
+        _require(self.micro_batch == "auto" or (self.micro_batch.isdigit() and int(self.micro_batch) >= 1),
+                 "trainer.micro_batch", f"auto or a positive number of sequences, got {self.micro_batch!r}")
+        if self.micro_batch != "auto":
+            _require(self.batch_size % int(self.micro_batch) == 0, "trainer.micro_batch",
+                     f"{self.micro_batch} does not divide trainer.batch_size={self.batch_size}")
         _require(self.lr > 0 and 0 <= self.min_lr <= self.lr, "trainer.min_lr",
                  f"need 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
-        _require(0 <= self.warmup_steps <= self.max_steps, "trainer.warmup_steps",
+        _require(self.warmup_steps is None or 0 <= self.warmup_steps <= self.max_steps, "trainer.warmup_steps",
                  f"must be in [0, trainer.max_steps={self.max_steps}], got {self.warmup_steps}")
         _require(self.sample_tokens >= 0, "trainer.sample_tokens", f"must be >= 0, got {self.sample_tokens}")
         _require(self.peak_flops is None or self.peak_flops > 0, "trainer.peak_flops", "must be > 0")
-        modes = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
-        _require(self.compile_mode in modes, "trainer.compile_mode", f"one of {modes}, got {self.compile_mode!r}")
+        _require(self.compile_mode in COMPILE_MODES, "trainer.compile_mode",
+                 f"one of {COMPILE_MODES}, got {self.compile_mode!r}")
+        _require(0 < self.memory_budget <= 1, "trainer.memory_budget",
+                 f"a fraction of the device's memory in (0, 1], got {self.memory_budget}")
+        _require(self.max_skipped_steps is None or self.max_skipped_steps >= 1, "trainer.max_skipped_steps",
+                 f"must be >= 1 or null, got {self.max_skipped_steps}")
 
-    @property
-    def cuda_graphs(self) -> bool:
-        """The compiled step replays CUDA graphs (their memory comes from a pool the allocated counter
-        does not see; on the CPU the mode compiles without them)."""
-        return self.compile and self.compile_mode in ("reduce-overhead", "max-autotune")
 
-    def lr_at(self, step: int) -> float:
-        """Linear warmup to `lr`, then cosine decay to `min_lr` at `max_steps`."""
-        if step < self.warmup_steps:
-            return self.lr * (step + 1) / self.warmup_steps
-        progress = (step - self.warmup_steps) / max(1, self.max_steps - self.warmup_steps)
-        return self.min_lr + 0.5 * (1.0 + math.cos(math.pi * min(progress, 1.0))) * (self.lr - self.min_lr)
+def check_optimizer_precision(impl: OptimizerImpl, precision: PrecisionConfig) -> None:
+    """torch.optim.AdamW (the plain-PyTorch baseline) cannot run every precision."""
+    if impl != OptimizerImpl.torch:
+        return
+    _require(not precision.master_weights, "optimizer.impl",
+             "torch.optim.AdamW keeps no fp32 master weights; use optimizer.impl=fused|foreach|loop "
+             f"with precision={precision.name}, or a precision without masters (fp32, amp_bf16)")
+    _require(not (precision.loss_scaling and precision.param_dtype != DType.fp32), "optimizer.impl",
+             "torch.amp.GradScaler cannot unscale fp16 gradients; use fp16 autocast over fp32 params")
 
 
 @dataclass
@@ -298,17 +320,13 @@ class Config:
         if ck.policy == CheckpointPolicy.every_k:
             _require(1 <= ck.every_k <= self.model.n_layer, "checkpointing.every_k",
                      f"must be in [1, model.n_layer={self.model.n_layer}], got {ck.every_k}")
-        if self.optimizer.impl == OptimizerImpl.torch:
-            _require(not self.precision.master_weights, "optimizer.impl",
-                     "torch.optim.AdamW keeps no fp32 master weights; use optimizer.impl=fused|foreach|loop "
-                     f"with precision={self.precision.name}, or a precision without masters")
-            _require(not (self.precision.loss_scaling and self.precision.param_dtype != DType.fp32), "optimizer.impl",
-                     "torch.amp.GradScaler cannot unscale fp16 gradients; use fp16 autocast over fp32 params")
-        distributed = self.distributed.mode != DistributedMode.none
-        _require(not (self.trainer.cuda_graphs and distributed), "trainer.compile_mode",
+        if self.precision.name != "auto":  # else once the device's preset is known (precision.py)
+            check_optimizer_precision(self.optimizer.impl, self.precision)
+        graphs = self.trainer.compile_mode in ("reduce-overhead", "max-autotune")
+        _require(not (graphs and self.distributed.mode != DistributedMode.none), "trainer.compile_mode",
                  f"{self.trainer.compile_mode} replays CUDA graphs, which minitrain supports on one process only "
                  "(not validated with DDP's or FSDP's hooks and collectives); "
-                 f"use trainer.compile_mode=default with distributed={self.distributed.mode.value}")
+                 f"use trainer.compile_mode=auto or default with distributed={self.distributed.mode.value}")
 
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"

@@ -30,7 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .config import Config, ConfigError, DistributedConfig, DistributedMode, PrecisionConfig
+from .config import Config, ConfigError, DistributedConfig, DistributedMode
+from .precision import Precision
 
 
 @dataclass(frozen=True)
@@ -70,10 +71,6 @@ def init(cfg: Config, device: torch.device) -> tuple[Dist, torch.device]:
         raise ConfigError(f"distributed.mode={mode.value} needs torchrun's environment: "
                           f"torchrun --standalone --nproc_per_node=N scripts/train.py distributed={mode.value}")
     rank, local_rank = int(os.environ["RANK"]), int(os.environ.get("LOCAL_RANK", "0"))
-    per_rank = cfg.trainer.grad_accum * launched
-    if cfg.trainer.batch_size % per_rank:
-        raise ConfigError(f"trainer.batch_size: the global batch of {cfg.trainer.batch_size} sequences does not "
-                          f"split into {launched} ranks x trainer.grad_accum={cfg.trainer.grad_accum} micro-batches")
     if device.type == "cuda":
         device = torch.device("cuda", local_rank)
         torch.cuda.set_device(device)
@@ -113,14 +110,7 @@ class LossModule(nn.Module):
         return self.loss_fn(hidden.flatten(0, 1), self.model.lm_head_weight, y.flatten())
 
 
-def param_dtype(precision: PrecisionConfig, d: Dist) -> torch.dtype:
-    """The dtype the model's parameters are stored in: under fsdp with masters, fp32 (the shards are the masters)."""
-    if d.sharded and precision.master_weights:
-        return torch.float32
-    return precision.param_dtype.torch
-
-
-def wrap(model: nn.Module, loss_fn, precision: PrecisionConfig, cfg: DistributedConfig, d: Dist) -> nn.Module:
+def wrap(model: nn.Module, loss_fn, precision: Precision, cfg: DistributedConfig, d: Dist) -> nn.Module:
     """The module the training step calls with (x, y): the plain loss module, DDP around it, or the
     loss module over an FSDP2-sharded model: `fsdp_unit_blocks` consecutive blocks per unit, the root
     holding embeddings, final norm and the tied head; `forward_hidden` registered as a forward so the
@@ -134,7 +124,7 @@ def wrap(model: nn.Module, loss_fn, precision: PrecisionConfig, cfg: Distributed
     if d.mode == DistributedMode.fsdp:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 
-        compute = precision.param_dtype.torch if precision.master_weights else None
+        compute = precision.param_dtype if precision.master_weights else None
         policy = MixedPrecisionPolicy(param_dtype=compute, reduce_dtype=torch.float32)
         blocks, k = list(model.blocks), cfg.fsdp_unit_blocks
         for start in range(0, len(blocks), k):

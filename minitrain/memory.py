@@ -24,18 +24,19 @@ holds it. Assumptions, checked by tests/test_memory.py on CPU and by the GPU swe
 
 from __future__ import annotations
 
-import weakref
-from dataclasses import asdict, dataclass, field
+import functools
+from dataclasses import asdict, astuple, dataclass, field
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 from .checkpointing import recomputed_blocks
-from .config import CheckpointingConfig, CheckpointPolicy, DistributedConfig, DType, ModelConfig, PrecisionConfig
+from .config import CheckpointingConfig, CheckpointPolicy, DistributedConfig, ModelConfig
+from .model import GPT
+from .ops.cross_entropy import DEFAULT_CHUNK_BYTES, fitting
+from .optim.layout import padded as _padded
+from .precision import Precision
 
 GB = 1e9
-_BYTES = {DType.fp32: 4, DType.bf16: 2, DType.fp16: 2}
 
 
 @dataclass
@@ -113,24 +114,20 @@ def compare(estimate: MemoryEstimate, measured_peak_allocated_bytes: int, measur
 def param_numels(model_cfg: ModelConfig) -> list[tuple[list[int], bool]]:
     """(numel of each parameter in one param group..., is the group decayed): the exact tensors the
     optimizer sees, from the model itself built on the meta device (no memory, no duplicated shape math)."""
-    from .model import GPT
-
-    with torch.device("meta"):
-        model = GPT(model_cfg)
-    return [([p.numel() for p in g["params"]], g["weight_decay"] > 0) for g in model.param_groups(1.0)]
+    return _model_numels(astuple(model_cfg))[0]
 
 
 def _params_per_block(model_cfg: ModelConfig) -> int:
-    from .model import Block
+    return _model_numels(astuple(model_cfg))[1]
 
+
+@functools.lru_cache(maxsize=8)
+def _model_numels(key: tuple) -> tuple[list[tuple[list[int], bool]], int]:
+    """Built once per shape: the plan predicts many (micro-batch, policy) candidates of one model."""
     with torch.device("meta"):
-        return sum(p.numel() for p in Block(model_cfg).parameters())
-
-
-def _padded(numel: int) -> int:
-    from .optim.adamw import ALIGN
-
-    return -(-numel // ALIGN) * ALIGN
+        model = GPT(ModelConfig(*key))
+    groups = [([p.numel() for p in g["params"]], g["weight_decay"] > 0) for g in model.param_groups(1.0)]
+    return groups, sum(p.numel() for p in model.blocks[0].parameters())
 
 
 def _block_bytes(cfg: ModelConfig, tokens: int, seq_len: int, r: int, a: int, stats: int, device: str,
@@ -154,7 +151,7 @@ def _block_bytes(cfg: ModelConfig, tokens: int, seq_len: int, r: int, a: int, st
     return tokens * (2 * C * r + 4 * stats + 2 * C * a + attention + 8 * C * a + 2 * C * mask)
 
 
-def predict(model_cfg: ModelConfig, precision_cfg: PrecisionConfig, ckpt_cfg: CheckpointingConfig,
+def predict(model_cfg: ModelConfig, precision: Precision, ckpt_cfg: CheckpointingConfig,
             micro_batch: int, seq_len: int, loss_impl: str, chunk_bytes: int | None, grad_accum: int = 1,
             loss_low_memory: bool = False,
             world_size: int = 1, sharded: bool = False, device: str = "cuda",
@@ -164,10 +161,10 @@ def predict(model_cfg: ModelConfig, precision_cfg: PrecisionConfig, ckpt_cfg: Ch
     (fused | torch; fused | foreach | loop). `sharded`: FSDP, the persistent state divided by `world_size`
     plus the gathered units (`fsdp_unit_blocks`, `reshard_after_forward`: distributed's config).
     grad_accum > 1 adds the grads to the forward and backward moments (micro-batches after the first)."""
-    p = _BYTES[precision_cfg.param_dtype]
-    a = _BYTES[precision_cfg.compute_dtype]
-    autocast = precision_cfg.autocast_dtype is not None
-    g = _BYTES[precision_cfg.grad_dtype] if precision_cfg.grad_dtype else p
+    p = precision.param_dtype.itemsize
+    a = precision.compute_dtype.itemsize
+    autocast = precision.autocast_dtype is not None
+    g = precision.grad_dtype.itemsize
     C, V, N, T = model_cfg.n_embd, model_cfg.vocab_size, micro_batch * seq_len, seq_len
     stats = 4 if device == "cuda" or autocast else p  # autocast runs LayerNorm in fp32
     notes = []
@@ -177,7 +174,7 @@ def predict(model_cfg: ModelConfig, precision_cfg: PrecisionConfig, ckpt_cfg: Ch
     n_params = sum(sum(numels) for numels, _ in groups)
     padded = sum(_padded(n) for numels, _ in groups for n in numels)
     shard = world_size if sharded else 1
-    masters = 4 * padded if precision_cfg.master_weights else 0
+    masters = 4 * padded if precision.master_weights else 0
     weights, grads, adam_m, adam_v = n_params * p, padded * g, 4 * padded, 4 * padded
     fsdp_gathered = unit_grads = 0
     if sharded:
@@ -185,7 +182,7 @@ def predict(model_cfg: ModelConfig, precision_cfg: PrecisionConfig, ckpt_cfg: Ch
         # fp32 reduce-scatter. A compute copy exists only while gathered: the root's (embeddings, final
         # norm, tied head) through forward and backward, plus two units of blocks (the running one, the
         # prefetched one), or every block from forward to backward when reshard_after_forward is false.
-        if precision_cfg.master_weights:
+        if precision.master_weights:
             weights, grads = 0, 4 * padded
         per_block = _params_per_block(model_cfg)
         unit = fsdp_unit_blocks * per_block
@@ -212,10 +209,8 @@ def predict(model_cfg: ModelConfig, precision_cfg: PrecisionConfig, ckpt_cfg: Ch
     # The loss, beyond the activations: ln_f's output (hidden, param dtype) and the loss's own tensors.
     hidden = N * C * p + (N * C * a if a != p else 0)  # + its autocast copy
     if loss_impl == "fused":
-        from .ops.cross_entropy import DEFAULT_CHUNK_BYTES, fitting
-
         # Both gradients are made in forward and kept for backward, which scales them in place.
-        compute = precision_cfg.compute_dtype.torch
+        compute = precision.compute_dtype
         cast = V * C * a if a != p else 0  # the weight's autocast copy
         if loss_low_memory:  # row chunks in the memory grad_weight and the block take later; blocks of all N rows
             cols = min(V, fitting(chunk_bytes or N * C * a, N, compute))
@@ -248,7 +243,7 @@ def predict(model_cfg: ModelConfig, precision_cfg: PrecisionConfig, ckpt_cfg: Ch
         largest = max(sum(_padded(n) for n in numels) if optimizer_impl == "foreach" else max(numels)
                       for numels, _ in groups)
         upcast = 4 * padded if g != 4 else 0
-        low_no_master = 4 * padded if p != 4 and not precision_cfg.master_weights else 0
+        low_no_master = 4 * padded if p != 4 and not precision.master_weights else 0
         optimizer_transient = max(gathered, upcast + low_no_master + 8 * largest)
 
     # Gradients appear as backward reaches each parameter and all exist only once the activations are
@@ -259,37 +254,3 @@ def predict(model_cfg: ModelConfig, precision_cfg: PrecisionConfig, ckpt_cfg: Ch
         fsdp_gathered + activations + max(loss_workspace, backward_transient) + early, grads + optimizer_transient)
     return MemoryEstimate(n_params, weights, grads, masters, adam_m, adam_v, per_layer, other, activations,
                           loss_workspace, backward_transient, optimizer_transient, peak, fsdp_gathered, notes)
-
-
-class LiveBytes(TorchDispatchMode):
-    """Bytes of the tensor storages created inside the context that are still alive, and their peak.
-
-    An allocator-free measurement (it works on CPU) of what a step really holds: a storage counts from the
-    op that creates it until its last tensor dies, saved-for-backward ones included, because PyTorch keeps
-    a storage's Python object alive exactly as long as the storage. Views and in-place ops add nothing,
-    nor do storages made before the context (parameters).
-    """
-
-    def __init__(self):
-        super().__init__()
-        self.current = self.peak = 0
-        self._live: set[int] = set()
-
-    def _release(self, key: int, nbytes: int) -> None:
-        self._live.discard(key)
-        self.current -= nbytes
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        out = func(*args, **kwargs)
-        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
-                storage = t.untyped_storage()
-                key, nbytes = storage.data_ptr(), storage.nbytes()
-                if nbytes and key not in self._live and key not in inputs:  # new, not a view or in-place
-                    self._live.add(key)
-                    self.current += nbytes
-                    self.peak = max(self.peak, self.current)
-                    weakref.finalize(storage, self._release, key, nbytes)
-        return out

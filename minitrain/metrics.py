@@ -15,14 +15,14 @@ import psutil
 import torch
 
 # Dense peak FLOP/s per device by name fragment and compute dtype (vendor datasheets, SXM parts).
-# fp32 means true fp32 (no TF32): PyTorch's default for matmuls.
+# fp32 means true fp32 matmuls; tf32 fp32 matmuls on TF32 tensor cores (trainer.tf32, the CUDA default).
 PEAK_FLOPS = {
-    "H200": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-    "H100": {"bf16": 989e12, "fp16": 989e12, "fp32": 67e12},
-    "A100": {"bf16": 312e12, "fp16": 312e12, "fp32": 19.5e12},
-    "L40S": {"bf16": 362e12, "fp16": 362e12, "fp32": 91.6e12},
-    "A10G": {"bf16": 70e12, "fp16": 70e12, "fp32": 31.2e12},
-    "RTX 4090": {"bf16": 165e12, "fp16": 165e12, "fp32": 82.6e12},
+    "H200": {"bf16": 989e12, "fp16": 989e12, "tf32": 494.5e12, "fp32": 67e12},
+    "H100": {"bf16": 989e12, "fp16": 989e12, "tf32": 494.5e12, "fp32": 67e12},
+    "A100": {"bf16": 312e12, "fp16": 312e12, "tf32": 156e12, "fp32": 19.5e12},
+    "L40S": {"bf16": 362e12, "fp16": 362e12, "tf32": 183e12, "fp32": 91.6e12},
+    "A10G": {"bf16": 70e12, "fp16": 70e12, "tf32": 35e12, "fp32": 31.2e12},
+    "RTX 4090": {"bf16": 165e12, "fp16": 165e12, "tf32": 82.6e12, "fp32": 82.6e12},
 }
 
 

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .config import KernelImpl, ModelConfig
+from .config import ModelConfig
 from .ops import gelu_tanh
 
 # How a block runs: plainly, or wrapped by an activation-recomputation policy (checkpointing.py).
@@ -55,7 +55,7 @@ class MLP(nn.Module):
         return self.c_proj(tanh_gelu(h, self.fused_gelu(h)))
 
     def fused_gelu(self, h: torch.Tensor) -> bool:
-        return self.gelu_impl == KernelImpl.fused or (self.gelu_impl == KernelImpl.auto and h.is_cuda)
+        return self.gelu_impl.fused_on(h.device.type)
 
 
 def tanh_gelu(h: torch.Tensor, fused: bool) -> torch.Tensor:

@@ -276,6 +276,12 @@ def _candidates(ckpts: Path, sharded: bool) -> list[Path]:
     return [ckpts / name for name in names]
 
 
+def holds_checkpoint(out_dir: Path) -> bool:
+    """Whether a run dir has a published checkpoint of either kind (a fresh run there would overwrite it)."""
+    ckpts = checkpoint_dir(out_dir)
+    return any(p.exists() for kind in (False, True) for p in _candidates(ckpts, kind))
+
+
 def _kind_error(path: Path, shown: str, resume_value: str) -> CheckpointError:
     """A checkpoint of the other kind: a torchrun job's directory under one process, or the converse."""
     if path.is_dir():

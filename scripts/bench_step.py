@@ -36,16 +36,20 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-import minitrain.trainer  # noqa: E402
 from minitrain import memory  # noqa: E402
 from minitrain.config import compose_config, resolve  # noqa: E402
 from minitrain.metrics import is_gpu_work, peak_flops  # noqa: E402
-from minitrain.trainer import Trainer, loss_impl, model_config_for, optimizer_impl  # noqa: E402
+from minitrain.plan import model_config_for  # noqa: E402
+from minitrain.precision import resolve_precision  # noqa: E402
+from minitrain.trainer import Trainer  # noqa: E402
 
+# Every setting explicit, so the rows do not depend on what `auto` resolves to (a fixed batch, no
+# accumulation, no checkpointing unless an ablation asks for it).
 RECIPES = {
-    "reference": ["precision=amp_bf16", "loss=torch", "optimizer.impl=torch", "model.gelu=torch"],
+    "reference": ["precision=amp_bf16", "loss=torch", "optimizer.impl=torch", "model.gelu=torch",
+                  "checkpointing=none"],
     "minitrain": ["precision=bf16", "loss=fused", "optimizer.impl=fused", "model.gelu=fused",
-                  "trainer.compile_mode=reduce-overhead"],
+                  "checkpointing=none", "trainer.compile_mode=reduce-overhead"],
 }
 
 
@@ -60,12 +64,13 @@ CANDIDATE_BATCHES = (512, 384, 256, 192, 128, 96, 64, 48, 32, 24, 16, 12, 8, 4, 
 def largest_fitting_batch(model: str, recipe: str, extra: list[str], budget_bytes: float) -> int:
     """The largest candidate batch whose step of `recipe` the memory model predicts within the budget."""
     cfg = resolve(compose_config([f"model={model}", "trainer.out_dir=.", *RECIPES[recipe], *extra]))
-    model_cfg = model_config_for(cfg, cfg.data.vocab_size)
     device = torch.device("cuda")
+    model_cfg = model_config_for(cfg, cfg.data.vocab_size, device)
+    precision = resolve_precision(cfg.precision, device)
     for batch in CANDIDATE_BATCHES:
-        peak = memory.predict(model_cfg, cfg.precision, cfg.checkpointing, batch, model_cfg.block_size,
-                              loss_impl(cfg, device), cfg.loss.chunk_bytes, loss_low_memory=cfg.loss.low_memory,
-                              optimizer_impl=optimizer_impl(cfg, device)).peak
+        peak = memory.predict(model_cfg, precision, cfg.checkpointing, batch, model_cfg.block_size,
+                              "torch" if cfg.loss.impl.value == "torch" else "fused", cfg.loss.chunk_bytes,
+                              loss_low_memory=cfg.loss.low_memory, optimizer_impl=cfg.optimizer.impl.value).peak
         if peak <= budget_bytes:
             return batch
     return 1
@@ -75,6 +80,7 @@ def build(model: str, batch: int, recipe: str, extra: list[str], out_dir: str) -
     lr = LR.get(model, 6e-4)
     overrides = [f"model={model}", f"trainer.batch_size={batch}", "logger.mode=disabled", f"trainer.out_dir={out_dir}",
                  "trainer.max_steps=100000", "trainer.warmup_steps=10", f"trainer.lr={lr}", f"trainer.min_lr={lr / 10}",
+                 f"trainer.micro_batch={batch}",
                  *RECIPES[recipe], *extra]
     return Trainer(compose_config(overrides), progress=False)
 
@@ -110,13 +116,13 @@ class Run:
         stats = torch.cuda.memory_stats()
         return {"peak_allocated_gb": (stats["allocated_bytes.all.peak"] - self.base_allocated) / 1e9,
                 "peak_reserved_gb": (stats["reserved_bytes.all.peak"] - self.base_reserved) / 1e9,
-                "cuda_graphs": self.trainer.cfg.trainer.cuda_graphs}
+                "cuda_graphs": self.trainer.plan.cuda_graphs}
 
     def summary(self) -> dict:
         ms = sum(self.round_ms) / len(self.round_ms)
         cfg, T = self.trainer.cfg, self.trainer.model_cfg.block_size
         tokens_per_s = cfg.trainer.batch_size * T / (ms / 1000)
-        peak = cfg.trainer.peak_flops or peak_flops(self.trainer.device, "bf16")
+        peak = cfg.trainer.peak_flops or peak_flops(self.trainer.device, self.trainer.plan.precision.mfu_dtype)
         return {"ms_per_step": ms, "ms_per_round": self.round_ms, "tokens_per_s": tokens_per_s,
                 "mfu": tokens_per_s * self.trainer.model.flops_per_token(T) / peak,
                 "losses": [float(x) for x in torch.stack(self.losses).tolist()]}
@@ -160,7 +166,7 @@ def idle_gaps(prof, top: int = 8) -> tuple[float, list[dict]]:
 
 
 class PhaseClock:
-    """Stands in for `record_function` in minitrain.trainer: each labelled phase of `train_step` starts on an
+    """Passed to the step in place of `record_function`: each labelled phase of `train_step` starts on an
     idle GPU, so its host time is what the CPU spends enqueueing it and its wall time (to the GPU's finish)
     bounds its GPU time. A phase whose host time is near its wall time keeps the GPU waiting."""
 
@@ -180,13 +186,13 @@ class PhaseClock:
 
 def phase_times(trainer: Trainer, first: int, steps: int) -> dict:
     """ms per step of each phase (data, forward, backward, optimizer), host enqueue vs wall; no profiler."""
-    clock, original = PhaseClock(), minitrain.trainer.record_function
-    minitrain.trainer.record_function = clock
+    clock, original = PhaseClock(), trainer.train_step.phase
+    trainer.train_step.phase = clock
     try:
         for s in range(first, first + steps):
             trainer.train_step(s)
     finally:
-        minitrain.trainer.record_function = original
+        trainer.train_step.phase = original
     return {name.removeprefix("minitrain."): {"host_ms": clock.host[name] / steps, "wall_ms": clock.wall[name] / steps}
             for name in clock.host}
 
@@ -259,7 +265,7 @@ def main() -> None:
                 extra = compile_flag + recipe_extra
                 recipe_batch = largest_fitting_batch(model, recipe, extra, budget) if batch == "auto" else int(batch)
                 row = rows[name] = {"model": model, "batch": recipe_batch, "recipe": name, "overrides": extra}
-                graphed_before = any(r.trainer.cfg.trainer.cuda_graphs for r in runs.values())
+                graphed_before = any(r.trainer.plan.cuda_graphs for r in runs.values())
                 try:
                     run, memory_peaks = start_run(model, recipe_batch, recipe, extra, f"{tmp}/{i}", args.warmup)
                     if memory_peaks["cuda_graphs"] and graphed_before:

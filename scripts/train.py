@@ -7,7 +7,8 @@ from omegaconf import DictConfig
 
 from minitrain.config import ConfigError, register_configs
 from minitrain.data import DataError
-from minitrain.trainer import NonFiniteLossError, RunInfo, train
+from minitrain.resume import CheckpointError, RunDirBusyError
+from minitrain.trainer import NonFiniteLossError, RunInfo, TrainingInterrupted, train
 
 register_configs()
 
@@ -16,7 +17,10 @@ register_configs()
 def main(cfg: DictConfig) -> None:
     try:
         train(cfg, RunInfo.from_hydra())
-    except (ConfigError, DataError, NonFiniteLossError) as e:
+    except TrainingInterrupted as e:
+        print(f"minitrain: {e}", file=sys.stderr)
+        sys.exit(130)
+    except (ConfigError, DataError, CheckpointError, RunDirBusyError, NonFiniteLossError) as e:
         # A user-facing problem: one clear line, not a traceback.
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)

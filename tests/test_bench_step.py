@@ -8,7 +8,8 @@ import torch
 from conftest import REPO
 from minitrain.config import compose_config, resolve
 from minitrain.memory import predict
-from minitrain.trainer import model_config_for
+from minitrain.plan import model_config_for
+from minitrain.precision import resolve_precision
 
 _spec = importlib.util.spec_from_file_location("bench_step", REPO / "scripts" / "bench_step.py")
 bench_step = importlib.util.module_from_spec(_spec)
@@ -18,10 +19,11 @@ _spec.loader.exec_module(bench_step)
 def test_auto_batch_is_the_largest_the_model_fits():
     extra = ["checkpointing=full"]
     cfg = resolve(compose_config(["model=gpt2-1.5b", "trainer.out_dir=.", *bench_step.RECIPES["minitrain"], *extra]))
-    model_cfg = model_config_for(cfg, cfg.data.vocab_size)
+    model_cfg = model_config_for(cfg, cfg.data.vocab_size, torch.device("cuda"))
+    precision = resolve_precision(cfg.precision, torch.device("cuda"))
 
     def peak(batch):
-        return predict(model_cfg, cfg.precision, cfg.checkpointing, batch, model_cfg.block_size, "fused", None).peak
+        return predict(model_cfg, precision, cfg.checkpointing, batch, model_cfg.block_size, "fused", None).peak
 
     assert peak(64) < peak(96) < peak(128)  # activations dominate at these batches
     assert bench_step.largest_fitting_batch("gpt2-1.5b", "minitrain", extra, peak(96)) == 96

@@ -2,16 +2,20 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf.errors import OmegaConfBaseException
 
-from minitrain.config import ConfigError, resolve
+from minitrain.config import ConfigError, compose_config, resolve
 
 
-def test_defaults_resolve(make_cfg):
-    cfg = resolve(make_cfg())
-    assert cfg.model.name == "tiny" and cfg.precision.name == "fp32" and cfg.optimizer.impl.value == "auto"
+def test_defaults_resolve():
+    cfg = resolve(compose_config(["trainer.out_dir=."]))
+    assert cfg.model.name == "tiny" and cfg.optimizer.impl.value == "auto"
+    # the defaults a user meets are settled per device by the plan
+    assert (cfg.precision.name, cfg.checkpointing.policy.value, cfg.trainer.compile, cfg.trainer.micro_batch) == \
+        ("auto", "auto", "auto", "auto") and cfg.trainer.warmup_steps is None
 
 
 @pytest.mark.parametrize("group", ["model=gpt2-124m", "model=gpt2-1.5b", "precision=bf16", "precision=fp16",
-                                   "precision=bf16_no_master", "precision=amp_bf16", "checkpointing=full",
+                                   "precision=bf16_no_master", "precision=amp_bf16", "precision=fp32", "checkpointing=full",
+                                   "checkpointing=auto", "checkpointing=selective", "checkpointing=every_k",
                                    "loss=fused", "data=files data.paths=x"])
 def test_every_option_composes(make_cfg, group):
     resolve(make_cfg(*group.split()))
@@ -39,7 +43,12 @@ def test_bad_type_fails_naming_key(make_cfg, override, names):
 
 @pytest.mark.parametrize("overrides, names", [
     (["model.n_head=5"], "model.n_embd"),
-    (["trainer.batch_size=10", "trainer.grad_accum=3"], "trainer.batch_size"),
+    (["trainer.batch_size=10", "trainer.micro_batch=3"], "trainer.micro_batch"),
+    (["trainer.micro_batch=many"], "trainer.micro_batch"),
+    (["trainer.compile=sometimes"], "trainer.compile"),
+    (["trainer.memory_budget=1.5"], "trainer.memory_budget"),
+    (["trainer.max_skipped_steps=0"], "trainer.max_skipped_steps"),
+    (["trainer.warmup_steps=11"], "trainer.warmup_steps"),
     (["trainer.max_steps=0"], "trainer.max_steps"),
     (["trainer.min_lr=1"], "trainer.min_lr"),
     (["checkpointing.policy=every_k", "checkpointing.every_k=9"], "checkpointing.every_k"),

@@ -8,7 +8,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from minitrain.memory import LiveBytes  # noqa: E402
+from minitrain.tools.live_bytes import LiveBytes  # noqa: E402
 from minitrain.ops import fused_linear_cross_entropy, linear_cross_entropy_reference  # noqa: E402
 
 N, H, V = 47, 31, 123  # V is not a multiple of any block size

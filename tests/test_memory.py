@@ -2,19 +2,21 @@ import pytest
 import torch
 
 from minitrain.checkpointing import apply_policy
-from minitrain.config import CheckpointingConfig, CheckpointPolicy, DType, ModelConfig, PrecisionConfig
-from minitrain.memory import LiveBytes, compare, predict
+from dataclasses import replace
+
+from minitrain.config import CheckpointingConfig, CheckpointPolicy, DType, ModelConfig
+from minitrain.memory import compare, predict
+from minitrain.tools.live_bytes import LiveBytes
 from minitrain.model import GPT
 from minitrain.ops import fused_linear_cross_entropy, linear_cross_entropy_reference
-from minitrain.optim import FusedAdamW
+from minitrain.optim import AdamW
+from minitrain.precision import preset, resolve_precision
 
 B, T = 4, 32
 PRECISIONS = {
-    "fp32": PrecisionConfig(),
-    "bf16": PrecisionConfig(name="bf16", param_dtype=DType.bf16, master_weights=True),
-    "fp16": PrecisionConfig(name="fp16", param_dtype=DType.fp16, master_weights=True, loss_scaling=True),
-    "bf16_fp32_grads": PrecisionConfig(name="bf16", param_dtype=DType.bf16, master_weights=True, grad_dtype=DType.fp32),
-    "amp_bf16": PrecisionConfig(name="amp_bf16", autocast_dtype=DType.bf16),
+    name: resolve_precision(cfg, torch.device("cpu")) for name, cfg in {
+        "fp32": preset("fp32"), "bf16": preset("bf16"), "fp16": preset("fp16"),
+        "bf16_fp32_grads": replace(preset("bf16"), grad_dtype=DType.fp32), "amp_bf16": preset("amp_bf16")}.items()
 }
 POLICIES = {"none": CheckpointingConfig(CheckpointPolicy.none), "full": CheckpointingConfig(CheckpointPolicy.full),
             "every_k": CheckpointingConfig(CheckpointPolicy.every_k, every_k=2),
@@ -26,14 +28,14 @@ def small(dropout=0.0, vocab=256) -> ModelConfig:
 
 
 def optimizer(model, precision, impl="foreach"):
-    return FusedAdamW(model.param_groups(0.1), impl=impl, master_weights=precision.master_weights,
-                      grad_dtype=precision.grad_dtype.torch if precision.grad_dtype else None)
+    return AdamW(model.param_groups(0.1), impl=impl, master_weights=precision.master_weights,
+                 grad_dtype=precision.grad_dtype if precision.fp32_main_grads else None)
 
 
 @pytest.mark.parametrize("name", PRECISIONS)
 def test_parameter_and_optimizer_terms_are_exact(name):
     precision, cfg = PRECISIONS[name], small()
-    model = GPT(cfg).to(precision.param_dtype.torch)
+    model = GPT(cfg).to(precision.param_dtype)
     opt = optimizer(model, precision)
     est = predict(cfg, precision, POLICIES["none"], B, T, "torch", None, device="cpu", optimizer_impl="foreach")
     nbytes = lambda ts: sum(t.nbytes for t in ts)  # noqa: E731
@@ -52,7 +54,7 @@ def test_parameter_and_optimizer_terms_are_exact(name):
 def test_activations_match_what_forward_holds(policy, precision, dropout):
     """Every storage the forward leaves alive (saved for backward, or held by a checkpoint) vs the model."""
     cfg, prec = small(dropout), PRECISIONS[precision]
-    model = GPT(cfg).to(prec.param_dtype.torch)
+    model = GPT(cfg).to(prec.param_dtype)
     apply_policy(model, POLICIES[policy])
     with LiveBytes() as live:
         hidden = model.forward_hidden(torch.randint(0, cfg.vocab_size, (B, T)))
@@ -75,7 +77,7 @@ def test_peak_of_whole_training_steps(loss_impl, precision, policy):
     loss_fn = fused_linear_cross_entropy if loss_impl == "fused" else linear_cross_entropy_reference
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=prec.autocast_dtype is not None)
     with LiveBytes() as live:
-        model = GPT(cfg).to(prec.param_dtype.torch)
+        model = GPT(cfg).to(prec.param_dtype)
         apply_policy(model, POLICIES[policy])
         opt = optimizer(model, prec)
         for _ in range(2):

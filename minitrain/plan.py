@@ -1,0 +1,261 @@
+"""The plan: config + device, resolved once into everything the step will do, before anything is allocated.
+
+Every `auto` is settled here — device, precision, TF32, compile mode and CUDA graphs, the loss /
+optimizer / GELU implementations, the micro-batch and gradient accumulation, the checkpointing policy,
+the warmup — and the memory model predicts the step's peak against the device's memory. A run that
+cannot fit stops here, in a second, naming the setting to change; it does not die in the allocator.
+With `trainer.micro_batch=auto` and `checkpointing=auto` the plan picks the pair with the highest
+predicted throughput that fits `trainer.memory_budget`. Everything downstream reads the Plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any, Optional
+
+import psutil
+import torch
+
+from . import memory
+from .checkpointing import recomputed_blocks
+from .config import CheckpointingConfig, CheckpointPolicy, Config, ConfigError, DistributedMode, KernelImpl, \
+    ModelConfig, OptimizerImpl
+from .memory import GB, MemoryEstimate
+from .precision import Precision, resolve_precision
+from .schedule import LRSchedule, default_warmup
+
+# The throughput model the auto-fit ranks candidates with. A micro-batch of n tokens runs at
+# n / (n + HALF_RATE_TOKENS) of the device's large-batch rate (per-micro-batch fixed costs: launches,
+# the optimizer's share, small GEMMs); recomputation costs a fraction of the step per policy, full
+# recompute of every block RECOMPUTE_COST["full"] (every_k: that times the share of blocks rerun).
+# Measured on gpt2-124m, bf16, one H200: docs/benchmarks.md ("The plan's auto-fit").
+HALF_RATE_TOKENS = 1024
+RECOMPUTE_COST = {"none": 0.0, "selective": 0.03, "full": 0.17}
+EVERY_K_CANDIDATES = (4, 2)  # every_k policies the auto-fit tries between selective and full
+CLOSE_TO_BUDGET = 0.95  # an explicit setting predicted above this share of the budget gets a warning
+
+
+class PlanError(ConfigError):
+    """The step as configured cannot run on this device (it does not fit); the message says what to change."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    device: torch.device
+    device_name: str
+    world_size: int
+    distributed: DistributedMode
+    model: ModelConfig  # vocab settled, gelu resolved
+    precision: Precision
+    compile_mode: Optional[str]  # None: eager
+    loss_impl: str  # fused | torch
+    optimizer_impl: str  # fused | foreach | loop | torch
+    batch_size: int  # global sequences per optimizer step
+    micro_batch: int  # sequences per forward on each rank
+    checkpointing: CheckpointingConfig
+    schedule: LRSchedule
+    max_skipped_steps: int
+    memory: MemoryEstimate
+    memory_budget: int  # bytes
+    device_memory: int  # bytes: the device's total (CUDA) or the RAM available at start (CPU)
+    auto: tuple[str, ...] = ()  # the settings resolved from `auto`
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def compiled(self) -> bool:
+        return self.compile_mode is not None
+
+    @property
+    def cuda_graphs(self) -> bool:
+        """The compiled step replays CUDA graphs: their memory comes from a pool the allocated counter misses."""
+        return self.device.type == "cuda" and self.compile_mode in ("reduce-overhead", "max-autotune")
+
+    @property
+    def grad_accum(self) -> int:
+        return self.batch_size // (self.micro_batch * self.world_size)
+
+    def _tag(self, key: str) -> str:
+        return " (auto)" if key in self.auto else ""
+
+    def describe(self) -> str:
+        """The block printed at start: what the step will do, and the memory it is predicted to take."""
+        T = self.model.block_size
+        on = f"{self.world_size} x {self.device_name} ({self.distributed.value})" if self.world_size > 1 \
+            else self.device_name
+        policy = self.checkpointing.policy.value + (f" (k={self.checkpointing.every_k})"
+                                                    if self.checkpointing.policy == CheckpointPolicy.every_k else "")
+        compiled = "eager" if not self.compiled else f"torch.compile mode={self.compile_mode}" + \
+            (" (CUDA graphs)" if self.cuda_graphs else "")
+        lines = [
+            f"plan: {self.model.name} on {on}",
+            f"  precision      {self.precision.name}{self._tag('precision')}: {self.precision.describe()}",
+            f"  compile        {compiled}{self._tag('compile')}",
+            f"  kernels        loss={self.loss_impl} optimizer={self.optimizer_impl} "
+            f"gelu={self.model.gelu.value}{self._tag('kernels')}",
+            f"  batch          {self.batch_size} x {T} = {self.batch_size * T:,} tokens/step: micro-batch "
+            f"{self.micro_batch} x {self.grad_accum} accumulation{' x ' + str(self.world_size) + ' ranks' if self.world_size > 1 else ''}"
+            f"{self._tag('micro_batch')}",
+            f"  checkpointing  {policy}{self._tag('checkpointing')}",
+            f"  schedule       lr {self.schedule.lr:g} -> {self.schedule.min_lr:g}, warmup "
+            f"{self.schedule.warmup_steps} of {self.schedule.max_steps} steps{self._tag('warmup')}",
+            f"  memory         predicted peak {self.memory.peak / GB:.2f} GB of a {self.memory_budget / GB:.1f} GB "
+            f"budget ({self.memory_budget / self.device_memory:.0%} of {self.device_memory / GB:.1f} GB"
+            f"{' available' if self.device.type == 'cpu' else ''})",
+        ]
+        return "\n".join(lines + [f"  note: {n}" for n in self.notes])
+
+    def as_dict(self) -> dict[str, Any]:
+        """Flat values for the wandb config and metrics.jsonl's first record."""
+        return {"device": self.device_name, "world_size": self.world_size, "distributed": self.distributed.value,
+                "precision": self.precision.name, "param_dtype": str(self.precision.param_dtype),
+                "tf32": self.precision.tf32, "compile_mode": self.compile_mode or "eager",
+                "cuda_graphs": self.cuda_graphs, "loss": self.loss_impl, "optimizer": self.optimizer_impl,
+                "gelu": self.model.gelu.value, "batch_size": self.batch_size, "micro_batch": self.micro_batch,
+                "grad_accum": self.grad_accum, "checkpointing": self.checkpointing.policy.value,
+                "every_k": self.checkpointing.every_k, "warmup_steps": self.schedule.warmup_steps,
+                "max_skipped_steps": self.max_skipped_steps, "predicted_peak_gb": self.memory.peak / GB,
+                "memory_budget_gb": self.memory_budget / GB, "auto": list(self.auto)}
+
+
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("trainer.device: cuda was asked for but torch sees no CUDA device")
+    return torch.device(name)
+
+
+def device_memory(device: torch.device) -> int:
+    """What one process may fill: the GPU's total memory, or the RAM available now on a CPU."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    return psutil.virtual_memory().available
+
+
+def model_config_for(cfg: Config, tokenizer_vocab: int, device: torch.device) -> ModelConfig:
+    """The model config with vocab_size settled against the tokenizer and the GELU's `auto` resolved."""
+    gelu = KernelImpl.fused if cfg.model.gelu.fused_on(device.type) else KernelImpl.torch
+    if cfg.model.vocab_size is None:
+        return replace(cfg.model, vocab_size=-(-tokenizer_vocab // 64) * 64, gelu=gelu)
+    if cfg.model.vocab_size < tokenizer_vocab:
+        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
+                          f"({tokenizer_vocab}, from data.vocab_size={cfg.data.vocab_size})")
+    return replace(cfg.model, gelu=gelu)
+
+
+def _compile_mode(cfg: Config, device: torch.device) -> Optional[str]:
+    """auto: compiled on CUDA (CUDA graphs in one process; hooks and collectives of ddp/fsdp are not
+    validated under graphs), eager on a CPU, where compiling a short run costs more than it saves."""
+    t = cfg.trainer
+    on = device.type == "cuda" if t.compile == "auto" else t.compile == "true"
+    if not on:
+        return None
+    if t.compile_mode != "auto":
+        return t.compile_mode
+    one_process = cfg.distributed.mode == DistributedMode.none
+    return "reduce-overhead" if device.type == "cuda" and one_process else "default"
+
+
+def _policies(cfg: CheckpointingConfig, n_layer: int) -> list[CheckpointingConfig]:
+    """The policies to try, cheapest recompute first."""
+    if cfg.policy != CheckpointPolicy.auto:
+        return [cfg]
+    every_k = [CheckpointingConfig(CheckpointPolicy.every_k, k) for k in EVERY_K_CANDIDATES if k <= n_layer]
+    return [CheckpointingConfig(CheckpointPolicy.none), CheckpointingConfig(CheckpointPolicy.selective), *every_k,
+            CheckpointingConfig(CheckpointPolicy.full)]
+
+
+def recompute_cost(policy: CheckpointingConfig, n_layer: int) -> float:
+    if policy.policy == CheckpointPolicy.selective:
+        return RECOMPUTE_COST["selective"]
+    return RECOMPUTE_COST["full"] * sum(recomputed_blocks(policy, n_layer)) / n_layer
+
+
+def predicted_rate(micro_tokens: int, policy: CheckpointingConfig, n_layer: int) -> float:
+    """Relative tokens/s of a candidate (only its ranking matters)."""
+    return micro_tokens / (micro_tokens + HALF_RATE_TOKENS) / (1 + recompute_cost(policy, n_layer))
+
+
+def make_plan(cfg: Config, tokenizer_vocab: int, device: torch.device, world_size: int = 1) -> Plan:
+    t, auto = cfg.trainer, []
+    if t.device.value == "auto":
+        auto.append("device")
+    precision = resolve_precision(cfg.precision, device, tf32=t.tf32, optimizer_impl=cfg.optimizer.impl)
+    if cfg.precision.name == "auto":
+        auto.append("precision")
+    compile_mode = _compile_mode(cfg, device)
+    if t.compile == "auto" or t.compile_mode == "auto":
+        auto.append("compile")
+    model = model_config_for(cfg, tokenizer_vocab, device)
+    loss_impl = "fused" if cfg.loss.impl.fused_on(device.type) else "torch"
+    optimizer_impl = cfg.optimizer.impl.value
+    if cfg.optimizer.impl == OptimizerImpl.auto:
+        optimizer_impl = "fused" if device.type == "cuda" else "foreach"
+    if KernelImpl.auto in (cfg.loss.impl, cfg.model.gelu) or cfg.optimizer.impl == OptimizerImpl.auto:
+        auto.append("kernels")
+    notes = []
+    if device.type == "cpu" and precision.compute_dtype != torch.float32:
+        notes.append(f"precision={precision.name} on a CPU: bf16/fp16 matmuls run many times slower than fp32 "
+                     "here (precision=auto picks fp32 on a CPU)")
+
+    if t.batch_size % world_size:
+        raise ConfigError(f"trainer.batch_size: the global batch of {t.batch_size} sequences does not split "
+                          f"into {world_size} ranks")
+    per_rank = t.batch_size // world_size
+    sharded = cfg.distributed.mode == DistributedMode.fsdp
+    total = device_memory(device)
+    budget = int(t.memory_budget * total)
+
+    def predict(micro: int, policy: CheckpointingConfig) -> MemoryEstimate:
+        return memory.predict(model, precision, policy, micro, model.block_size, loss_impl, cfg.loss.chunk_bytes,
+                              grad_accum=per_rank // micro, loss_low_memory=cfg.loss.low_memory,
+                              world_size=world_size, sharded=sharded, device=device.type,
+                              optimizer_impl=optimizer_impl, fsdp_unit_blocks=cfg.distributed.fsdp_unit_blocks,
+                              reshard_after_forward=cfg.distributed.reshard_after_forward)
+
+    if t.micro_batch == "auto":
+        auto.append("micro_batch")
+        micro_batches = [m for m in range(per_rank, 0, -1) if per_rank % m == 0]
+    else:
+        micro = int(t.micro_batch)
+        if per_rank % micro:
+            raise ConfigError(f"trainer.micro_batch={micro} does not divide the {per_rank} sequences of each of "
+                              f"{world_size} ranks (trainer.batch_size={t.batch_size})")
+        micro_batches = [micro]
+    if cfg.checkpointing.policy == CheckpointPolicy.auto:
+        auto.append("checkpointing")
+    candidates = [(m, p) for p in _policies(cfg.checkpointing, model.n_layer) for m in micro_batches]
+    fitting = [(predicted_rate(m * model.block_size, p, model.n_layer), -i, m, p, est)
+               for i, (m, p) in enumerate(candidates) if (est := predict(m, p)).peak <= budget]
+    if not fitting:
+        smallest = min(((predict(m, p), m) for m, p in candidates), key=lambda c: c[0].peak)
+        raise PlanError(_no_fit_message(cfg, *smallest, budget, total, device))
+    *_, micro, policy, estimate = max(fitting, key=lambda c: c[:2])
+    if not {"micro_batch", "checkpointing"} & set(auto) and estimate.peak > CLOSE_TO_BUDGET * budget:
+        notes.append(f"the predicted peak is {estimate.peak / budget:.0%} of trainer.memory_budget")
+
+    if t.warmup_steps is None:
+        auto.append("warmup")
+    warmup = default_warmup(t.max_steps) if t.warmup_steps is None else t.warmup_steps
+    max_skipped = t.max_skipped_steps or (25 if precision.loss_scaling else 3)
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return Plan(device=device, device_name=name, world_size=world_size, distributed=cfg.distributed.mode,
+                model=model, precision=precision, compile_mode=compile_mode, loss_impl=loss_impl,
+                optimizer_impl=optimizer_impl, batch_size=t.batch_size, micro_batch=micro, checkpointing=policy,
+                schedule=LRSchedule(t.lr, t.min_lr, warmup, t.max_steps), max_skipped_steps=max_skipped,
+                memory=estimate, memory_budget=budget, device_memory=total, auto=tuple(auto), notes=tuple(notes))
+
+
+def _no_fit_message(cfg: Config, smallest: MemoryEstimate, micro: int, budget: int, total: int,
+                    device: torch.device) -> str:
+    where = "of the RAM available" if device.type == "cpu" else "of the device's memory"
+    tried = []
+    if cfg.trainer.micro_batch != "auto":
+        tried.append("trainer.micro_batch=auto")
+    if cfg.checkpointing.policy != CheckpointPolicy.auto:
+        tried.append("checkpointing=auto")
+    advice = ", ".join(tried + ["a smaller model", "precision=bf16" if device.type == "cuda" else
+                                "fewer parameters", "or distributed=fsdp over more devices"])
+    return (f"the step does not fit: its smallest predicted peak is {smallest.peak / GB:.2f} GB (micro-batch "
+            f"{micro}), over trainer.memory_budget={cfg.trainer.memory_budget} {where} "
+            f"({budget / GB:.2f} of {total / GB:.2f} GB). Try {advice}.\n{smallest.table()}")
