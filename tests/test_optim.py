@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from minitrain.amp import DynamicLossScaler, LossScaling
-from minitrain.memory import LiveBytes
+from minitrain.tools.live_bytes import LiveBytes
 from minitrain.optim import AdamW, TorchAdamW
 from minitrain.optim.adamw import Counters, decide_step
 from minitrain.optim.adamw_triton import BLOCK, GRAD_MULT, INV_BC1, INV_BC2_SQRT, N_SCALARS, NOT_SKIPPED, finalize
@@ -210,9 +210,9 @@ def test_clipping_matches_clip_grad_norm(impl, max_norm):
         torch.testing.assert_close(opt.stats()["grad_norm"], norm)
     for i, k in enumerate(group_order(len(ps))):
         torch.testing.assert_close(ps[k], ref[k], rtol=1e-5, atol=1e-6)
-        torch.testing.assert_close(state(opt, i, "exp_avg"), torch_opt.state[ref[k]]["exp_avg"], rtol=1e-5, atol=1e-7)
+        torch.testing.assert_close(state(opt, i, "exp_avg"), torch_opt.state[ref[k]]["exp_avg"], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(state(opt, i, "exp_avg_sq"), torch_opt.state[ref[k]]["exp_avg_sq"],
-                                   rtol=1e-5, atol=1e-9)
+                                   rtol=1e-5, atol=1e-12)  # a sum of squares: no cancellation
 
 
 def test_three_thousand_tiny_tensors_fused():
