@@ -47,32 +47,6 @@ def test_loss_drops_on_default_corpus(make_cfg, tmp_path):
     assert (tmp_path / "run" / "sample.txt").read_text().startswith("def ")
 
 
-def test_resume_after_a_crash_is_bit_identical(make_cfg, tmp_path, monkeypatch):
-    overrides = ("trainer.max_steps=20", "trainer.save_every=10", "trainer.eval_every=20", "trainer.log_every=5")
-    straight = Trainer(make_cfg(*overrides, f"trainer.out_dir={tmp_path / 'straight'}"), progress=False)
-    straight.fit()
-
-    crash_dir = tmp_path / "crashed"
-    crashing = Trainer(make_cfg(*overrides, f"trainer.out_dir={crash_dir}"), progress=False)
-    real_step = crashing.train_step
-
-    def step_then_crash(step):
-        if step == 13:
-            raise KeyboardInterrupt("simulated crash after the step-10 checkpoint")
-        return real_step(step)
-
-    monkeypatch.setattr(crashing, "train_step", step_then_crash)
-    with pytest.raises(KeyboardInterrupt):
-        crashing.fit()
-
-    resumed = Trainer(make_cfg(*overrides, f"trainer.out_dir={crash_dir}", "trainer.resume=auto"), progress=False)
-    assert resumed.step == 10
-    resumed.fit()
-    a, b = params(straight), params(resumed)
-    assert all(torch.equal(a[k], b[k]) for k in a)
-    assert_identical(straight.optimizer.state_dict(), resumed.optimizer.state_dict())
-
-
 def test_grad_accum_does_not_change_the_math(make_cfg, tmp_path):
     runs = []
     norms = []
@@ -214,3 +188,125 @@ def test_evaluate_reads_each_loss_before_the_next_call(make_cfg):
 def test_vocab_larger_than_the_model_fails_naming_both(make_cfg):
     with pytest.raises(ConfigError, match=r"model\.vocab_size=512 is smaller than the tokenizer's vocabulary \(4096"):
         Trainer(make_cfg("model.vocab_size=512"), progress=False)
+
+
+def strict_records(path):
+    """metrics.jsonl as strict JSON: a bare NaN or Infinity fails here."""
+    def refuse(constant):
+        raise ValueError(f"non-JSON constant {constant}")
+    return [json.loads(line, parse_constant=refuse) for line in path.read_text().splitlines()]
+
+
+def deterministic(records):
+    keep = ("step", "tokens", "train/loss", "val/loss", "opt/lr", "opt/grad_norm", "amp/loss_scale", "amp/skipped_steps")
+    return [{k: r[k] for k in keep if k in r} for r in records if "step" in r]
+
+
+@pytest.mark.parametrize("precision, extra", [
+    ("fp32", ["model.dropout=0.1"]),  # dropout: the RNG state must come back
+    ("fp16", ["model.dropout=0.1", "precision.growth_interval=2"]),  # the scaler's growth tracker is non-zero
+])
+def test_resume_restores_every_part_and_the_logged_metrics(make_cfg, tmp_path, monkeypatch, precision, extra):
+    """log_every=4, save_every=6: the crash at step 9 loses steps 7-9 and the running loss of steps 5-6, which the
+    resumed run must log exactly as the unbroken one did (no record twice)."""
+    overrides = (f"precision={precision}", *extra, "trainer.max_steps=12", "trainer.save_every=6",
+                 "trainer.log_every=4", "trainer.eval_every=12")
+    straight = Trainer(make_cfg(*overrides, f"trainer.out_dir={tmp_path / 'straight'}"), progress=False)
+    straight.fit()
+
+    crash_dir = tmp_path / "crashed"
+    crashing = Trainer(make_cfg(*overrides, f"trainer.out_dir={crash_dir}"), progress=False)
+    real_step = crashing.train_step
+
+    def step_then_crash(step):
+        if step == 9:
+            raise RuntimeError("simulated crash after the step-6 checkpoint")
+        return real_step(step)
+
+    monkeypatch.setattr(crashing, "train_step", step_then_crash)
+    with pytest.raises(RuntimeError, match="simulated"):
+        crashing.fit()
+    resumed = Trainer(make_cfg(*overrides, f"trainer.out_dir={crash_dir}", "trainer.resume=auto"), progress=False)
+    assert resumed.step == 6
+    resumed.fit()
+    a, b = params(straight), params(resumed)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert_identical(straight.optimizer.state_dict(), resumed.optimizer.state_dict())
+    logged = [deterministic(strict_records(d / "metrics.jsonl")) for d in (tmp_path / "straight", crash_dir)]
+    assert logged[0] == logged[1] and [r["step"] for r in logged[1]] == [4, 8, 12]
+
+
+def test_a_second_run_in_the_same_dir_is_refused_naming_the_holder(make_cfg):
+    import os
+
+    first = Trainer(make_cfg(), progress=False)
+    with pytest.raises(resume.RunDirBusyError, match=f"pid {os.getpid()}"):
+        Trainer(make_cfg(), progress=False)
+    first.close()
+    Trainer(make_cfg(), progress=False).close()  # free again once the holder is done
+
+
+def test_resume_refuses_a_different_run_and_accepts_a_longer_one(make_cfg, tmp_path):
+    train(make_cfg("trainer.max_steps=4", "trainer.save_every=4"), progress=False)
+    with pytest.raises(resume.CheckpointError, match=r"trainer\.lr: saved 0\.001, now 0\.002"):
+        Trainer(make_cfg("trainer.max_steps=4", "trainer.lr=2e-3", "trainer.resume=auto"), progress=False)
+    with pytest.raises(resume.CheckpointError, match="trainer.resume=auto"):  # a fresh start would overwrite it
+        Trainer(make_cfg("trainer.max_steps=4"), progress=False)
+    longer = Trainer(make_cfg("trainer.max_steps=6", "trainer.resume=auto"), progress=False)
+    assert longer.step == 4
+    longer.fit()
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "trainer.max_steps" in log and "resumed from" in log
+
+
+def test_a_diverged_run_stops_with_a_clear_message_and_valid_json(data_cache, tmp_path):
+    """lr=1e4: the gradients are inf/NaN from the second step and every step after is skipped."""
+    run = tmp_path / "diverged"
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "train.py"), "trainer.lr=1e4", "trainer.min_lr=0",
+                          "trainer.max_steps=30", "trainer.log_every=5", "trainer.save_every=100",
+                          "trainer.batch_size=4", "model.block_size=32", "trainer.sample_tokens=0",
+                          f"data.cache_dir={data_cache}", "logger.mode=disabled", f"hydra.run.dir={run}"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert "skipped" in out.stderr and "Traceback" not in out.stderr
+    records = strict_records(run / "metrics.jsonl")  # the NaN grad norm is written as null
+    assert not (run / "checkpoints").exists() and not (run / "sample.txt").exists()
+    assert all("step" not in r or r["step"] <= 5 for r in records)
+
+
+def test_ctrl_c_saves_a_checkpoint_after_the_step_and_the_run_continues_from_it(make_cfg, monkeypatch):
+    import os
+    import signal
+
+    from minitrain.trainer import TrainingInterrupted
+
+    t = Trainer(make_cfg("trainer.max_steps=10"), progress=False)
+    real_step = t.train_step
+
+    def interrupted_at_3(step):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGINT)  # arrives while the step runs
+        return real_step(step)
+
+    monkeypatch.setattr(t, "train_step", interrupted_at_3)
+    with pytest.raises(TrainingInterrupted, match="trainer.resume=auto"):
+        t.fit()
+    resumed = Trainer(make_cfg("trainer.max_steps=10", "trainer.resume=auto"), progress=False)
+    assert resumed.step == 4
+    resumed.close()
+
+
+def test_fused_kernels_inside_a_trainer_match_the_torch_parts(make_cfg, tmp_path):
+    """The Triton loss, optimizer and GELU (through the interpreter) wired into a whole run."""
+    losses = {}
+    for name, parts in {"torch": ("loss=torch", "optimizer.impl=foreach", "model.gelu=torch"),
+                        "fused": ("loss=fused", "optimizer.impl=fused", "model.gelu=fused")}.items():
+        t = Trainer(make_cfg(*parts, "trainer.max_steps=3", "model.n_layer=2", "model.n_embd=64", "model.n_head=2",
+                             "trainer.batch_size=4", "model.block_size=32", f"trainer.out_dir={tmp_path / name}"),
+                    progress=False)
+        assert (t.plan.loss_impl, t.plan.optimizer_impl) == (parts[0][5:], parts[1][15:])
+        losses[name] = torch.stack([t.train_step(s) for s in range(3)])
+        losses[name + "_norm"] = t.optimizer.stats()["grad_norm"].clone()
+        t.close()
+    torch.testing.assert_close(losses["fused"], losses["torch"], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(losses["fused_norm"], losses["torch_norm"], rtol=1e-3, atol=1e-5)
