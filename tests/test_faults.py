@@ -1,0 +1,307 @@
+"""Fault injection for the whole run: `scripts/train.py` SIGKILLed at seeded random moments and at the
+moments a resume must get right, restarted with trainer.resume=auto each time until it finishes, must end
+exactly where an unbroken run ends — weights, optimizer state (masters, moments, step, skipped steps, loss
+scaler), the generator dropout draws from, and every deterministic metric in metrics.jsonl, each step
+logged once.
+
+The kills are aimed at what a checkpoint has to carry or a restart has to repair: a save in progress (its
+temporary left behind, or `latest.pt` already renamed away), a checkpoint taken between two log steps (a
+loss sum in flight), records logged after the last checkpoint (to be dropped and logged again), and under
+fp16 a loss scaler part-way to its next growth. The test checks that these happened, and that every
+restart resumed from the checkpoint the kill left: a run that silently started over would also end equal.
+"""
+
+import json
+import os
+import random
+import re
+import select
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Optional
+
+import pytest
+import torch
+
+from minitrain import resume
+
+from conftest import REPO
+from test_trainer import assert_identical, deterministic, strict_records
+
+LOG_EVERY, SAVE_EVERY, EVAL_EVERY = 2, 3, 6  # saves at odd steps fall between two log steps
+POLL_S = 0.001  # a save's temporary lives for a few milliseconds
+START_TIMEOUT_S = 300
+EXTRA_KILLS = 4  # retries for a kill that timing made miss its aim
+
+
+def train_args(corpus: Path, data_cache: Path, max_steps: int, *extra: str) -> list[str]:
+    """A model small enough that a start costs about as much as its steps; dropout, so the RNG state matters.
+    One plan candidate (micro-batch and checkpointing pinned) and a small corpus: each start predicts the
+    memory of every candidate and checks every corpus file against the token cache."""
+    return ["model.n_layer=2", "model.n_head=2", "model.n_embd=32", "model.block_size=32", "model.dropout=0.1",
+            "trainer.batch_size=4", "trainer.micro_batch=4", "checkpointing=none", f"trainer.max_steps={max_steps}",
+            f"trainer.log_every={LOG_EVERY}", f"trainer.save_every={SAVE_EVERY}", f"trainer.eval_every={EVAL_EVERY}",
+            "trainer.eval_batches=1", "trainer.sample_tokens=0", "trainer.resume=auto", "logger.mode=disabled",
+            "data=files", f"data.paths='{corpus}/*.py'", "data.vocab_size=512", f"data.cache_dir={data_cache}",
+            *extra]
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory) -> Path:
+    """A few standard-library modules, copied once so that their mtimes (part of the cache key) stay put."""
+    corpus = tmp_path_factory.mktemp("corpus")
+    for name in ("textwrap", "string", "fnmatch", "glob", "shlex", "bisect"):
+        shutil.copy(Path(os.__file__).parent / f"{name}.py", corpus)
+    return corpus
+
+
+@dataclass
+class Run:
+    """One start of scripts/train.py. Its pidfd names this process only: a kill cannot reach another
+    process that reused the pid."""
+
+    pidfd: int
+    started: float
+
+    def exited(self) -> bool:
+        return bool(select.select([self.pidfd], [], [], 0)[0])
+
+    def kill(self) -> None:
+        try:
+            signal.pidfd_send_signal(self.pidfd, signal.SIGKILL)
+        except ProcessLookupError:  # it finished first
+            pass
+
+
+class TrainServer:
+    """tests/train_server.py: every start a forked child of one process that imported torch and minitrain.
+    One intra-op thread: the run shares two cores with the polling that decides when to kill it."""
+
+    def __init__(self, cwd: Path):
+        path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))  # this checkout's code
+        self.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "train_server.py")], cwd=cwd,
+                                     env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path},
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+
+    def start(self, args: list[str], run_dir: Path) -> Run:
+        request = {"args": [*args, f"hydra.run.dir={run_dir}"], "log": str(console_path(run_dir))}
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        return Run(os.pidfd_open(int(self._answer("pid"))), time.monotonic())
+
+    def wait(self, run: Run, kill_when: Callable[[], bool] = lambda: False) -> tuple[int, bool]:
+        """Poll until the run exits, SIGKILLing it once `kill_when()` holds; (exit code, whether it was killed)."""
+        killed = timed_out = False
+        while not run.exited():
+            if not killed and kill_when():
+                run.kill()
+                killed = True
+            elif not timed_out and time.monotonic() - run.started > START_TIMEOUT_S:
+                run.kill()
+                timed_out = True
+            time.sleep(POLL_S)
+        code = int(self._answer("exit"))
+        os.close(run.pidfd)
+        assert not timed_out, f"a start of scripts/train.py ran past {START_TIMEOUT_S} s"
+        return code, killed
+
+    def _answer(self, key: str) -> str:
+        line = self.proc.stdout.readline()
+        if not line.startswith(f"{key} "):
+            raise RuntimeError(f"tests/train_server.py answered {line!r} where `{key} ...` was due")
+        return line.split()[1]
+
+    def close(self) -> None:
+        self.proc.stdin.close()
+        self.proc.wait(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = TrainServer(tmp_path_factory.mktemp("train-server"))
+    yield s
+    s.close()
+
+
+# -- what the run dir shows -------------------------------------------------------------------------
+def console_path(run_dir: Path) -> Path:
+    """Every start's stdout and stderr, appended (beside the run dir: train.log is the trainer's own)."""
+    return run_dir.parent / f"{run_dir.name}.console"
+
+
+def temporaries(run_dir: Path) -> set[str]:
+    ckpts = resume.checkpoint_dir(run_dir)
+    return {p.name for p in ckpts.iterdir() if ".tmp" in p.name} if ckpts.is_dir() else set()
+
+
+def last_logged_step(run_dir: Path) -> int:
+    """Tolerant of a line torn by a kill (the next start drops it)."""
+    path, last = run_dir / "metrics.jsonl", 0
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                last = max(last, json.loads(line).get("step", 0))
+            except ValueError:
+                pass
+    return last
+
+
+def checkpoint_to_resume(run_dir: Path) -> tuple[Optional[str], Optional[dict]]:
+    """What resume=auto must load next: latest.pt, or previous.pt when a kill fell between a save's renames."""
+    for name in (resume.LATEST, resume.PREVIOUS):
+        path = resume.checkpoint_dir(run_dir) / name
+        if path.exists():
+            return name, resume.load(path, torch.device("cpu"))
+    return None, None
+
+
+# -- when to kill ------------------------------------------------------------------------------------
+def mid_window_log_step(after: int, max_steps: int) -> Optional[int]:
+    """The first log step past a save taken between two log steps, both later than `after`: a kill when it
+    is logged resumes from that save, with a loss sum in flight and a logged record to drop."""
+    for save in range(SAVE_EVERY * (after // SAVE_EVERY + 1), max_steps, SAVE_EVERY):
+        log_step = save + LOG_EVERY - save % LOG_EVERY
+        if save % LOG_EVERY and log_step < min(save + SAVE_EVERY, max_steps):
+            return log_step
+    return None
+
+
+def kill_trigger(aim: Optional[str], run_dir: Path, resume_step: int, delay_s: float,
+                 max_steps: int) -> Callable[[], bool]:
+    """When to kill a start, by what the run dir shows.
+
+    save: a new checkpoint temporary appeared (the save is writing it). publish: latest.pt is gone while
+    previous.pt is there (between the save's two renames). mid_window: mid_window_log_step was logged.
+    delay: `delay_s` after the start first logs a step the killed start had not (its steps are under way), at
+    the latest when the last log step before the end is logged, so that the kill comes before the finish.
+    None: never. The records a start finds in metrics.jsonl are the killed start's; only a later step is its own.
+    """
+    if aim is None:
+        return lambda: False
+    ckpts, before = resume.checkpoint_dir(run_dir), temporaries(run_dir)
+    if aim == "save":
+        return lambda: bool(temporaries(run_dir) - before)
+    if aim == "publish":
+        return lambda: not (ckpts / resume.LATEST).exists() and (ckpts / resume.PREVIOUS).exists()
+    found = max(last_logged_step(run_dir), resume_step)
+    if aim == "mid_window":
+        target = mid_window_log_step(found, max_steps)
+        return lambda: last_logged_step(run_dir) >= target
+    assert aim == "delay", aim
+    last_log, under_way = max_steps - LOG_EVERY, []
+
+    def fire() -> bool:
+        step = last_logged_step(run_dir)
+        if step > found and not under_way:
+            under_way.append(time.monotonic())
+        return bool(under_way) and (time.monotonic() - under_way[0] >= delay_s or step >= last_log)
+
+    return fire
+
+
+@dataclass
+class Kill:
+    """What one kill left for the next start."""
+
+    aim: str
+    inside_save: bool  # a checkpoint temporary was left behind
+    resume_from: Optional[str]  # the checkpoint the next start must resume from: previous.pt if latest.pt is gone
+    resume_step: int  # its step (0: none yet)
+    mid_window: bool  # it holds a loss sum of steps not yet logged
+    records_to_drop: bool  # metrics.jsonl holds records past it
+    scaler_mid_growth: bool  # its loss scaler has counted steps towards the next growth
+
+
+def observe(aim: str, run_dir: Path, temps_before: set[str]) -> Kill:
+    name, state = checkpoint_to_resume(run_dir)
+    step = state["progress"]["step"] if state is not None else 0
+    scaler = state["optimizer"]["loss_scaler"] if state is not None else None
+    return Kill(aim, inside_save=bool(temporaries(run_dir) - temps_before), resume_from=name, resume_step=step,
+                mid_window=state is not None and state["progress"]["steps_since_log"] > 0,
+                records_to_drop=last_logged_step(run_dir) > step,
+                scaler_mid_growth=scaler is not None and int(scaler["growth_tracker"]) != 0)
+
+
+AIM_FOR = {"inside_save": "save", "mid_window": "mid_window", "records_to_drop": "mid_window",
+           "scaler_mid_growth": "mid_window"}
+
+
+def missed(needed: list[str], kills: list[Kill]) -> list[str]:
+    return [goal for goal in needed if not any(getattr(k, goal) for k in kills)]
+
+
+def train_with_kills(server: TrainServer, args: list[str], run_dir: Path, aims: list[str], needed: list[str],
+                     seed: int, step_s: float, max_steps: int) -> list[Kill]:
+    """Start, kill as `aims` says, restart with resume=auto, until a start finishes; up to EXTRA_KILLS more
+    kills aim at what of `needed` (Kill fields) timing made the planned ones miss. Every start must resume
+    from the checkpoint the kill before it left (a killed process's lock is the kernel's to release, so
+    every start gets it)."""
+    rng, kills, planned, extra = random.Random(seed), [], list(aims), EXTRA_KILLS
+    log = run_dir / "train.log"
+    while True:
+        if not planned and missed(needed, kills) and extra:
+            planned.append(AIM_FOR[missed(needed, kills)[0]])
+            extra -= 1
+        aim = planned.pop(0) if planned else None
+        expected = kills[-1] if kills else None
+        resume_step = expected.resume_step if expected else 0
+        if aim == "mid_window" and mid_window_log_step(max(last_logged_step(run_dir), resume_step), max_steps) is None:
+            aim = "save"  # too close to the end for a save between log steps
+        log_start, temps = log.stat().st_size if log.exists() else 0, temporaries(run_dir)
+        delay_s = rng.uniform(0, 2 * SAVE_EVERY) * step_s  # a random moment of the next two save cycles
+        code, killed = server.wait(server.start(args, run_dir), kill_trigger(aim, run_dir, resume_step, delay_s,
+                                                                            max_steps))
+        said = log.read_bytes()[log_start:].decode() if log.exists() else ""
+        if "minitrain: " in said:  # the start reached its loop, past the line saying where it resumed
+            resumed = re.findall(r"resumed from (\S+) at step (\d+)", said)
+            path = resume.checkpoint_dir(run_dir) / expected.resume_from if resume_step else None
+            assert resumed == ([(str(path), str(resume_step))] if resume_step else []), (expected, said)
+        if code == 0:
+            break
+        assert killed and code == -signal.SIGKILL, f"exit {code}:\n{console_path(run_dir).read_text()[-3000:]}"
+        kills.append(observe(aim, run_dir, temps))
+    assert not missed(needed, kills), f"no kill achieved {missed(needed, kills)}: {kills}"
+    assert not temporaries(run_dir), "the temporaries of killed saves outlive the next start"
+    return kills
+
+
+def assert_same_run(straight: Path, killed: Path, max_steps: int) -> None:
+    final = [resume.load(resume.checkpoint_dir(d) / resume.LATEST, torch.device("cpu")) for d in (straight, killed)]
+    assert final[0]["progress"]["step"] == max_steps
+    for part in ("model", "optimizer", "progress"):
+        assert_identical(final[0][part], final[1][part], part)
+    assert torch.equal(final[0]["rng"]["torch"], final[1]["rng"]["torch"]), "the generator dropout draws from"
+    records = [strict_records(d / "metrics.jsonl") for d in (straight, killed)]
+    assert "plan" in records[1][0] and sum("plan" in r for r in records[1]) == 1
+    logged = [deterministic(r) for r in records]
+    steps = sorted({*range(LOG_EVERY, max_steps + 1, LOG_EVERY), *range(EVAL_EVERY, max_steps + 1, EVAL_EVERY),
+                    max_steps})
+    assert [r["step"] for r in logged[0]] == steps
+    assert [r["step"] for r in logged[1]] == steps  # none twice, none missing
+    assert logged[1] == logged[0]
+
+
+@pytest.mark.parametrize("precision, max_steps, aims, needed, seed", [
+    ("fp32", 24, ["delay", "save", "mid_window", "publish", "delay", "save"],
+     ["inside_save", "mid_window", "records_to_drop"], 15),
+    # fp16 on a CPU is slow: fewer steps. growth_interval=2: the tracker is non-zero at some checkpoints.
+    ("fp16", 12, ["mid_window", "save", "delay"],
+     ["inside_save", "mid_window", "records_to_drop", "scaler_mid_growth"], 16),
+])
+def test_killed_and_resumed_until_done_equals_an_unbroken_run(server, corpus, data_cache, tmp_path, precision,
+                                                              max_steps, aims, needed, seed):
+    args = train_args(corpus, data_cache, max_steps, f"precision={precision}",
+                      *(["precision.growth_interval=2"] if precision == "fp16" else []))
+    code, _ = server.wait(server.start(args, tmp_path / "straight"))
+    assert code == 0, console_path(tmp_path / "straight").read_text()[-3000:]
+    step_s = statistics.median(r["perf/step_ms"] for r in strict_records(tmp_path / "straight" / "metrics.jsonl")
+                               if "perf/step_ms" in r) / 1e3  # the scale of the random delays
+    kills = train_with_kills(server, args, tmp_path / "killed", aims, needed, seed, step_s, max_steps)
+    print(*kills, sep="\n")  # pytest shows it when an assertion below fails
+    assert_same_run(tmp_path / "straight", tmp_path / "killed", max_steps)
