@@ -9,7 +9,7 @@ Everything here is PyTorch's own engine (torch.distributed, DistributedDataParal
         parameters are fp32 and ARE the master weights; FSDP2's mixed-precision policy all-gathers
         them as the precision's param_dtype for compute and reduce-scatters gradients in fp32. So a
         precision that asks for bf16/fp16 params with fp32 masters (`bf16`, `fp16`) maps to fp32
-        shards + bf16/fp16 compute, and FusedAdamW sees fp32 params and keeps no separate master.
+        shards + bf16/fp16 compute, and AdamW sees fp32 params and keeps no separate master.
         Without masters (`bf16_no_master`) the shards stay in the param dtype. Blocks are sharded
         `distributed.fsdp_unit_blocks` at a time: FSDP2's hooks are Python that runs per unit, and
         with a unit per block the host, not the link, set the step time.

@@ -11,7 +11,7 @@ Gradients exist whole only at the optimizer step: backward makes them as it free
 
 It is a model of eager PyTorch as this repo runs it, op by op; every byte count below names the op that
 holds it. Assumptions, checked by tests/test_memory.py on CPU and by the GPU sweep on the H200:
-  - the optimizer is minitrain.optim.FusedAdamW: grads are autograd's tensors from backward to
+  - the optimizer is minitrain.optim.AdamW: grads are autograd's tensors from backward to
     zero_grad; the fused step reads them in place, loop and foreach gather them into a flat buffer
     (every tensor padded to ALIGN elements, one bucket per dtype); fp32 main grads live in that
     buffer from the first backward;
@@ -169,7 +169,7 @@ def predict(model_cfg: ModelConfig, precision: Precision, ckpt_cfg: Checkpointin
     stats = 4 if device == "cuda" or autocast else p  # autocast runs LayerNorm in fp32
     notes = []
 
-    # Persistent state: the model's params + FusedAdamW's flat, ALIGN-padded buffers.
+    # Persistent state: the model's params + AdamW's flat, ALIGN-padded buffers.
     groups = param_numels(model_cfg)
     n_params = sum(sum(numels) for numels, _ in groups)
     padded = sum(_padded(n) for numels, _ in groups for n in numels)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU tests and the measurements of docs/benchmarks.md, by section name, on a machine with an NVIDIA GPU.
 # Usage: scripts/gpu_suite.sh OUT_DIR [tests] [optimizer] [cross_entropy] [ce_rows] [ce_chunks] [gelu] [train]
-#        [step] [step15b] [sweep]
+#        [step] [step15b] [sweep] [defaults] [defaults15b]
 set -uo pipefail
 out=${1:?output dir}; shift
 mkdir -p "$out"
@@ -14,8 +14,21 @@ for what in "$@"; do
     tests) MINITRAIN_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q tests/test_optim.py tests/test_amp.py \
              tests/test_cross_entropy.py tests/test_gelu.py tests/test_model.py 2>&1 | grep -E "^(E  |FAILED|[0-9]+ (passed|failed))" | tail -40
            # compiled kernels (not the interpreter the CPU tests default to), on a cuda trainer
-           TRITON_INTERPRET=0 timeout 200 python3 -m pytest -q tests/test_trainer.py -k "never_syncs or cuda_graph" 2>&1 \
-             | grep -E "^(E  |FAILED|[0-9]+ (passed|failed))" | tail -20 ;;
+           TRITON_INTERPRET=0 timeout 300 python3 -m pytest -q tests/test_trainer.py tests/test_prefetch.py \
+             -k "never_syncs or cuda_graph or cuda" 2>&1 | grep -E "^(E  |FAILED|[0-9]+ (passed|failed))" | tail -20 ;;
+    defaults)  # what a user gets with no keys but the model (issue 16), beside a hand-picked micro-batch
+      for extra in "" "trainer.micro_batch=16"; do
+        rm -rf /tmp/defaults-124m
+        timeout 280 python3 scripts/train.py model=gpt2-124m trainer.max_steps=200 trainer.sample_tokens=0 $extra \
+          hydra.run.dir=/tmp/defaults-124m 2>&1 | grep -v "it/s\]\|step/s\]" | grep -E "^(plan|  |step|memory|error)" | tail -24
+        cp /tmp/defaults-124m/metrics.jsonl "$out/defaults_124m${extra:+_micro16}.jsonl"
+      done ;;
+    defaults15b)
+      rm -rf /tmp/defaults-15b
+      timeout 560 python3 scripts/train.py model=gpt2-1.5b trainer.batch_size=512 trainer.max_steps=6 \
+        trainer.log_every=2 trainer.eval_every=1000 trainer.save_every=1000 trainer.sample_tokens=0 \
+        hydra.run.dir=/tmp/defaults-15b 2>&1 | grep -v "it/s\]\|step/s\]" | grep -E "^(plan|  |step|memory|error)" | tail -24
+      cp /tmp/defaults-15b/metrics.jsonl "$out/defaults_15b.jsonl" ;;
     optimizer) timeout 240 python3 scripts/bench_optimizer.py --out "$out/bench_optimizer.json" 2>&1 | tail -40 ;;
     cross_entropy) timeout 400 python3 scripts/bench_cross_entropy.py --out "$out/bench_cross_entropy.json" 2>&1 | tail -40 ;;
     train) timeout 300 python3 scripts/train.py model=gpt2-124m precision=bf16 trainer.batch_size=16 \

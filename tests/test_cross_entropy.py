@@ -184,9 +184,9 @@ def test_torch_compile_fullgraph():
 
 
 def test_cpu_without_interpreter_raises(monkeypatch):
-    from minitrain.ops import _runtime
+    from minitrain import triton_runtime
 
-    monkeypatch.setattr(_runtime, "_INTERPRETED", False)  # as if TRITON_INTERPRET was unset at import
+    monkeypatch.setattr(triton_runtime, "interpreted", lambda: False)  # as if TRITON_INTERPRET was unset at import
     hidden, weight, targets = (t.cpu() for t in make_inputs(10))
     with pytest.raises(RuntimeError, match="loss.impl=torch"):
         fused_linear_cross_entropy(hidden, weight, targets)

@@ -56,12 +56,12 @@ def run_job(trainer, job):
     if job.get("overflow_at") is not None:  # an inf in one gradient of rank 1's shard only
         real_opt_step = trainer.optimizer.step
 
-        def poisoned_step(scaler=None):
+        def poisoned_step():
             if trainer.step == job["overflow_at"] and trainer.dist.rank == 1:
                 grad = next(g for g in (p.grad for p in trainer.optimizer.buckets[0].owners)
                             if g is not None and (g.to_local() if hasattr(g, "to_local") else g).numel())
                 (grad.to_local() if hasattr(grad, "to_local") else grad).view(-1)[0] = float("inf")
-            real_opt_step(scaler=scaler)
+            real_opt_step()
 
         trainer.optimizer.step = poisoned_step
     try:
@@ -70,7 +70,7 @@ def run_job(trainer, job):
         return {"crashed_at": trainer.step}
     stats = trainer.optimizer.stats()
     state_bytes = sum(t.numel() * t.element_size() for b in trainer.optimizer.buckets
-                      for t in (b.exp_avg, b.exp_avg_sq, b.master) if t is not None)
+                      for t in (b.state.exp_avg, b.state.exp_avg_sq, b.state.master) if t is not None)
     return {"skipped": int(stats["skipped_steps"]), "loss_scale": float(stats["loss_scale"]),
             "optimizer_state_bytes": state_bytes, "params": full_params(trainer)}
 
@@ -104,7 +104,7 @@ def runs(data_cache, tmp_path_factory):
     reference.fit()
     fsdp = overrides(data_cache, root / "fsdp", "distributed=fsdp")
     jobs = {
-        "ddp": {"overrides": overrides(data_cache, root / "ddp", "distributed=ddp", "trainer.grad_accum=2",
+        "ddp": {"overrides": overrides(data_cache, root / "ddp", "distributed=ddp", "trainer.micro_batch=2",
                                        "checkpointing=full")},
         "fsdp": {"overrides": fsdp},
         # the fused AdamW (Triton's interpreter here) reading each rank's gradient shards in place; a unit per block
@@ -143,7 +143,7 @@ def test_losses_match_the_single_process_run(runs, mode):
     train_dist, val_dist = read_losses(root / mode)
     assert len(train_dist) == len(train_ref) == 10
     torch.testing.assert_close(train_dist, train_ref, rtol=1e-5, atol=1e-5)
-    if mode != "ddp":  # (eval batches are global micro-batches: ddp's grad_accum=2 halves them)
+    if mode != "ddp":  # (eval batches are global micro-batches: ddp's micro-batch of 2 halves them)
         torch.testing.assert_close(val_dist, val_ref, rtol=1e-5, atol=1e-5)
     ref = full_params(reference)
     for rank in range(WORLD):
@@ -154,7 +154,7 @@ def test_losses_match_the_single_process_run(runs, mode):
 
 def test_fsdp_ranks_each_hold_half_the_optimizer_state(runs):
     _, reference, reports = runs
-    single = sum(t.numel() * 4 for b in reference.optimizer.buckets for t in (b.exp_avg, b.exp_avg_sq))
+    single = sum(t.numel() * 4 for b in reference.optimizer.buckets for t in (b.state.exp_avg, b.state.exp_avg_sq))
     for rank in range(WORLD):
         assert reports[f"ddp.{rank}"]["optimizer_state_bytes"] == single  # replicated
         held = reports[f"fsdp.{rank}"]["optimizer_state_bytes"]
@@ -192,6 +192,7 @@ def test_torchrun_launch(data_cache, tmp_path):
     out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=TIMEOUT_S,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
+    assert (out.stdout + out.stderr).count("plan: tiny on 2 x cpu (ddp)") == 1  # resolved on every rank, printed once
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "train/loss" in r] == [1, 2]
     assert {"mem/rank0/rss_gb", "mem/rank1/rss_gb"} <= records[-1].keys()
@@ -204,13 +205,13 @@ def test_a_failing_rank_ends_the_job_with_a_clear_message(data_cache, tmp_path):
     script = tmp_path / "fail_on_rank1.py"
     script.write_text(
         "import runpy, sys\n"
-        "from minitrain.trainer import Trainer\n"
-        "real_step = Trainer.train_step\n"
+        "from minitrain.step import TrainStep\n"
+        "real_step = TrainStep.__call__\n"
         "def train_step(self, step):\n"
         "    if step == 2 and self.dist.rank == 1:\n"
         "        raise RuntimeError('simulated failure')\n"
         "    return real_step(self, step)\n"
-        "Trainer.train_step = train_step\n"
+        "TrainStep.__call__ = train_step\n"
         f"sys.argv[0] = {str(REPO / 'scripts' / 'train.py')!r}\n"
         "runpy.run_path(sys.argv[0], run_name='__main__')\n")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}", str(script),

@@ -131,8 +131,8 @@ def test_opcheck():
 
 
 def test_cpu_without_interpreter_raises(monkeypatch):
-    from minitrain.ops import _runtime
+    from minitrain import triton_runtime
 
-    monkeypatch.setattr(_runtime, "_INTERPRETED", False)  # as if TRITON_INTERPRET was unset at import
+    monkeypatch.setattr(triton_runtime, "interpreted", lambda: False)  # as if TRITON_INTERPRET was unset at import
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
         gelu_tanh(torch.randn(4, device="cpu"))

@@ -40,10 +40,10 @@ def test_parameter_and_optimizer_terms_are_exact(name):
     est = predict(cfg, precision, POLICIES["none"], B, T, "torch", None, device="cpu", optimizer_impl="foreach")
     nbytes = lambda ts: sum(t.nbytes for t in ts)  # noqa: E731
     assert est.weights == nbytes(model.parameters())
-    assert est.grads == sum(b.size * b.grad_dtype.itemsize for b in opt.buckets)
-    assert est.masters == nbytes(b.master for b in opt.buckets if b.master is not None)
-    assert est.adam_m == nbytes(b.exp_avg for b in opt.buckets)
-    assert est.adam_v == nbytes(b.exp_avg_sq for b in opt.buckets)
+    assert est.grads == sum(b.layout.size * b.grads.dtype.itemsize for b in opt.buckets)
+    assert est.masters == nbytes(b.state.master for b in opt.buckets if b.state.master is not None)
+    assert est.adam_m == nbytes(b.state.exp_avg for b in opt.buckets)
+    assert est.adam_v == nbytes(b.state.exp_avg_sq for b in opt.buckets)
     per_param = est.state / est.n_params  # the floor: 16 B/param, 18 with fp32 grads next to bf16 weights
     assert per_param == pytest.approx(18 if name == "bf16_fp32_grads" else 16, rel=0.02)
 

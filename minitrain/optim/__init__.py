@@ -6,6 +6,4 @@ from .adamw import AdamW
 from .build import build_adamw
 from .torch_baseline import TorchAdamW
 
-FusedAdamW = AdamW  # the old name, until tests/test_memory.py says AdamW; then delete it
-
-__all__ = ["AdamW", "FusedAdamW", "TorchAdamW", "build_adamw"]
+__all__ = ["AdamW", "TorchAdamW", "build_adamw"]

@@ -192,7 +192,6 @@ class AdamW:
         self._lr, self._wd = self._hyper.unbind()  # views of its rows, which each upload refills
         self._hyper_host = None
         self.loss_scaler = DynamicLossScaler(**asdict(loss_scaling), device=self.device) if loss_scaling else None
-        self._step_scaler = self.loss_scaler  # the scaler the last step used (stats' loss_scale)
         self._fused = FusedStep(self.buckets, self.betas, self.eps, max_grad_norm, reduce_sumsq) \
             if impl == "fused" else None
 
@@ -207,11 +206,8 @@ class AdamW:
             g["lr"] = lr
 
     @torch.no_grad()
-    def step(self, scaler: DynamicLossScaler | None = None):
-        """scaler: only for callers that keep their own scaler (the FusedAdamW-era call, removed with that
-        alias); by default the step uses the optimizer's `loss_scaler`."""
-        scaler = self.loss_scaler if scaler is None else scaler
-        self._step_scaler = scaler
+    def step(self):
+        scaler = self.loss_scaler
         self._upload_hyper()
         if self._fused is not None:
             self._fused(self._lr, self._wd, self.counters, scaler)
@@ -273,7 +269,7 @@ class AdamW:
 
     def stats(self):
         """Live 0-d device tensors; read (or clone) them at log steps only."""
-        scaler = self._step_scaler
+        scaler = self.loss_scaler
         return {"grad_norm": self.counters.grad_norm, "skipped_steps": self.counters.skipped,
                 "loss_scale": scaler.get_scale() if scaler is not None else self._one}
 

@@ -40,11 +40,3 @@ class Bucket:
             self.grads = InPlaceGrads(self.owners, grad_dtype)
         else:
             self.grads = GatheredGrads(self.owners, self.layout, grad_dtype, device)
-
-    # The names before the split, read by tests/test_memory.py, tests/test_distributed.py and
-    # scripts/bench_distributed.py until they read bucket.state / .layout / .grads: then delete these.
-    exp_avg = property(lambda self: self.state.exp_avg)
-    exp_avg_sq = property(lambda self: self.state.exp_avg_sq)
-    master = property(lambda self: self.state.master)
-    size = property(lambda self: self.layout.size)
-    grad_dtype = property(lambda self: self.grads.dtype)

@@ -21,7 +21,6 @@ class TorchAdamW:
         self.param_groups = self.opt.param_groups
         self.max_grad_norm = max_grad_norm
         self.loss_scaler = torch.amp.GradScaler(self.device.type, **asdict(loss_scaling)) if loss_scaling else None
-        self._step_scaler = self.loss_scaler
         self._grad_norm = torch.zeros((), device=self.device)
         self._skipped = torch.zeros((), dtype=torch.int32, device=self.device)
 
@@ -32,11 +31,8 @@ class TorchAdamW:
         for g in self.param_groups:
             g["lr"] = lr
 
-    def step(self, scaler=None):
-        """scaler: only for callers that keep their own GradScaler (the call before `loss_scaling`, removed
-        with minitrain.optim.FusedAdamW); by default the step uses `loss_scaler`."""
-        scaler = self.loss_scaler if scaler is None else scaler
-        self._step_scaler = scaler
+    def step(self):
+        scaler = self.loss_scaler
         if scaler is not None:
             scaler.unscale_(self.opt)
         # clip_grad_norm_ with max_norm=inf still returns the norm (and multiplies by 1)
@@ -54,7 +50,7 @@ class TorchAdamW:
         self.opt.zero_grad(set_to_none=set_to_none)
 
     def stats(self):
-        scale = self._step_scaler.get_scale() if self._step_scaler is not None else 1.0  # a float
+        scale = self.loss_scaler.get_scale() if self.loss_scaler is not None else 1.0  # a float
         return {"grad_norm": self._grad_norm, "skipped_steps": self._skipped,
                 "loss_scale": torch.tensor(scale)}
 
