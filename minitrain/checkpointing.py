@@ -4,8 +4,8 @@ A policy decides, block by block, what backward finds saved. `none` keeps everyt
 memory); `full` and `every_k` keep only a block's input and rerun the whole block in backward (one extra
 block forward, a fraction of the memory); `selective` keeps the matmul and attention outputs — the
 expensive FLOPs — and reruns only the cheap norms and GELU. Eager, each norm and the GELU is fused with
-the linear layer it feeds into one autograd function (no per-op dispatch: 4% slower than `none`, where
-torch's selective checkpointing cost 46%); compiled, torch's selective checkpointing tags the ops
+the linear layer it feeds into one autograd function (no per-op dispatch, whose Python per op made torch's
+selective checkpointing slow in eager mode: docs/benchmarks.md); compiled, torch's selective checkpointing tags the ops
 Inductor's partitioner must save. Gradients are the same for every policy.
 """
 

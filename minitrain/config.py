@@ -220,8 +220,8 @@ class DistributedConfig:
     mode: DistributedMode = DistributedMode.none
     timeout_s: int = 600  # a rank that stops answering takes the job down after this long
     # fsdp only. Consecutive blocks sharded as one unit (one all-gather, one reduce-scatter each way): FSDP2's
-    # hooks cost ~3 ms of host time per unit and step, so one unit per block left the GPUs idle; 4 measured
-    # best on 2 H200s (1.5b: 1.30x -> 1.73x one GPU, docs/benchmarks.md), at 6 more blocks gathered at once.
+    # hooks cost host time per unit and step, so one unit per block left the GPUs idle; 4 measured best on
+    # 2 H200s (docs/benchmarks.md, "Distributed"), at 6 more blocks gathered at once.
     fsdp_unit_blocks: int = 4
     # fsdp only. false keeps each unit's gathered params from forward to backward (no second all-gather,
     # ZeRO-2-like: + the compute-dtype params at the peak).

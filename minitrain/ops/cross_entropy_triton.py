@@ -178,8 +178,8 @@ def logit_grad_block(logits, col0, vocab, targets, lse, grad_scale, *, ignore_in
     times `grad_scale`, from the rows' log-sum-exp.
 
     Default tile (rows, columns): 2048 elements, as wide as divides C evenly (up to 1024), so no lane
-    is masked: 8 x 256 for C = 768, 2 x 1024 for C = 2048, 94-99% of a copy of the same bytes on an
-    H200 (one-row programs: 79-86%; scripts/tune_cross_entropy_rows.py).
+    is masked: 8 x 256 for C = 768, 2 x 1024 for C = 2048 (tuned with scripts/tune_cross_entropy_rows.py;
+    figures in docs/benchmarks.md).
     """
     rows, cols = logits.shape
     if tile is None:
