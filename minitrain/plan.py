@@ -184,7 +184,7 @@ def make_plan(cfg: Config, tokenizer_vocab: int, device: torch.device, world_siz
     if cfg.precision.name == "auto":
         auto.append("precision")
     compile_mode = _compile_mode(cfg, device)
-    if t.compile == "auto" or t.compile_mode == "auto":
+    if t.compile == "auto" or (compile_mode is not None and t.compile_mode == "auto"):
         auto.append("compile")
     model = model_config_for(cfg, tokenizer_vocab, device)
     loss_impl = "fused" if cfg.loss.impl.fused_on(device.type) else "torch"
