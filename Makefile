@@ -21,7 +21,7 @@ INSTALL_TORCH = $(PIP) install "torch==$(TORCH_VERSION)+cpu" 2>/dev/null \
 	|| $(PIP) install "torch==$(TORCH_VERSION)" --index-url $(TORCH_CPU_INDEX)
 endif
 
-.PHONY: install train test clean
+.PHONY: install train test mutants clean
 
 install: $(INSTALLED)
 
@@ -36,6 +36,10 @@ train: $(INSTALLED)
 
 test: $(INSTALLED)
 	$(VENV_PYTHON) -m pytest -q tests
+
+# Not in CI: injects each bug of scripts/mutants.toml into a copy of the repo; every one must fail its tests.
+mutants: $(INSTALLED)
+	$(VENV_PYTHON) scripts/mutants.py $(ARGS)
 
 clean:
 	rm -rf runs outputs multirun .pytest_cache
