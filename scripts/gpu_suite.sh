@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU tests and the measurements of docs/benchmarks.md, by section name, on a machine with an NVIDIA GPU.
 # Usage: scripts/gpu_suite.sh OUT_DIR [tests] [optimizer] [cross_entropy] [ce_rows] [ce_chunks] [gelu] [train]
-#        [step] [step15b] [sweep] [defaults] [defaults15b]
+#        [step] [step_ablate] [step15b] [sweep] [defaults] [defaults15b]
 set -uo pipefail
 out=${1:?output dir}; shift
 mkdir -p "$out"
@@ -36,9 +36,11 @@ for what in "$@"; do
              trainer.warmup_steps=10 trainer.lr=6e-4 trainer.min_lr=6e-5 hydra.run.dir=/tmp/run-124m 2>&1 \
              | grep -v "it/s\]\|step/s\]" | tail -25
            cp /tmp/run-124m/metrics.jsonl "$out/train_124m_metrics.jsonl" ;;
-    step) timeout 400 python3 scripts/bench_step.py --models gpt2-124m --batch 16 --profile \
+    step) timeout 400 python3 scripts/bench_step.py --models gpt2-124m --batch 16 --profile --reference-graphs \
+            --rounds 8 --steps 48 --out "$out/bench_step_124m.json" 2>&1 | grep -v "^ .* ms .*x" | tail -40 ;;
+    step_ablate) timeout 400 python3 scripts/bench_step.py --models gpt2-124m --batch 16 \
             --ablate trainer.compile_mode=default model.gelu=torch \
-            --out "$out/bench_step_124m.json" 2>&1 | grep -v "^ .* ms .*x" | tail -40 ;;
+            --out "$out/bench_step_124m_ablate.json" 2>&1 | tail -12 ;;
     step15b) timeout 590 python3 scripts/bench_step.py --models gpt2-1.5b --batch auto --warmup 2 --steps 4 \
                --minitrain-extra trainer.compile_mode=default \
                --out "$out/bench_step_15b.json" 2>&1 | tail -8 ;;
