@@ -37,7 +37,7 @@ from test_trainer import assert_identical, deterministic, strict_records
 LOG_EVERY, SAVE_EVERY, EVAL_EVERY = 2, 3, 6  # saves at odd steps fall between two log steps
 POLL_S = 0.001  # a save's temporary lives for a few milliseconds
 START_TIMEOUT_S = 300
-EXTRA_KILLS = 4  # retries for a kill that timing made miss its aim
+EXTRA_KILLS = 6  # retries for a kill that timing made miss its aim
 
 
 def train_args(corpus: Path, data_cache: Path, max_steps: int, *extra: str) -> list[str]:
@@ -162,14 +162,22 @@ def checkpoint_to_resume(run_dir: Path) -> tuple[Optional[str], Optional[dict]]:
 
 
 # -- when to kill ------------------------------------------------------------------------------------
-def mid_window_log_step(after: int, max_steps: int) -> Optional[int]:
-    """The first log step past a save taken between two log steps, both later than `after`: a kill when it
-    is logged resumes from that save, with a loss sum in flight and a logged record to drop."""
-    for save in range(SAVE_EVERY * (after // SAVE_EVERY + 1), max_steps, SAVE_EVERY):
-        log_step = save + LOG_EVERY - save % LOG_EVERY
-        if save % LOG_EVERY and log_step < min(save + SAVE_EVERY, max_steps):
-            return log_step
-    return None
+def file_identity(stat: os.stat_result) -> tuple[int, int]:
+    return stat.st_ino, stat.st_mtime_ns
+
+
+def published_progress(latest: Path, seen: list[tuple[int, int]]) -> Optional[dict]:
+    """The progress part of a latest.pt published since the files in `seen` (then appended), else None.
+    Read through one descriptor: a save renaming it away meanwhile changes nothing."""
+    try:
+        with open(latest, "rb") as f:
+            identity = file_identity(os.fstat(f.fileno()))
+            if identity in seen:
+                return None
+            seen.append(identity)
+            return torch.load(f, map_location="cpu", weights_only=False)["progress"]
+    except FileNotFoundError:  # between a save's renames
+        return None
 
 
 def kill_trigger(aim: Optional[str], run_dir: Path, resume_step: int, delay_s: float,
@@ -177,7 +185,8 @@ def kill_trigger(aim: Optional[str], run_dir: Path, resume_step: int, delay_s: f
     """When to kill a start, by what the run dir shows.
 
     save: a new checkpoint temporary appeared (the save is writing it). publish: latest.pt is gone while
-    previous.pt is there (between the save's two renames). mid_window: mid_window_log_step was logged.
+    previous.pt is there (between the save's two renames). mid_window / at_log_step: a checkpoint was just
+    published that holds a loss sum not yet logged / that was taken at a log step (its record must stay).
     delay: `delay_s` after the start first logs a step the killed start had not (its steps are under way), at
     the latest when the last log step before the end is logged, so that the kill comes before the finish.
     None: never. The records a start finds in metrics.jsonl are the killed start's; only a later step is its own.
@@ -185,16 +194,21 @@ def kill_trigger(aim: Optional[str], run_dir: Path, resume_step: int, delay_s: f
     if aim is None:
         return lambda: False
     ckpts, before = resume.checkpoint_dir(run_dir), temporaries(run_dir)
+    latest, previous = ckpts / resume.LATEST, ckpts / resume.PREVIOUS
     if aim == "save":
         return lambda: bool(temporaries(run_dir) - before)
     if aim == "publish":
-        return lambda: not (ckpts / resume.LATEST).exists() and (ckpts / resume.PREVIOUS).exists()
-    found = max(last_logged_step(run_dir), resume_step)
-    if aim == "mid_window":
-        target = mid_window_log_step(found, max_steps)
-        return lambda: last_logged_step(run_dir) >= target
+        return lambda: not latest.exists() and previous.exists()
+    if aim in ("mid_window", "at_log_step"):
+        seen = [file_identity(latest.stat())] if latest.exists() else []
+
+        def fire() -> bool:
+            progress = published_progress(latest, seen)
+            return progress is not None and (progress["steps_since_log"] > 0) == (aim == "mid_window")
+
+        return fire
     assert aim == "delay", aim
-    last_log, under_way = max_steps - LOG_EVERY, []
+    found, last_log, under_way = max(last_logged_step(run_dir), resume_step), max_steps - LOG_EVERY, []
 
     def fire() -> bool:
         step = last_logged_step(run_dir)
@@ -211,9 +225,11 @@ class Kill:
 
     aim: str
     inside_save: bool  # a checkpoint temporary was left behind
-    resume_from: Optional[str]  # the checkpoint the next start must resume from: previous.pt if latest.pt is gone
+    latest_gone: bool  # killed between a save's renames: the next start must fall back to previous.pt
+    resume_from: Optional[str]  # the checkpoint the next start must resume from
     resume_step: int  # its step (0: none yet)
     mid_window: bool  # it holds a loss sum of steps not yet logged
+    at_log_step: bool  # it was taken at a log step, whose record must stay
     records_to_drop: bool  # metrics.jsonl holds records past it
     scaler_mid_growth: bool  # its loss scaler has counted steps towards the next growth
 
@@ -222,14 +238,15 @@ def observe(aim: str, run_dir: Path, temps_before: set[str]) -> Kill:
     name, state = checkpoint_to_resume(run_dir)
     step = state["progress"]["step"] if state is not None else 0
     scaler = state["optimizer"]["loss_scaler"] if state is not None else None
-    return Kill(aim, inside_save=bool(temporaries(run_dir) - temps_before), resume_from=name, resume_step=step,
+    return Kill(aim, inside_save=bool(temporaries(run_dir) - temps_before), latest_gone=name == resume.PREVIOUS,
+                resume_from=name, resume_step=step,
                 mid_window=state is not None and state["progress"]["steps_since_log"] > 0,
+                at_log_step=state is not None and state["progress"]["steps_since_log"] == 0,
                 records_to_drop=last_logged_step(run_dir) > step,
                 scaler_mid_growth=scaler is not None and int(scaler["growth_tracker"]) != 0)
 
 
-AIM_FOR = {"inside_save": "save", "mid_window": "mid_window", "records_to_drop": "mid_window",
-           "scaler_mid_growth": "mid_window"}
+AIM_GOAL = {"save": "inside_save", "publish": "latest_gone", "mid_window": "mid_window", "at_log_step": "at_log_step"}
 
 
 def missed(needed: list[str], kills: list[Kill]) -> list[str]:
@@ -238,25 +255,24 @@ def missed(needed: list[str], kills: list[Kill]) -> list[str]:
 
 def train_with_kills(server: TrainServer, args: list[str], run_dir: Path, aims: list[str], needed: list[str],
                      seed: int, step_s: float, max_steps: int) -> list[Kill]:
-    """Start, kill as `aims` says, restart with resume=auto, until a start finishes; up to EXTRA_KILLS more
-    kills aim at what of `needed` (Kill fields) timing made the planned ones miss. Every start must resume
-    from the checkpoint the kill before it left (a killed process's lock is the kernel's to release, so
-    every start gets it)."""
+    """Start, kill as `aims` says, restart with resume=auto, until a start finishes. Up to EXTRA_KILLS more
+    kills make up for timing: a kill that missed its aim is tried again at once, and what of `needed` (Kill
+    fields) is still missing when the plan is done is aimed at. Every start must resume from the checkpoint
+    the kill before it left (a killed process's lock is the kernel's to release, so every start gets it)."""
     rng, kills, planned, extra = random.Random(seed), [], list(aims), EXTRA_KILLS
+    goal_aims = {goal: aim for aim, goal in AIM_GOAL.items()}
     log = run_dir / "train.log"
     while True:
         if not planned and missed(needed, kills) and extra:
-            planned.append(AIM_FOR[missed(needed, kills)[0]])
+            planned.append(goal_aims.get(missed(needed, kills)[0], "delay"))
             extra -= 1
         aim = planned.pop(0) if planned else None
         expected = kills[-1] if kills else None
         resume_step = expected.resume_step if expected else 0
-        if aim == "mid_window" and mid_window_log_step(max(last_logged_step(run_dir), resume_step), max_steps) is None:
-            aim = "save"  # too close to the end for a save between log steps
         log_start, temps = log.stat().st_size if log.exists() else 0, temporaries(run_dir)
         delay_s = rng.uniform(0, 2 * SAVE_EVERY) * step_s  # a random moment of the next two save cycles
-        code, killed = server.wait(server.start(args, run_dir), kill_trigger(aim, run_dir, resume_step, delay_s,
-                                                                            max_steps))
+        trigger = kill_trigger(aim, run_dir, resume_step, delay_s, max_steps)
+        code, killed = server.wait(server.start(args, run_dir), trigger)
         said = log.read_bytes()[log_start:].decode() if log.exists() else ""
         if "minitrain: " in said:  # the start reached its loop, past the line saying where it resumed
             resumed = re.findall(r"resumed from (\S+) at step (\d+)", said)
@@ -266,6 +282,9 @@ def train_with_kills(server: TrainServer, args: list[str], run_dir: Path, aims: 
             break
         assert killed and code == -signal.SIGKILL, f"exit {code}:\n{console_path(run_dir).read_text()[-3000:]}"
         kills.append(observe(aim, run_dir, temps))
+        if aim in AIM_GOAL and not getattr(kills[-1], AIM_GOAL[aim]) and extra:
+            planned.insert(0, aim)
+            extra -= 1
     assert not missed(needed, kills), f"no kill achieved {missed(needed, kills)}: {kills}"
     assert not temporaries(run_dir), "the temporaries of killed saves outlive the next start"
     return kills
@@ -288,11 +307,11 @@ def assert_same_run(straight: Path, killed: Path, max_steps: int) -> None:
 
 
 @pytest.mark.parametrize("precision, max_steps, aims, needed, seed", [
-    ("fp32", 24, ["delay", "save", "mid_window", "publish", "delay", "save"],
-     ["inside_save", "mid_window", "records_to_drop"], 15),
+    ("fp32", 24, ["at_log_step", "mid_window", "publish", "save", "delay", "save", "delay"],
+     ["inside_save", "latest_gone", "mid_window", "at_log_step", "records_to_drop"], 15),
     # fp16 on a CPU is slow: fewer steps. growth_interval=2: the tracker is non-zero at some checkpoints.
-    ("fp16", 12, ["mid_window", "save", "delay"],
-     ["inside_save", "mid_window", "records_to_drop", "scaler_mid_growth"], 16),
+    ("fp16", 12, ["mid_window", "at_log_step", "save", "delay"],
+     ["inside_save", "mid_window", "at_log_step", "records_to_drop", "scaler_mid_growth"], 16),
 ])
 def test_killed_and_resumed_until_done_equals_an_unbroken_run(server, corpus, data_cache, tmp_path, precision,
                                                               max_steps, aims, needed, seed):
