@@ -16,9 +16,7 @@ import sys
 import traceback
 from pathlib import Path
 
-import hydra._internal.hydra  # noqa: F401  (the imports the script pays at each start)
-import minitrain.trainer  # noqa: F401
-import torch  # noqa: F401
+import minitrain.trainer  # noqa: F401  (torch, hydra and minitrain: what each start would import again)
 
 SCRIPT = str(Path(__file__).resolve().parents[1] / "scripts" / "train.py")
 
