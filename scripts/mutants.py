@@ -7,7 +7,8 @@ small test selection that must catch it. For each, the working tree's files (tra
 does not ignore) are copied to a temporary directory, the bug is applied there (its snippet must occur exactly
 once, so the list cannot silently drift from the code), and the selection runs with `minitrain` imported from
 the copy. Before any mutant, a control run of every selection on the unmutated copy must pass: a mutant only
-counts as caught by tests that pass without it. Exits 1 if a mutant survived or could not be judged.
+counts as caught by tests that pass without it. Exits 1 if a mutant survived or could not be judged, 2 if
+the list does not match the code or the control run fails.
 
 The stdlib token cache (built once per pytest session by tests/conftest.py's `data_cache`) takes longer to
 build than most selections take to run, so the control run's cache is handed to every later run, which still
@@ -34,7 +35,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 MUTANTS_FILE = REPO / "scripts" / "mutants.toml"
-PYTEST = ["-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "mutants"]
+PYTEST_ARGS = ["-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-p", "mutants"]
 DEFAULT_TIMEOUT_S = 300
 CONTROL_TIMEOUT_S = 1800
 TAIL_LINES = 30
@@ -162,7 +163,7 @@ def run_pytest(copy: Path, selection: list[str], timeout_s: int, env: dict[str, 
     """pytest exit 1 (a test failed) is a catch, 0 a survivor; anything else (a collection error, no test
     selected, a timeout) leaves the mutant unjudged."""
     start = time.monotonic()
-    proc = subprocess.Popen([sys.executable, *PYTEST, *selection], cwd=copy, env=env, stdout=subprocess.PIPE,
+    proc = subprocess.Popen([sys.executable, *PYTEST_ARGS, *selection], cwd=copy, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, text=True, start_new_session=True)
     try:
         output, _ = proc.communicate(timeout=timeout_s)
@@ -170,6 +171,9 @@ def run_pytest(copy: Path, selection: list[str], timeout_s: int, env: dict[str, 
         os.killpg(proc.pid, signal.SIGKILL)  # the run's own session: its test subprocesses too
         output, _ = proc.communicate()
         return Outcome(ERROR, time.monotonic() - start, f"timed out after {timeout_s} s", output)
+    except BaseException:  # Ctrl-C: the run is in its own session, out of the terminal's reach
+        os.killpg(proc.pid, signal.SIGKILL)
+        raise
     seconds = time.monotonic() - start
     if proc.returncode == 0:
         return Outcome(SURVIVED, seconds, "", output)
@@ -250,8 +254,12 @@ def main() -> int:
         for m in mutants:
             copy = Path(tmp) / m.id
             copy_tree(REPO, files, copy)
-            (copy / m.file).write_text(mutated_text(m, copy))
-            outcome = run_pytest(copy, m.selection, m.timeout_s, run_env(copy, cache, False))
+            try:
+                (copy / m.file).write_text(mutated_text(m, copy))
+            except MutantListError as e:  # the code changed while the list ran
+                outcome = Outcome(ERROR, 0.0, str(e).splitlines()[0], "")
+            else:
+                outcome = run_pytest(copy, m.selection, m.timeout_s, run_env(copy, cache, False))
             shutil.rmtree(copy)
             rows.append((m.id, m.file, m.description, outcome.result, f"{outcome.seconds:.0f}", outcome.detail))
             print(f"{outcome.result:8} {m.id} ({outcome.seconds:.0f} s) {outcome.detail}", flush=True)

@@ -63,10 +63,10 @@ def record(progress, steps, losses, skipped_totals):
 
 
 def test_progress_resumed_mid_log_window_logs_what_an_unbroken_one_does():
-    """Logging every 4 steps, a checkpoint after step 6 (two steps into a window): the resumed loop's next mean
-    loss and its skip bookkeeping must equal the unbroken loop's."""
+    """Logging every 4 steps, a checkpoint after step 6, two steps into a log window and into a run of skipped
+    steps: the resumed loop's next mean loss and its skip bookkeeping must equal the unbroken loop's."""
     losses = [5.0, 4.0, 3.5, 3.0, 2.75, 2.5, 2.25, 2.0]
-    skipped = [0, 0, 0, 0, 1, 2, 2, 3]  # steps 5 and 6 skipped in a row, step 8 again
+    skipped = [0, 0, 0, 0, 1, 2, 3, 3]  # the optimizer's count after each step: steps 5, 6 and 7 skipped in a row
     straight = Progress(CPU)
     record(straight, range(4), losses, skipped)
     straight.take_mean_loss()
@@ -82,7 +82,8 @@ def test_progress_resumed_mid_log_window_logs_what_an_unbroken_one_does():
 
     assert resumed.step == straight.step == 8
     assert resumed.take_mean_loss().item() == straight.take_mean_loss().item() == pytest.approx(2.375)
-    for key in ("skip_run", "longest_skip_run", "skipped_seen"):
+    assert resumed.longest_skip_run.item() == straight.longest_skip_run.item() == 3
+    for key in ("skip_run", "skipped_seen"):
         assert getattr(resumed, key).item() == getattr(straight, key).item(), key
 
 
