@@ -37,7 +37,8 @@ from test_trainer import assert_identical, deterministic, strict_records
 pytestmark = pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="kills through pidfds (Linux)")
 
 LOG_EVERY, SAVE_EVERY, EVAL_EVERY = 2, 3, 6  # saves at odd steps fall between two log steps
-POLL_S = 0.001  # a save's temporary, and the gap between its renames, last as long as a small file's fsync
+POLL_S = 0.001  # a save's temporary lasts as long as a small file's write and fsync
+SAVE_WATCH_S = 0.2  # the longest a poll watches one save for the moment between its renames
 START_TIMEOUT_S = 300
 EXTRA_KILLS = 6  # retries for a kill that timing made miss its aim
 
@@ -187,7 +188,7 @@ def kill_trigger(aim: Optional[str], run_dir: Path, resume_step: int, delay_s: f
     """When to kill a start, by what the run dir shows.
 
     save: a new checkpoint temporary appeared (the save is writing it). publish: latest.pt is gone while
-    previous.pt is there (between the save's two renames). mid_window / at_log_step: a checkpoint was just
+    previous.pt is there (between the save's two renames, an fsync apart). mid_window / at_log_step: a checkpoint was just
     published that holds a loss sum not yet logged / that was taken at a log step (its record must stay).
     delay: `delay_s` after the start first logs a step the killed start had not (its steps are under way), at
     the latest when the last log step before the end is logged, so that the kill comes before the finish.
@@ -200,7 +201,14 @@ def kill_trigger(aim: Optional[str], run_dir: Path, resume_step: int, delay_s: f
     if aim == "save":
         return lambda: bool(temporaries(run_dir) - before)
     if aim == "publish":
-        return lambda: not latest.exists() and previous.exists()
+        def fire() -> bool:  # while a save of this start is under way, watched without sleeping
+            deadline = time.monotonic() + SAVE_WATCH_S
+            while temporaries(run_dir) - before and time.monotonic() < deadline:
+                if not latest.exists() and previous.exists():
+                    return True
+            return False
+
+        return fire
     if aim in ("mid_window", "at_log_step"):
         seen = [file_identity(latest.stat())] if latest.exists() else []
 
