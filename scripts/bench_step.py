@@ -47,7 +47,7 @@ from minitrain.trainer import Trainer  # noqa: E402
 # accumulation, no checkpointing unless an ablation asks for it).
 RECIPES = {
     "reference": ["precision=amp_bf16", "loss=torch", "optimizer.impl=torch", "model.gelu=torch",
-                  "checkpointing=none"],
+                  "checkpointing=none", "trainer.compile_mode=default"],
     "minitrain": ["precision=bf16", "loss=fused", "optimizer.impl=fused", "model.gelu=fused",
                   "checkpointing=none", "trainer.compile_mode=reduce-overhead"],
 }
@@ -333,7 +333,7 @@ def main() -> None:
         references = [r for r in ok if r["recipe"].startswith("reference")]
         ref = max(references, key=lambda r: r["tokens_per_s"], default=None)  # the baseline at its best
         # memory against a reference row with peaks of its own (a graphed one built after ours shares our pool)
-        mem_ref = next((r for r in references if r.get("peak_reserved_gb") is not None), ref)
+        mem_ref = next((r for r in references if r.get("peak_reserved_gb") is not None), None)
         if ref is not None and len(references) > 1:
             print(f"{model}: ratios against the faster reference row, {ref['recipe']!r}")
         for ours in (r for r in ok if ref and not r["recipe"].startswith("reference")):
@@ -341,7 +341,7 @@ def main() -> None:
             per_round = [a / b * ours["batch"] / ref["batch"]  # tokens/s ratios of the rounds
                          for a, b in zip(ref["ms_per_round"], ours["ms_per_round"])]
             batches = "" if ref["batch"] == ours["batch"] else f" (each at its batch: {ref['batch']}, {ours['batch']})"
-            if ours["peak_reserved_gb"] is None:
+            if ours["peak_reserved_gb"] is None or mem_ref is None:
                 peak = "memory not its own (it shares a graphed recipe's pool)"
             elif ours["cuda_graphs"]:  # the allocated counter misses the graphs' pool: what the process holds
                 peak = (f"peak reserved {ours['peak_reserved_gb'] / mem_ref['peak_reserved_gb']:.3f}x "
