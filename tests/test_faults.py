@@ -188,8 +188,9 @@ def kill_trigger(aim: Optional[str], run_dir: Path, resume_step: int, delay_s: f
     """When to kill a start, by what the run dir shows.
 
     save: a new checkpoint temporary appeared (the save is writing it). publish: latest.pt is gone while
-    previous.pt is there (between the save's two renames, an fsync apart). mid_window / at_log_step: a checkpoint was just
-    published that holds a loss sum not yet logged / that was taken at a log step (its record must stay).
+    previous.pt is there (between the save's two renames, an fsync apart). mid_window / at_log_step: a
+    checkpoint was just published that holds a loss sum not yet logged / that was taken at a log step (its
+    record must stay).
     delay: `delay_s` after the start first logs a step the killed start had not (its steps are under way), at
     the latest when the last log step before the end is logged, so that the kill comes before the finish.
     None: never. The records a start finds in metrics.jsonl are the killed start's; only a later step is its own.
