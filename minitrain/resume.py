@@ -139,9 +139,11 @@ class RunDirLock:
 
 
 def remove_stale_temporaries(out_dir: Path) -> list[Path]:
-    """Delete the temporaries of interrupted saves (each can be as large as a checkpoint). Only safe for
+    """Delete the temporaries of interrupted saves and log rewrites (a checkpoint's can be as large as a
+    checkpoint). Only safe for
     the holder of the run dir's lock: another live writer's temporary would go too."""
-    stale = sorted(checkpoint_dir(out_dir).glob(f"*{_TEMP_MARK}*"))
+    stale = sorted([*checkpoint_dir(out_dir).glob(f"*{_TEMP_MARK}*"),
+                    *Path(out_dir).glob(f"metrics.jsonl{_TEMP_MARK}*")])  # the logger's rewrite on resume
     for path in stale:
         if path.is_dir():
             shutil.rmtree(path, ignore_errors=True)

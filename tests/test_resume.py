@@ -81,8 +81,11 @@ def test_taking_the_lock_removes_the_temporaries_of_dead_runs(tmp_path):
     (ckpts / "latest.pt.tmp.999.beef").write_bytes(b"half a checkpoint")
     (ckpts / "latest.tmp.999.beef").mkdir()
     (ckpts / "latest.tmp.999.beef" / "__0_0.distcp").write_bytes(b"a shard")
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    (tmp_path / "metrics.jsonl.tmp.999").write_text('{"step": 1}\n')  # a log rewrite killed mid-way
     with resume.RunDirLock(tmp_path):
         assert sorted(p.name for p in ckpts.iterdir()) == [resume.LATEST]
+        assert not list(tmp_path.glob("metrics.jsonl.tmp*")) and (tmp_path / "metrics.jsonl").exists()
 
 
 # -- saving: the last two kept, a crash anywhere recoverable ------------------------------------------
