@@ -194,9 +194,12 @@ def make_plan(cfg: Config, tokenizer_vocab: int, device: torch.device, world_siz
     if KernelImpl.auto in (cfg.loss.impl, cfg.model.gelu) or cfg.optimizer.impl == OptimizerImpl.auto:
         auto.append("kernels")
     notes = []
-    if device.type == "cpu" and precision.compute_dtype != torch.float32:
-        notes.append(f"precision={precision.name} on a CPU: bf16/fp16 matmuls run many times slower than fp32 "
-                     "here (precision=auto picks fp32 on a CPU)")
+    if device.type == "cpu" and precision.compute_dtype == torch.float16:
+        notes.append(f"precision={precision.name} on a CPU: fp16 matmuls run tens of times slower than fp32 "
+                     "there (precision=auto picks fp32 on a CPU)")
+    elif device.type == "cpu" and precision.compute_dtype == torch.bfloat16:
+        notes.append(f"precision={precision.name} on a CPU: bf16 is fast only on CPUs with bf16 instructions "
+                     "(AVX512-BF16, AMX), many times slower than fp32 elsewhere (precision=auto picks fp32)")
 
     if t.batch_size % world_size:
         raise ConfigError(f"trainer.batch_size: the global batch of {t.batch_size} sequences does not split "

@@ -42,6 +42,7 @@ def test_explicit_settings_win_and_a_slow_cpu_precision_is_named():
     assert (p.compile_mode, p.loss_impl, p.optimizer_impl, p.schedule.warmup_steps) == ("default", "fused", "loop", 3)
     assert not {"precision", "micro_batch", "checkpointing", "warmup"} & set(p.auto)
     assert any("bf16" in note and "CPU" in note for note in p.notes)
+    assert any("fp16" in note and "slower" in note for note in plan_for("precision=fp16").notes)
     assert not plan_for("precision=fp32").notes
 
 
