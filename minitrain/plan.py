@@ -84,6 +84,7 @@ class Plan:
             else self.device_name
         policy = self.checkpointing.policy.value + (f" (k={self.checkpointing.every_k})"
                                                     if self.checkpointing.policy == CheckpointPolicy.every_k else "")
+        ranks = f" x {self.world_size} ranks" if self.world_size > 1 else ""
         compiled = "eager" if not self.compiled else f"torch.compile mode={self.compile_mode}" + \
             (" (CUDA graphs)" if self.cuda_graphs else "")
         lines = [
@@ -93,8 +94,7 @@ class Plan:
             f"  kernels        loss={self.loss_impl} optimizer={self.optimizer_impl} "
             f"gelu={self.model.gelu.value}{self._tag('kernels')}",
             f"  batch          {self.batch_size} x {T} = {self.batch_size * T:,} tokens/step: micro-batch "
-            f"{self.micro_batch} x {self.grad_accum} accumulation{' x ' + str(self.world_size) + ' ranks' if self.world_size > 1 else ''}"
-            f"{self._tag('micro_batch')}",
+            f"{self.micro_batch} x {self.grad_accum} accumulation{ranks}{self._tag('micro_batch')}",
             f"  checkpointing  {policy}{self._tag('checkpointing')}",
             f"  schedule       lr {self.schedule.lr:g} -> {self.schedule.min_lr:g}, warmup "
             f"{self.schedule.warmup_steps} of {self.schedule.max_steps} steps{self._tag('warmup')}",

@@ -51,8 +51,9 @@ def worker(args) -> None:
     trainer.save = lambda: None  # timing the step, not the disk
     record = trainer.fit()
     # fp32 masters + Adam m, v as allocated; under fsdp the fp32 param shards are the masters.
-    state = sum(b.state.exp_avg.nbytes + b.state.exp_avg_sq.nbytes + (b.state.master.nbytes if b.state.master is not None else
-                sum(p.nbytes for p in b.params) if trainer.dist.sharded else 0) for b in trainer.optimizer.buckets)
+    state = sum(b.state.exp_avg.nbytes + b.state.exp_avg_sq.nbytes
+                + (b.state.master.nbytes if b.state.master is not None else
+                   sum(p.nbytes for p in b.params) if trainer.dist.sharded else 0) for b in trainer.optimizer.buckets)
     est = trainer.plan.memory
     peak = torch.cuda.max_memory_allocated() / GB if torch.cuda.is_available() else 0.0
     part = {"rank": trainer.dist.rank, "tokens_per_s": record["perf/tokens_per_s"], "mfu": record.get("perf/mfu"),
