@@ -1,0 +1,65 @@
+"""scripts/bench_cross_entropy.py's check against the fp32 reference, which runs without a GPU."""
+
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from conftest import REPO
+from minitrain.ops import linear_cross_entropy_reference
+
+_spec = importlib.util.spec_from_file_location("bench_cross_entropy", REPO / "scripts" / "bench_cross_entropy.py")
+bench = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(bench)
+
+
+@pytest.fixture(scope="module")
+def inputs():
+    hidden, weight, targets = bench.make_inputs(256, 64, 512, "cpu")
+    return hidden, weight, targets, bench.fp32_reference(hidden, weight, targets)
+
+
+def _scale_grad(tensor, factor):
+    """`tensor` in forward; its gradient times `factor` in backward."""
+    view = tensor.view_as(tensor)
+    view.register_hook(lambda grad: grad * factor)
+    return view
+
+
+def test_inputs_ignore_a_seventh_of_the_targets(inputs):
+    _, _, targets, _ = inputs
+    assert (targets == bench.IGNORE_INDEX).sum() == -(-len(targets) // bench.IGNORED_EVERY)
+
+
+@pytest.mark.parametrize("loss_fn", [linear_cross_entropy_reference, bench.naive], ids=["reference", "naive"])
+def test_correct_bf16_losses_pass(inputs, loss_fn):
+    hidden, weight, targets, reference = inputs
+    check = bench.check_against_reference(loss_fn, hidden, weight, targets, reference)
+    assert check["ok"] and check["failed"] == []
+    assert 0 < check["grad_hidden_err"] <= bench.GRAD_TOL and 0 < check["grad_weight_err"] <= bench.GRAD_TOL
+    assert hidden.grad is None and weight.grad is None  # the timed calls start from empty gradients
+
+
+def _off_loss(hidden, weight, targets):
+    loss = linear_cross_entropy_reference(hidden, weight, targets)
+    return loss + 2 * bench.LOSS_TOL * loss.detach()
+
+
+@pytest.mark.parametrize(
+    "wrong_loss, failed",
+    [
+        (lambda h, w, y: F.cross_entropy((h @ w.T).float(), y.clamp_min(0)),
+         ["loss_err", "grad_hidden_err", "grad_weight_err"]),  # ignored rows counted
+        (lambda h, w, y: linear_cross_entropy_reference(_scale_grad(h, 1.01), w, y), ["grad_hidden_err"]),
+        (lambda h, w, y: linear_cross_entropy_reference(h, _scale_grad(w, 1.01), y), ["grad_weight_err"]),
+        (_off_loss, ["loss_err"]),
+        (lambda h, w, y: linear_cross_entropy_reference(h, w, y) * float("nan"),
+         ["loss_err", "grad_hidden_err", "grad_weight_err"]),
+    ],
+    ids=["ignore-index-ignored", "grad-hidden-1.01x", "grad-weight-1.01x", "loss-off", "nan"],
+)
+def test_wrong_losses_fail_on_what_is_wrong(inputs, wrong_loss, failed):
+    hidden, weight, targets, reference = inputs
+    check = bench.check_against_reference(wrong_loss, hidden, weight, targets, reference)
+    assert not check["ok"] and check["failed"] == failed
