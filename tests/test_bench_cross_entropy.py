@@ -63,3 +63,8 @@ def test_wrong_losses_fail_on_what_is_wrong(inputs, wrong_loss, failed):
     hidden, weight, targets, reference = inputs
     check = bench.check_against_reference(wrong_loss, hidden, weight, targets, reference)
     assert not check["ok"] and check["failed"] == failed
+
+
+def test_relative_error_is_measured_against_the_reference():
+    ref = torch.tensor([3.0, 4.0])
+    assert bench.relative_error(2 * ref.bfloat16(), ref) == pytest.approx(1.0)
