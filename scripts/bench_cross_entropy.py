@@ -141,7 +141,7 @@ def main():
     parser.add_argument("--out", default="bench_cross_entropy.json")
     parser.add_argument("--chunk-mib", type=int, nargs="*", default=[],
                         help="extra 'ours' rows with these logit workspace budgets (the 'ours' row uses the default)")
-    parser.add_argument("--shapes", type=parse_shape, nargs="*", default=SHAPES,
+    parser.add_argument("--shapes", type=parse_shape, nargs="+", default=SHAPES,
                         help="NxHxV shapes (default: " + " ".join("x".join(map(str, s)) for s in SHAPES) + ")")
     args = parser.parse_args()
 
