@@ -227,13 +227,17 @@ def make_plan(cfg: Config, tokenizer_vocab: int, device: torch.device, world_siz
         micro_batches = [micro]
     if cfg.checkpointing.policy == CheckpointPolicy.auto:
         auto.append("checkpointing")
-    candidates = [(m, p) for p in _policies(cfg.checkpointing, model.n_layer) for m in micro_batches]
-    fitting = [(predicted_rate(m * model.block_size, p, model.n_layer), -i, m, p, est)
-               for i, (m, p) in enumerate(candidates) if (est := predict(m, p)).peak <= budget]
-    if not fitting:
-        smallest = min(((predict(m, p), m) for m, p in candidates), key=lambda c: c[0].peak)
-        raise PlanError(_no_fit_message(cfg, *smallest, budget, total, device))
-    *_, micro, policy, estimate = max(fitting, key=lambda c: c[:2])
+    # Fastest first (sorting is stable: on a tie the cheaper policy, then the larger micro-batch); the first
+    # candidate that fits is the plan, so only the candidates faster than it are predicted.
+    candidates = sorted(((m, p) for p in _policies(cfg.checkpointing, model.n_layer) for m in micro_batches),
+                        key=lambda c: predicted_rate(c[0] * model.block_size, c[1], model.n_layer), reverse=True)
+    too_big = []
+    for micro, policy in candidates:
+        if (estimate := predict(micro, policy)).peak <= budget:
+            break
+        too_big.append((estimate, micro))
+    else:
+        raise PlanError(_no_fit_message(cfg, *min(too_big, key=lambda c: c[0].peak), budget, total, device))
     if not {"micro_batch", "checkpointing"} & set(auto) and estimate.peak > CLOSE_TO_BUDGET * budget:
         notes.append(f"the predicted peak is {estimate.peak / budget:.0%} of trainer.memory_budget")
 

@@ -10,7 +10,7 @@ wrappers read that object and never re-decode the config's fields.
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -43,10 +43,6 @@ class Precision:
     @property
     def compute_dtype(self) -> torch.dtype:
         return self.autocast_dtype or self.param_dtype
-
-    @property
-    def low_precision_params(self) -> bool:
-        return self.param_dtype != torch.float32
 
     @property
     def fp32_main_grads(self) -> bool:
@@ -113,14 +109,13 @@ def resolve_precision(cfg: PrecisionConfig, device: torch.device, tf32: bool = T
             raise ConfigError(f"precision.{changed[0]}: precision=auto chooses it per device; pick a named "
                               "precision to set it (e.g. precision=bf16 precision.grad_dtype=fp32)")
         chosen = preset(auto_name(device))
+        # replace() reruns the config's checks: the combination (e.g. grad_dtype=fp32 needs masters) for the preset
         cfg = replace(cfg, name=chosen.name, **{f: getattr(chosen, f) for f in PRESET_FIELDS})
-        cfg.__post_init__()  # the combination (e.g. grad_dtype=fp32 needs masters) checked for the preset
         check_optimizer_precision(optimizer_impl, cfg)
     return Precision(
         name=cfg.name, param_dtype=cfg.param_dtype.torch,
         autocast_dtype=cfg.autocast_dtype.torch if cfg.autocast_dtype else None,
         master_weights=cfg.master_weights,
         grad_dtype=(cfg.grad_dtype or cfg.param_dtype).torch,
-        loss_scaling=cfg.loss_scaling, tf32=tf32 and device.type == "cuda",
-        **{f.name: getattr(cfg, f.name) for f in fields(PrecisionConfig)
-           if f.name in ("init_scale", "growth_factor", "backoff_factor", "growth_interval")})
+        loss_scaling=cfg.loss_scaling, tf32=tf32 and device.type == "cuda", init_scale=cfg.init_scale,
+        growth_factor=cfg.growth_factor, backoff_factor=cfg.backoff_factor, growth_interval=cfg.growth_interval)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import signal
 import sys
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -141,8 +142,6 @@ class _Interrupts:
         self.requested, self.say, self.previous = False, say, None
 
     def __enter__(self):
-        import threading
-
         if threading.current_thread() is threading.main_thread():
             self.previous = signal.signal(signal.SIGINT, self._handle)
         return self
