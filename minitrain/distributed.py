@@ -21,6 +21,7 @@ A rank that dies must not leave the others waiting forever: collectives time out
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 from dataclasses import dataclass
 from datetime import timedelta
@@ -82,7 +83,11 @@ def init(cfg: Config, device: torch.device) -> tuple[Dist, torch.device]:
 
 
 def teardown() -> None:
+    """Collect first: a collective's work objects can sit in reference cycles (checkpoint saves and
+    loads leave some), and gloo aborting the process when the interpreter frees them at exit would
+    turn a finished run into a failed rank."""
     if dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
 
 

@@ -16,6 +16,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
+from minitrain import distributed
 from minitrain.config import compose_config
 from minitrain.trainer import Trainer
 
@@ -82,7 +83,7 @@ def worker(rank, port, jobs, results_dir):
     for name, job in jobs.items():
         report = run_job(Trainer(compose_config(job["overrides"]), progress=False), job)
         torch.save(report, f"{results_dir}/{name}.rank{rank}.pt")
-    torch.distributed.destroy_process_group()
+    distributed.teardown()
 
 
 def free_port():

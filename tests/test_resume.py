@@ -8,7 +8,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from minitrain import resume
+from minitrain import distributed, resume
 from minitrain.config import resolve
 from minitrain.resume import CheckpointError, RunDirBusyError, RunDirError
 
@@ -178,7 +178,7 @@ def process_group(tmp_path_factory):
     store = tmp_path_factory.mktemp("store") / "store"
     dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{store}")
     yield
-    dist.destroy_process_group()
+    distributed.teardown()
 
 
 def resumed_step(out_dir, is_sharded: bool) -> int:
@@ -229,7 +229,7 @@ def _two_rank_worker(rank, out_dir, store):
         loaded = resume.load_checkpoint("auto", out_dir, CPU, template=rank_state(0.0), sharded=True, rank=rank)
         torch.save(loaded.state, out_dir / f"loaded.rank{rank}.pt")
     finally:
-        dist.destroy_process_group()
+        distributed.teardown()
 
 
 def test_two_ranks_save_into_one_directory_and_each_gets_its_own_state_back(tmp_path):
