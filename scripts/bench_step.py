@@ -142,10 +142,14 @@ SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
               "cudaMemcpyAsync")  # the last: to show how many copies a step queues (async from pinned memory)
 
 
-def idle_gaps(prof, top: int = 8) -> tuple[float, list[dict]]:
+LONG_GAP_US = 20  # longer than a kernel launch's own latency: the device waited for the host (or a sync)
+
+
+def idle_gaps(prof, top: int = 8) -> tuple[float, float, list[dict]]:
     """GPU idle time inside the profiled window: gaps between consecutive kernels (and copies), with the
     kernels on either side and the innermost host-side events running at the gap's middle (what the CPU
-    was doing while the GPU waited). A step that is not GPU-bound shows up here, not in the kernel table."""
+    was doing while the GPU waited). All of it, and the part in gaps over LONG_GAP_US (the short ones are
+    the device's launch latency between queued kernels, a cost of the kernel count)."""
     events = prof.events()
     spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events if is_gpu_work(e))
     host = [(e.time_range.start, e.time_range.end, e.name) for e in events
@@ -157,12 +161,13 @@ def idle_gaps(prof, top: int = 8) -> tuple[float, list[dict]]:
         if end > busy_until:
             busy_until, before = end, name
     idle_ms = sum(g["us"] for g in gaps) / 1e3
+    long_idle_ms = sum(g["us"] for g in gaps if g["us"] > LONG_GAP_US) / 1e3
     gaps = sorted(gaps, key=lambda g: -g["us"])[:top]
     for g in gaps:
         middle = g.pop("at") + g["us"] / 2
         running = sorted((end - start, name) for start, end, name in host if start <= middle <= end)
         g["host"] = " < ".join(name[:50] for _, name in running[:3])
-    return idle_ms, gaps
+    return idle_ms, long_idle_ms, gaps
 
 
 class PhaseClock:
@@ -198,34 +203,44 @@ def phase_times(trainer: Trainer, first: int, steps: int) -> dict:
 
 
 def profile_steps(trainer: Trainer, first: int, steps: int) -> dict:
-    """The profiler over `steps` more steps: GPU time by kernel (the next cost to attack), GPU idle gaps
-    and host syncs."""
-    from torch.profiler import ProfilerActivity, profile
+    """The profiler over `steps` steps in the steady state: GPU time by kernel (the next cost to attack),
+    GPU idle gaps, and the host syncs issued inside the steps. Two unsynced steps run first, so the
+    window opens with the device's queue as full as in training (a window opened on an idle device shows
+    the host's enqueue latency of its first step as idle, which training pays after log steps only)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
 
-    torch.cuda.synchronize()
+    for s in range(first, first + 2):
+        trainer.train_step(s)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for s in range(first, first + steps):
-            trainer.train_step(s)
-        torch.cuda.synchronize()
+        for s in range(first + 2, first + 2 + steps):
+            with record_function("bench.step"):
+                trainer.train_step(s)
+        torch.cuda.synchronize()  # every kernel in the window; outside the steps, not counted as theirs
     events = prof.key_averages()
     kernels = sorted((e for e in events if is_gpu_work(e)),
                      key=lambda e: e.self_device_time_total, reverse=True)
     total = sum(e.self_device_time_total for e in kernels)
-    syncs = {e.key: e.count for e in events if e.key in SYNC_CALLS}
+    step_ranges = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.name == "bench.step"]
+    syncs = defaultdict(int)
+    for e in prof.events():
+        if e.name in SYNC_CALLS and any(a <= e.time_range.start <= b for a, b in step_ranges):
+            syncs[e.name] += 1
     top = [{"kernel": e.key[:90], "calls_per_step": e.count / steps,
             "ms_per_step": e.self_device_time_total / 1e3 / steps, "share": e.self_device_time_total / total}
            for e in kernels[:25]]
-    idle_ms, gaps = idle_gaps(prof)
-    return {"gpu_ms_per_step": total / 1e3 / steps, "idle_ms_per_step": idle_ms / steps, "largest_gaps": gaps,
-            "top_kernels": top, "syncs_per_step": {k: v / steps for k, v in syncs.items()}}
+    idle_ms, long_idle_ms, gaps = idle_gaps(prof)
+    return {"gpu_ms_per_step": total / 1e3 / steps, "idle_ms_per_step": idle_ms / steps,
+            "long_idle_ms_per_step": long_idle_ms / steps, "largest_gaps": gaps, "top_kernels": top,
+            "kernels_per_step": sum(e.count for e in kernels) / steps,
+            "syncs_per_step": {k: v / steps for k, v in syncs.items()}}
 
 
 def finish(run: Run, row: dict, profile: bool) -> None:
     row.update(run.summary())
     if profile:
-        steps = 3  # the profiler's, then as many more for the phase clock (data and schedule go on)
+        steps = 4  # the profiler's (after 2 unprofiled), then as many more for the phase clock
         row["profile"] = profile_steps(run.trainer, run.step, steps)
-        row["profile"]["phases"] = phase_times(run.trainer, run.step + steps, steps)
+        row["profile"]["phases"] = phase_times(run.trainer, run.step + 2 + steps, steps)
 
 
 def main() -> None:
@@ -248,7 +263,7 @@ def main() -> None:
                     help="also time the reference with CUDA graphs (compile_mode=reduce-overhead); ratios are then "
                          "against the faster of the two reference rows")
     ap.add_argument("--big-checkpointing", default="full", help="minitrain's policy for models > 1B params")
-    ap.add_argument("--profile", action="store_true", help="also profile 3 steps of each recipe: kernels, host syncs")
+    ap.add_argument("--profile", action="store_true", help="also profile 4 steady-state steps of each recipe: kernels, idle, host syncs")
     ap.add_argument("--out", default="bench_step.json")
     args = ap.parse_args()
     compile_flag = [f"trainer.compile={not args.no_compile}"]
@@ -303,8 +318,9 @@ def main() -> None:
             print(json.dumps({k: v for k, v in row.items() if k not in ("losses", "profile")}), flush=True)
             if "profile" in row:
                 prof = row["profile"]
-                print(f"  GPU busy {prof['gpu_ms_per_step']:.2f} ms/step, idle between kernels "
-                      f"{prof['idle_ms_per_step']:.2f} ms/step; sync and copy calls/step {prof['syncs_per_step']}")
+                print(f"  GPU busy {prof['gpu_ms_per_step']:.2f} ms/step in {prof['kernels_per_step']:.0f} kernels, "
+                      f"idle between kernels {prof['idle_ms_per_step']:.2f} ms/step ({prof['long_idle_ms_per_step']:.2f} "
+                      f"in gaps > {LONG_GAP_US} us); sync and copy calls/step inside the steps {prof['syncs_per_step']}")
                 print("  phases, ms/step (each from an idle GPU): " + ", ".join(
                     f"{k} host {v['host_ms']:.2f} / wall {v['wall_ms']:.2f}" for k, v in prof["phases"].items()))
                 for g in prof["largest_gaps"]:

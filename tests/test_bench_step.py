@@ -40,9 +40,13 @@ def _event(start, end, name, device, annotation=False):
 def test_idle_gaps_between_overlapping_kernels_name_the_host_work():
     gpu, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
     events = [_event(0, 10, "a", gpu), _event(15, 20, "b", gpu), _event(18, 30, "c", gpu),  # c overlaps b
-              _event(12, 16, "d", gpu), _event(40, 41, "e", gpu),
+              _event(12, 16, "d", gpu), _event(40, 41, "e", gpu), _event(41 + bench_step.LONG_GAP_US, 70, "f", gpu),
               _event(0, 50, "minitrain.forward", gpu, annotation=True),  # a label on the GPU timeline, not work
               _event(0, 100, "minitrain.optimizer", cpu), _event(31, 39, "aten::view", cpu)]
-    idle_ms, gaps = bench_step.idle_gaps(SimpleNamespace(events=lambda: events), top=1)
-    assert idle_ms == (2 + 10) / 1e3  # 10..12 and 30..40; d, b and c together keep the GPU busy 12..30
-    assert gaps == [{"us": 10, "after": "c", "before": "e", "host": "aten::view < minitrain.optimizer"}]
+    idle_ms, long_idle_ms, gaps = bench_step.idle_gaps(SimpleNamespace(events=lambda: events), top=1)
+    # 10..12 and 30..40 (d, b and c together keep the GPU busy 12..30), then a gap of exactly LONG_GAP_US
+    assert idle_ms == (2 + 10 + bench_step.LONG_GAP_US) / 1e3
+    assert long_idle_ms == 0  # no gap is longer than a launch's latency
+    assert gaps == [{"us": bench_step.LONG_GAP_US, "after": "e", "before": "f", "host": "minitrain.optimizer"}]
+    events.append(_event(70 + bench_step.LONG_GAP_US + 1, 80, "g", gpu))
+    assert bench_step.idle_gaps(SimpleNamespace(events=lambda: events))[1] == (bench_step.LONG_GAP_US + 1) / 1e3
