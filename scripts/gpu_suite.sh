@@ -31,7 +31,7 @@ for what in "$@"; do
         hydra.run.dir=/tmp/defaults-15b 2>&1 | grep -v "it/s\]\|step/s\]" | grep -E "^(plan|  |step|memory|error)" | tail -24
       cp /tmp/defaults-15b/metrics.jsonl "$out/defaults_15b.jsonl" ;;
     plan) timeout 590 python3 scripts/bench_plan.py --models ${PLAN_MODELS:-gpt2-124m} --batches ${PLAN_BATCHES:-16 64 512} \
-            --out "$out/bench_plan_${PLAN_MODELS:-gpt2-124m}.json" 2>&1 | tail -40 ;;
+            --out "$out/bench_plan_$(echo ${PLAN_MODELS:-gpt2-124m} | tr " " _).json" 2>&1 | tail -40 ;;
     optimizer) timeout 240 python3 scripts/bench_optimizer.py --out "$out/bench_optimizer.json" 2>&1 | tail -40 ;;
     cross_entropy) timeout 400 python3 scripts/bench_cross_entropy.py --out "$out/bench_cross_entropy.json" 2>&1 | tail -40 ;;
     train) timeout 300 python3 scripts/train.py model=gpt2-124m precision=bf16 trainer.batch_size=16 \
