@@ -16,6 +16,7 @@ import json
 import signal
 import sys
 import threading
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -38,7 +39,12 @@ class NonFiniteLossError(RuntimeError):
 
 
 class TrainingInterrupted(Exception):
-    """Ctrl-C: a checkpoint was saved after the current step; the message says where."""
+    """Ctrl-C: a checkpoint was saved; the message says where. `main`: raised on the rank that reports it
+    (under torchrun every rank stops, one says so)."""
+
+    def __init__(self, message: str, main: bool = True):
+        super().__init__(message)
+        self.main = main
 
 
 def build_loss(plan: Plan, cfg: Config):
@@ -136,10 +142,14 @@ class Progress:
 
 
 class _Interrupts:
-    """SIGINT during fit: the first asks for a checkpoint after the current step, a second aborts at once."""
+    """SIGINT during fit: the first asks for a checkpoint, a second one (a moment later) aborts at once.
+    A terminal's Ctrl-C under torchrun reaches every worker twice, from the terminal and forwarded by
+    torchrun: copies within SAME_INTERRUPT_S of the first are that one interrupt."""
 
-    def __init__(self, say):
-        self.requested, self.say, self.previous = False, say, None
+    SAME_INTERRUPT_S = 1.0
+
+    def __init__(self, say, when: str):
+        self.requested, self.say, self.when, self.previous, self.first = False, say, when, None, 0.0
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
@@ -148,9 +158,11 @@ class _Interrupts:
 
     def _handle(self, signum, frame):
         if self.requested:
+            if time.monotonic() - self.first < self.SAME_INTERRUPT_S:
+                return
             raise KeyboardInterrupt
-        self.requested = True
-        self.say("interrupted: saving a checkpoint after this step (Ctrl-C again to abort without one)")
+        self.requested, self.first = True, time.monotonic()
+        self.say(f"interrupted: saving a checkpoint {self.when} (Ctrl-C again to abort without one)")
 
     def __exit__(self, *exc):
         if self.previous is not None:
@@ -317,7 +329,8 @@ class Trainer:
         bar = tqdm(total=t.max_steps, initial=p.step, desc="train", unit="step", disable=not self.show_progress,
                    dynamic_ncols=True)
         try:
-            with _Interrupts(self.logger.print) as interrupts:
+            when = "at the next log step (all ranks stop together)" if self.dist.enabled else "after this step"
+            with _Interrupts(self.logger.print, when) as interrupts:
                 while p.step < t.max_steps:
                     loss = self.train_step(p.step)
                     p.record(loss, self.optimizer.stats()["skipped_steps"])
@@ -346,7 +359,7 @@ class Trainer:
                     if stop:
                         raise TrainingInterrupted(
                             f"stopped at step {p.step} of {t.max_steps}; checkpoint saved to {path} — continue "
-                            f"with trainer.resume=auto hydra.run.dir={self.out_dir}")
+                            f"with trainer.resume=auto hydra.run.dir={self.out_dir}", main=self.dist.is_main)
                     if logging or evaluating or saving:
                         throughput.restart()  # eval and saving are not training time
             bar.close()

@@ -18,7 +18,8 @@ def main(cfg: DictConfig) -> None:
     try:
         train(cfg, RunInfo.from_hydra())
     except TrainingInterrupted as e:
-        print(f"minitrain: {e}", file=sys.stderr)
+        if e.main:
+            print(f"minitrain: {e}", file=sys.stderr)
         sys.exit(130)
     except (ConfigError, DataError, CheckpointError, RunDirBusyError, NonFiniteLossError) as e:
         # A user-facing problem: one clear line, not a traceback.

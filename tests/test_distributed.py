@@ -8,9 +8,12 @@ never race to build it.
 
 import json
 import os
+import re
+import signal
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
@@ -223,3 +226,37 @@ def test_a_failing_rank_ends_the_job_with_a_clear_message(data_cache, tmp_path):
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode != 0
     assert "rank 1 failed: RuntimeError: simulated failure" in out.stdout + out.stderr
+
+
+def test_ctrl_c_under_torchrun_saves_at_the_next_log_step_reports_once_and_resumes(data_cache, tmp_path):
+    """The terminal's SIGINT reaches every worker, and torchrun forwards another within milliseconds: one
+    interrupt, not the abort a second Ctrl-C asks for. The ranks stop together at the next log step with a
+    sharded checkpoint, one of them says so, and the run continues from it."""
+    run_dir = tmp_path / "run"
+
+    def command(max_steps, *extra):
+        return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={WORLD}",
+                str(REPO / "scripts" / "train.py"), "distributed=ddp", f"data.cache_dir={data_cache}",
+                "logger.mode=disabled", "trainer.batch_size=4", "model.block_size=32", f"trainer.max_steps={max_steps}",
+                "trainer.warmup_steps=1", "trainer.log_every=4", "trainer.save_every=100000",
+                "trainer.eval_every=100000", "trainer.eval_batches=1", "trainer.sample_tokens=0",
+                f"hydra.run.dir={run_dir}", *extra]
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    job = subprocess.Popen(command(100000), cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                           text=True, start_new_session=True)  # a process group of its own, as a terminal's job
+    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + TIMEOUT_S
+    while not (metrics.exists() and '"step": 4' in metrics.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(job.pid, signal.SIGINT)  # Ctrl-C: the whole foreground group
+    out, _ = job.communicate(timeout=TIMEOUT_S)
+    stopped = re.findall(r"stopped at step (\d+) of 100000", out)
+    assert len(stopped) == 1, out[-3000:]  # every rank stopped; one said so
+    step = int(stopped[0])
+    assert step % 4 == 0 and step > 4
+    assert "KeyboardInterrupt" not in out, out[-3000:]  # the forwarded copy did not abort the save
+    assert json.loads((run_dir / "checkpoints" / "latest" / "minitrain.json").read_text())["world_size"] == WORLD
+    resumed = subprocess.run(command(step + 1, "trainer.resume=auto"), cwd=tmp_path, env=env, capture_output=True,
+                             text=True, timeout=TIMEOUT_S)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert f"at step {step}" in resumed.stdout + resumed.stderr

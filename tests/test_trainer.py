@@ -1,5 +1,6 @@
 import json
 import math
+import signal
 import subprocess
 import sys
 
@@ -294,6 +295,22 @@ def test_ctrl_c_saves_a_checkpoint_after_the_step_and_the_run_continues_from_it(
     resumed = Trainer(make_cfg("trainer.max_steps=10", "trainer.resume=auto"), progress=False)
     assert resumed.step == 4
     resumed.close()
+
+
+def test_a_copy_of_the_interrupt_within_a_moment_is_the_same_interrupt_a_later_one_aborts(monkeypatch):
+    """Under torchrun the terminal's SIGINT and torchrun's forwarded copy arrive together: one request."""
+    from minitrain import trainer as trainer_module
+
+    said, now = [], [100.0]
+    monkeypatch.setattr(trainer_module.time, "monotonic", lambda: now[0])
+    interrupts = trainer_module._Interrupts(said.append, "after this step")
+    interrupts._handle(signal.SIGINT, None)
+    now[0] += 0.9 * interrupts.SAME_INTERRUPT_S
+    interrupts._handle(signal.SIGINT, None)  # the forwarded copy
+    assert interrupts.requested and len(said) == 1 and "after this step" in said[0]
+    now[0] += 0.2 * interrupts.SAME_INTERRUPT_S
+    with pytest.raises(KeyboardInterrupt):
+        interrupts._handle(signal.SIGINT, None)  # the user's second Ctrl-C
 
 
 def test_fused_kernels_inside_a_trainer_match_the_torch_parts(make_cfg, tmp_path):
