@@ -72,10 +72,12 @@ def build_optimizer(plan: Plan, cfg: Config, model: GPT, sharded: bool = False):
 
 @dataclass
 class RunInfo:
-    """Where this run sits in a Hydra sweep (for wandb grouping); empty for a plain run."""
+    """Where this run sits in a Hydra sweep (for wandb grouping), and the command line's overrides (kept in
+    the run dir's .hydra/ once the run owns the dir); empty for a run built in code."""
 
     group: Optional[str] = None
     name: Optional[str] = None
+    overrides: Optional[list[str]] = None
 
     @staticmethod
     def from_hydra() -> "RunInfo":
@@ -85,11 +87,23 @@ class RunInfo:
         if not HydraConfig.initialized():
             return RunInfo()
         hc = HydraConfig.get()
+        overrides = list(hc.overrides.task)
         if hc.mode != RunMode.MULTIRUN:
-            return RunInfo(name=Path(hc.runtime.output_dir).name)
+            return RunInfo(name=Path(hc.runtime.output_dir).name, overrides=overrides)
         sweep = Path(hc.sweep.dir)
         return RunInfo(group=f"{sweep.parent.name}_{sweep.name}",
-                       name=hc.job.override_dirname or f"job{hc.job.num}")
+                       name=hc.job.override_dirname or f"job{hc.job.num}", overrides=overrides)
+
+    def write(self, out_dir: Path, config: dict[str, Any]) -> None:
+        """.hydra/config.yaml (the resolved config) and overrides.yaml, written by the run that holds the
+        dir's lock (Hydra's own copy, written before any lock, would let a refused second run overwrite
+        the first run's record)."""
+        if self.overrides is None:
+            return
+        folder = out_dir / ".hydra"
+        folder.mkdir(exist_ok=True)
+        (folder / "config.yaml").write_text(OmegaConf.to_yaml(config))
+        (folder / "overrides.yaml").write_text(OmegaConf.to_yaml(self.overrides))
 
 
 @dataclass
@@ -227,6 +241,8 @@ class Trainer:
                                 group=run.group, name=run.name, enabled=self.dist.is_main,
                                 resume_step=self.progress.step if t.resume != "none" else None)
         self.progress.wandb_id = self.logger.run_id
+        if self.dist.is_main:
+            run.write(self.out_dir, self.config_dict)
         self.logger.print(plan.describe())
         self.logger.log_plan(plan.as_dict())
         if loaded is not None:

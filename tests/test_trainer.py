@@ -123,6 +123,23 @@ def test_multirun_sweep_gives_one_run_per_cell(data_cache, tmp_path):
     assert ("- checkpointing=full", "- precision=bf16") in cells and len(cells) == 4
 
 
+def test_a_run_refused_by_the_lock_leaves_the_holders_record_alone(data_cache, tmp_path):
+    """.hydra/ holds the config of the run that owns the dir: a second run, refused at the lock, must not
+    overwrite it (Hydra writes its copy before any code of ours runs)."""
+    from minitrain.resume import RunDirLock
+
+    run_dir = tmp_path / "run"
+    (run_dir / ".hydra").mkdir(parents=True)
+    (run_dir / ".hydra" / "overrides.yaml").write_text("- the holder's\n")
+    with RunDirLock(run_dir):
+        out = subprocess.run([sys.executable, str(REPO / "scripts" / "train.py"), "trainer.max_steps=2",
+                              f"data.cache_dir={data_cache}", "logger.mode=disabled", f"hydra.run.dir={run_dir}"],
+                             cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and "pid" in out.stderr, out.stderr[-2000:]
+    assert sorted(p.name for p in (run_dir / ".hydra").iterdir()) == ["overrides.yaml"]
+    assert (run_dir / ".hydra" / "overrides.yaml").read_text() == "- the holder's\n"
+
+
 def test_bad_config_fails_at_start_with_the_key(tmp_path):
     out = subprocess.run([sys.executable, str(REPO / "scripts" / "train.py"), "model.n_head=5",
                           f"hydra.run.dir={tmp_path}"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
