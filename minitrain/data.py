@@ -321,11 +321,16 @@ def prepare_data(cfg: DataConfig, block_size: int, progress: bool = True,
 
 
 class Batches:
-    """Random windows of `block_size + 1` tokens; the windows of a step depend only on (seed, step)."""
+    """Random windows of `block_size + 1` tokens; the windows of a step depend only on (seed, step).
 
-    def __init__(self, tokens: np.ndarray, block_size: int, batch_size: int, seed: int, device: torch.device):
+    With `vocab_size`, every window is checked on the host to hold ids below it: the cache's checksum
+    covers a large token file only in part, and an id out of range would otherwise fail as an embedding
+    index error mid-run (a device-side assert on CUDA) or, below the model's padded vocabulary, not at all."""
+
+    def __init__(self, tokens: np.ndarray, block_size: int, batch_size: int, seed: int, device: torch.device,
+                 vocab_size: Optional[int] = None, cache_path: Optional[Path] = None):
         self.tokens, self.block_size, self.batch_size = tokens, block_size, batch_size
-        self.seed, self.device = seed, device
+        self.seed, self.device, self.vocab_size, self.cache_path = seed, device, vocab_size, cache_path
 
     def starts(self, step: int) -> np.ndarray:
         """Window starts of the whole global batch of `step`."""
@@ -340,7 +345,12 @@ class Batches:
         starts = self.starts(step)[part * per:(part + 1) * per]
         win = torch.empty((len(starts), self.block_size + 1), dtype=torch.int64,
                           pin_memory=self.device.type == "cuda")
-        win.numpy()[:] = self.tokens[starts[:, None] + np.arange(self.block_size + 1)]
+        ids = win.numpy()
+        ids[:] = self.tokens[starts[:, None] + np.arange(self.block_size + 1)]
+        if self.vocab_size is not None and (largest := int(ids.max())) >= self.vocab_size:
+            raise DataError(f"the batch of step {step} holds token id {largest}, outside the tokenizer's "
+                            f"{self.vocab_size} ids: the token cache {self.cache_path} is corrupt (its checksum "
+                            "covers a large file only in part); delete it to have it rebuilt")
         return win
 
     def get(self, step: int, part: int = 0, n_parts: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
@@ -368,8 +378,8 @@ class DeviceBatches(Batches):
     without the host synchronising with the device."""
 
     def __init__(self, tokens: np.ndarray, block_size: int, batch_size: int, seed: int, device: torch.device,
-                 grad_accum: int = 1):
-        super().__init__(tokens, block_size, batch_size, seed, device)
+                 grad_accum: int = 1, vocab_size: Optional[int] = None, cache_path: Optional[Path] = None):
+        super().__init__(tokens, block_size, batch_size, seed, device, vocab_size, cache_path)
         self.grad_accum = grad_accum
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._next: Optional[tuple] = None  # (request, windows, copy-done event) of the predicted request

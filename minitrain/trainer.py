@@ -218,10 +218,11 @@ class Trainer:
                                             self.dist)
         self.optimizer = build_optimizer(plan, cfg, self.model, sharded=self.dist.sharded)
         t, world = cfg.trainer, self.dist.world_size
+        checked = dict(vocab_size=self.data.vocab_size, cache_path=self.data.path)
         self.train_batches = DeviceBatches(self.data.train, plan.model.block_size, t.batch_size, t.seed, self.device,
-                                           grad_accum=plan.grad_accum)
+                                           grad_accum=plan.grad_accum, **checked)
         self.val_batches = DeviceBatches(self.data.val, plan.model.block_size, plan.micro_batch * world, t.seed + 1,
-                                         self.device)
+                                         self.device, **checked)
         self.forward_loss = torch.compile(self._forward_loss, mode=plan.compile_mode) if plan.compiled \
             else self._forward_loss
         self.train_step = TrainStep(self.forward_loss, self.loss_module, self.optimizer, self.train_batches,

@@ -202,6 +202,33 @@ def test_checksum_covers_a_small_file_whole_and_samples_a_large_one(tmp_path, mo
     assert checksum_after_flipping(large, 340) != original and checksum_after_flipping(large, 100) == original
 
 
+def test_an_id_out_of_range_where_the_checksum_does_not_look_fails_at_its_batch(tmp_path, monkeypatch):
+    """A large token file is checksummed in samples: ids corrupted between them pass the start, and must stop
+    the run at the first batch that holds one, naming the cache, before the embedding sees them."""
+    monkeypatch.setattr(data_mod, "_CHECK_CHUNK_BYTES", 16)
+    monkeypatch.setattr(data_mod, "_CHECK_CHUNKS", 2)  # the first and the last 16 bytes
+    cfg = _small_corpus(tmp_path)
+    data = prepare_data(cfg, block_size=16, progress=False)
+    size = (data.path / "tokens.bin").stat().st_size
+    with open(data.path / "tokens.bin", "r+b") as f:
+        f.seek(64)
+        f.write(b"\xff" * (size - 128))  # every token between the two sampled chunks
+    said = []
+    data = prepare_data(cfg, block_size=16, progress=False, notify=said.append)
+    assert said == []  # passes its check at start
+    unchecked = Batches(data.train, 16, 4, seed=0, device=torch.device("cpu"))
+    assert int(unchecked.get(0)[0].max()) == 0xFFFF >= data.vocab_size
+    batches = Batches(data.train, 16, 4, seed=0, device=torch.device("cpu"), vocab_size=data.vocab_size,
+                      cache_path=data.path)
+    with pytest.raises(DataError, match=f"step 0 holds token id 65535, outside the tokenizer's {data.vocab_size}"):
+        batches.get(0)
+    edge = np.full(17, data.vocab_size - 1, dtype=np.uint16)  # one window: the largest id in range passes
+    Batches(edge, 16, 1, seed=0, device=torch.device("cpu"), vocab_size=data.vocab_size).get(0)
+    edge[-1] = data.vocab_size
+    with pytest.raises(DataError, match=f"token id {data.vocab_size},"):
+        Batches(edge, 16, 1, seed=0, device=torch.device("cpu"), vocab_size=data.vocab_size).get(0)
+
+
 # -- non-text input ------------------------------------------------------------------------------------------------
 
 def _write_corpus(tmp_path, **files):

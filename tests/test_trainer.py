@@ -314,6 +314,15 @@ def test_ctrl_c_saves_a_checkpoint_after_the_step_and_the_run_continues_from_it(
     resumed.close()
 
 
+def test_the_trainers_batches_check_token_ids_against_the_tokenizer(make_cfg, monkeypatch):
+    t = Trainer(make_cfg(), progress=False)
+    try:
+        for batches in (t.train_batches, t.val_batches):
+            assert (batches.vocab_size, batches.cache_path) == (t.data.vocab_size, t.data.path)
+    finally:
+        t.close()
+
+
 def test_a_copy_of_the_interrupt_within_a_moment_is_the_same_interrupt_a_later_one_aborts(monkeypatch):
     """Under torchrun the terminal's SIGINT and torchrun's forwarded copy arrive together: one request."""
     from minitrain import trainer as trainer_module
@@ -323,7 +332,10 @@ def test_a_copy_of_the_interrupt_within_a_moment_is_the_same_interrupt_a_later_o
     interrupts = trainer_module._Interrupts(said.append, "after this step")
     interrupts._handle(signal.SIGINT, None)
     now[0] += 0.9 * interrupts.SAME_INTERRUPT_S
-    interrupts._handle(signal.SIGINT, None)  # the forwarded copy
+    try:
+        interrupts._handle(signal.SIGINT, None)  # the forwarded copy
+    except KeyboardInterrupt:
+        pytest.fail("torchrun's forwarded copy of the interrupt aborted the run")
     assert interrupts.requested and len(said) == 1 and "after this step" in said[0]
     now[0] += 0.2 * interrupts.SAME_INTERRUPT_S
     with pytest.raises(KeyboardInterrupt):
