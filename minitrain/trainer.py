@@ -326,7 +326,8 @@ class Trainer:
                 record[f"mem/rank{rank}/{key[4:]}"] = value
         return record
 
-    def _throughput(self) -> Throughput:
+    def throughput(self) -> Throughput:
+        """A meter of this run's tokens/s, MFU and HFU (recompute counted) over all devices' peak."""
         T = self.model_cfg.block_size
         peak = self.cfg.trainer.peak_flops or peak_flops(self.device, self.plan.precision.mfu_dtype)
         model_flops = self.model.flops_per_token(T)
@@ -342,7 +343,7 @@ class Trainer:
                           f"run dir {self.out_dir}")
         self.logger.print(self.plan.memory.table())
         self.logger.summary(self.plan.memory.as_dict())
-        throughput, compared, record = self._throughput(), False, {}
+        throughput, compared, record = self.throughput(), False, {}
         bar = tqdm(total=t.max_steps, initial=p.step, desc="train", unit="step", disable=not self.show_progress,
                    dynamic_ncols=True)
         try:

@@ -38,7 +38,7 @@ sys.path.insert(0, str(REPO))
 
 from minitrain import memory  # noqa: E402
 from minitrain.config import compose_config, resolve  # noqa: E402
-from minitrain.metrics import is_gpu_work, peak_flops  # noqa: E402
+from minitrain.metrics import is_gpu_work  # noqa: E402
 from minitrain.plan import model_config_for  # noqa: E402
 from minitrain.precision import resolve_precision  # noqa: E402
 from minitrain.trainer import Trainer  # noqa: E402
@@ -120,11 +120,11 @@ class Run:
 
     def summary(self) -> dict:
         ms = sum(self.round_ms) / len(self.round_ms)
-        cfg, T = self.trainer.cfg, self.trainer.model_cfg.block_size
-        tokens_per_s = cfg.trainer.batch_size * T / (ms / 1000)
-        peak = cfg.trainer.peak_flops or peak_flops(self.trainer.device, self.trainer.plan.precision.mfu_dtype)
+        meter = self.trainer.throughput()
+        tokens_per_s = meter.tokens_per_step / (ms / 1000)
         return {"ms_per_step": ms, "ms_per_round": self.round_ms, "tokens_per_s": tokens_per_s,
-                "mfu": tokens_per_s * self.trainer.model.flops_per_token(T) / peak,
+                "mfu": tokens_per_s * meter.model_flops / meter.peak,
+                "hfu": tokens_per_s * meter.hardware_flops / meter.peak,
                 "losses": [float(x) for x in torch.stack(self.losses).tolist()]}
 
 
@@ -235,8 +235,10 @@ def profile_steps(trainer: Trainer, first: int, steps: int) -> dict:
             "syncs_per_step": {k: v / steps for k, v in syncs.items()}}
 
 
-def finish(run: Run, row: dict, profile: bool) -> None:
+def finish(run: Run, row: dict, profile: bool, val: bool) -> None:
     row.update(run.summary())
+    if val:
+        row["val_loss"] = run.trainer.evaluate()
     if profile:
         steps = 4  # the profiler's (after 2 unprofiled), then as many more for the phase clock
         row["profile"] = profile_steps(run.trainer, run.step, steps)
@@ -264,6 +266,8 @@ def main() -> None:
                          "against the faster of the two reference rows")
     ap.add_argument("--big-checkpointing", default="full", help="minitrain's policy for models > 1B params")
     ap.add_argument("--profile", action="store_true", help="also profile 4 steady-state steps of each recipe: kernels, idle, host syncs")
+    ap.add_argument("--val", action="store_true",
+                    help="also each recipe's validation loss after its steps (with --steps 200: the loss curves compared)")
     ap.add_argument("--out", default="bench_step.json")
     args = ap.parse_args()
     compile_flag = [f"trainer.compile={not args.no_compile}"]
@@ -296,7 +300,7 @@ def main() -> None:
                     runs[name] = run
                     if rounds == 1:  # alone on the GPU: time it now and free it
                         run.timed(args.steps)
-                        finish(runs.pop(name), row, args.profile)
+                        finish(runs.pop(name), row, args.profile, args.val)
                 except Exception as e:  # OOM, or a mode that cannot run here: reported, the others go on
                     traceback.print_exc()
                     row["error"] = f"{type(e).__name__}: {e}"[:300]
@@ -308,7 +312,7 @@ def main() -> None:
             for name, run in runs.items():
                 if not run.round_ms:  # the other recipes failed: time this one alone
                     run.timed(args.steps)
-                finish(run, rows[name], args.profile)
+                finish(run, rows[name], args.profile, args.val)
             runs.clear()
             gc.collect()
             torch.cuda.empty_cache()
@@ -332,16 +336,17 @@ def main() -> None:
 
     print(f"\n{torch.cuda.get_device_name()}  torch {torch.__version__}  "
           f"steps={args.steps} after {args.warmup} warm-up")
-    print(f"{'model':<10} {'B':>3} {'recipe':<28} {'ms/step':>8} {'tok/s':>10} {'MFU':>6} {'peak alloc':>10} "
-          f"{'peak resv':>9} {'loss@end':>8}")
+    print(f"{'model':<10} {'B':>3} {'recipe':<28} {'ms/step':>8} {'tok/s':>10} {'MFU':>6} {'HFU':>6} {'peak alloc':>10} "
+          f"{'peak resv':>9} {'loss@end':>8} {'val':>7}")
     for r in results:
         if "error" in r:
             print(f"{r['model']:<10} {r['batch']:>3} {r['recipe']:<28} {r['error']}")
             continue
         memory = (f"{'(shared graph pool)':>20}" if r["peak_reserved_gb"] is None else
                   f"{r['peak_allocated_gb']:>8.2f}GB{'*' if r['cuda_graphs'] else ' '}{r['peak_reserved_gb']:>7.2f}GB")
+        val = f"{r['val_loss']:>7.4f}" if "val_loss" in r else f"{'':>7}"
         print(f"{r['model']:<10} {r['batch']:>3} {r['recipe']:<28} {r['ms_per_step']:>8.2f} "
-              f"{r['tokens_per_s']:>10,.0f} {r['mfu']:>6.1%} {memory} {r['losses'][-1]:>8.4f}")
+              f"{r['tokens_per_s']:>10,.0f} {r['mfu']:>6.1%} {r['hfu']:>6.1%} {memory} {r['losses'][-1]:>8.4f} {val}")
     if any(r.get("cuda_graphs") for r in results):
         print("* CUDA graphs: their memory pool is in the reserved figure, not in the allocated one")
     for model in args.models:
@@ -365,9 +370,11 @@ def main() -> None:
                         "its allocated")
             else:
                 peak = f"{ours['peak_allocated_gb'] / mem_ref['peak_allocated_gb']:.3f}x {mem_ref['recipe']}'s peak allocated"
+            val_gap = (f"; validation loss gap {ours['val_loss'] - ref['val_loss']:+.4f}"
+                       if "val_loss" in ours and "val_loss" in ref else "")
             print(f"{model} {ours['recipe']}: {ours['tokens_per_s'] / ref['tokens_per_s']:.3f}x the reference's "
                   f"tokens/s{batches} (rounds {min(per_round):.3f}-{max(per_round):.3f}), {peak}; "
-                  f"max |loss gap| over {len(ref['losses'])} steps {gap:.3f}")
+                  f"max |loss gap| over {len(ref['losses'])} steps {gap:.3f}{val_gap}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU tests and the measurements of docs/benchmarks.md, by section name, on a machine with an NVIDIA GPU.
 # Usage: scripts/gpu_suite.sh OUT_DIR [tests] [optimizer] [cross_entropy] [ce_rows] [ce_chunks] [gelu] [train]
-#        [step] [step_ablate] [step15b] [sweep] [defaults] [defaults15b] [plan]
+#        [step] [step_ablate] [step15b] [step_sizes] [curve] [sweep] [defaults] [defaults15b] [plan]
 # plan: PLAN_MODELS and PLAN_BATCHES (space-separated) pick the grid, default gpt2-124m at 16 64 512
 set -uo pipefail
 out=${1:?output dir}; shift
@@ -41,6 +41,11 @@ for what in "$@"; do
            cp /tmp/run-124m/metrics.jsonl "$out/train_124m_metrics.jsonl" ;;
     step) timeout 400 python3 scripts/bench_step.py --models gpt2-124m --batch 16 --profile --reference-graphs \
             --rounds 8 --steps 48 --out "$out/bench_step_124m.json" 2>&1 | grep -v "^ .* ms .*x" | tail -40 ;;
+    step_sizes) timeout 590 python3 scripts/bench_step.py --models gpt2-350m gpt2-774m --batch 16 16 --rounds 8 \
+            --steps 32 --out "$out/bench_step_sizes.json" 2>&1 | tail -12 ;;
+    curve)  # the two recipes' loss curves over 200 steps of the built-in corpus, and their validation losses
+      timeout 500 python3 scripts/bench_step.py --models gpt2-124m --batch 16 --steps 200 --rounds 4 --val \
+        --out "$out/bench_step_curve.json" 2>&1 | tail -8 ;;
     step_ablate) timeout 400 python3 scripts/bench_step.py --models gpt2-124m --batch 16 \
             --ablate trainer.compile_mode=default model.gelu=torch \
             --out "$out/bench_step_124m_ablate.json" 2>&1 | tail -12 ;;

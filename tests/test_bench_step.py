@@ -50,3 +50,20 @@ def test_idle_gaps_between_overlapping_kernels_name_the_host_work():
     assert gaps == [{"us": bench_step.LONG_GAP_US, "after": "e", "before": "f", "host": "minitrain.optimizer"}]
     events.append(_event(70 + bench_step.LONG_GAP_US + 1, 80, "g", gpu))
     assert bench_step.idle_gaps(SimpleNamespace(events=lambda: events))[1] == (bench_step.LONG_GAP_US + 1) / 1e3
+
+
+def test_a_rows_mfu_and_hfu_come_from_the_trainers_meter(make_cfg):
+    """HFU counts the recomputed forward; both over the peak the trainer would log against."""
+    from minitrain.trainer import Trainer
+
+    trainer = Trainer(make_cfg("checkpointing=full", "trainer.peak_flops=1e12", "trainer.micro_batch=8"), progress=False)
+    try:
+        run = bench_step.Run(trainer, 0, 0)
+        run.round_ms, run.losses = [40.0, 60.0], [torch.tensor(1.0)]
+        row = run.summary()
+        T, flops = 64, trainer.model.flops_per_token(64)
+        assert row["tokens_per_s"] == 8 * T / 0.05
+        assert row["mfu"] == row["tokens_per_s"] * flops / 1e12
+        assert row["hfu"] > row["mfu"] * 1.2  # full recompute reruns every block's forward
+    finally:
+        trainer.close()
