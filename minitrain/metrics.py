@@ -9,7 +9,7 @@ not model work, so it never raises MFU.
 from __future__ import annotations
 
 import time
-from typing import Optional
+from typing import Callable, Optional
 
 import psutil
 import torch
@@ -60,16 +60,26 @@ def memory_stats(device: torch.device) -> dict[str, float]:
 
 class Throughput:
     """Tokens/s, MFU and HFU over the steps between two log points (the device is synced at each).
-    HFU counts the FLOPs the hardware ran, recompute included; MFU only the model's."""
+    HFU counts the FLOPs the hardware ran, recompute included; MFU only the model's.
+
+    The first `untimed_steps` steps of the meter's life are not training time: compilation, CUDA-graph
+    recording and the allocator's first requests run in them. The clock starts after them, on a device
+    that `sync` has drained; an interval with no timed step reports no rates."""
 
     def __init__(self, tokens_per_step: int, model_flops_per_token: int, hardware_flops_per_token: int,
-                 peak: Optional[float]):
+                 peak: Optional[float], untimed_steps: int = 0, sync: Callable[[], None] = lambda: None):
         self.tokens_per_step, self.peak = tokens_per_step, peak
         self.model_flops, self.hardware_flops = model_flops_per_token, hardware_flops_per_token
+        self.untimed_steps, self.sync, self.seen = untimed_steps, sync, 0
         self.t0, self.steps = time.perf_counter(), 0
 
     def step(self) -> None:
-        self.steps += 1
+        self.seen += 1
+        if self.seen == self.untimed_steps:
+            self.sync()
+            self.restart()
+        elif self.seen > self.untimed_steps:
+            self.steps += 1
 
     def restart(self) -> None:
         """Start a new interval (after eval or a checkpoint save, which are not training time)."""
@@ -77,10 +87,13 @@ class Throughput:
 
     def read(self) -> dict[str, float]:
         """Rates since the last read; call after a device sync so the time is real."""
+        if not self.steps:
+            self.restart()
+            return {}
         now = time.perf_counter()
         dt = max(now - self.t0, 1e-9)
         tokens_per_s = self.tokens_per_step * self.steps / dt
-        out = {"perf/step_ms": 1000 * dt / max(self.steps, 1), "perf/tokens_per_s": tokens_per_s}
+        out = {"perf/step_ms": 1000 * dt / self.steps, "perf/tokens_per_s": tokens_per_s}
         if self.peak:
             out["perf/mfu"] = tokens_per_s * self.model_flops / self.peak
             out["perf/hfu"] = tokens_per_s * self.hardware_flops / self.peak

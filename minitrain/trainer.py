@@ -34,6 +34,12 @@ from .plan import Plan, make_plan, pick_device
 from .step import Phase, TrainStep, record_function
 
 
+# Steps of each process that tokens/s leaves out (metrics.Throughput): a compiled step compiles on its first
+# call and warms up and records its CUDA graphs on the next two; any step's first run makes the allocator's
+# first requests.
+UNTIMED_STEPS_COMPILED, UNTIMED_STEPS_EAGER = 3, 1
+
+
 class NonFiniteLossError(RuntimeError):
     """The run diverged (inf/NaN loss, or gradients skipped step after step); the last good checkpoint is kept."""
 
@@ -327,13 +333,17 @@ class Trainer:
         return record
 
     def throughput(self) -> Throughput:
-        """A meter of this run's tokens/s, MFU and HFU (recompute counted) over all devices' peak."""
+        """A meter of this run's tokens/s, MFU and HFU (recompute counted) over all devices' peak, from the
+        first step after this process's warm-up ones."""
         T = self.model_cfg.block_size
         peak = self.cfg.trainer.peak_flops or peak_flops(self.device, self.plan.precision.mfu_dtype)
         model_flops = self.model.flops_per_token(T)
         recompute = checkpointing.recompute_flops_per_token(self.model_cfg, self.plan.checkpointing, T)
+        sync = (lambda: torch.cuda.synchronize(self.device)) if self.device.type == "cuda" else (lambda: None)
         return Throughput(self.plan.batch_size * T, model_flops, model_flops + recompute,
-                          peak and peak * self.dist.world_size)  # global tokens/s over all devices' peak
+                          peak and peak * self.dist.world_size,  # global tokens/s over all devices' peak
+                          untimed_steps=UNTIMED_STEPS_COMPILED if self.plan.compiled else UNTIMED_STEPS_EAGER,
+                          sync=sync)
 
     def fit(self) -> dict[str, Any]:
         from tqdm.auto import tqdm

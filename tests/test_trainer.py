@@ -323,6 +323,26 @@ def test_the_trainers_batches_check_token_ids_against_the_tokenizer(make_cfg, mo
         t.close()
 
 
+def test_tokens_per_s_leaves_out_the_processes_first_steps(make_cfg, monkeypatch):
+    """The first step of an eager process (and the first three compiled ones) is warm-up: a log interval of
+    nothing else reports no rate, the next one only its own steps."""
+    from minitrain import metrics
+
+    t = Trainer(make_cfg("trainer.max_steps=3", "trainer.log_every=1", "trainer.sample_tokens=0"), progress=False)
+    real_step, now = t.train_step, [0.0]
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: now[0])
+
+    def timed_step(step):
+        now[0] += 100.0 if step == 0 else 1.0  # the warm-up step takes long
+        return real_step(step)
+
+    monkeypatch.setattr(t, "train_step", timed_step)
+    t.fit()
+    records = [r for r in read_jsonl(t.out_dir / "metrics.jsonl") if "step" in r]
+    assert "perf/step_ms" not in records[0]
+    assert records[1]["perf/step_ms"] == pytest.approx(1000.0)
+
+
 def test_a_copy_of_the_interrupt_within_a_moment_is_the_same_interrupt_a_later_one_aborts(monkeypatch):
     """Under torchrun the terminal's SIGINT and torchrun's forwarded copy arrive together: one request."""
     from minitrain import trainer as trainer_module

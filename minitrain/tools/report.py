@@ -2,7 +2,7 @@
 
 Reads each job dir of `<sweep>/<job_num>/`: `.hydra/overrides.yaml` (the cell's name),
 `metrics.jsonl` (one record per log step) and `memory.json` (predicted terms + measured peaks).
-Throughput is the median over log intervals after the first (which holds compilation and warm-up).
+Throughput is the median over the log intervals (the trainer leaves its warm-up steps out of them).
 matplotlib is an optional install that only the plots import: without it the report is the table alone.
 """
 
@@ -33,7 +33,7 @@ class Cell:
 
     def _median(self, key: str) -> Optional[float]:
         values = [r[key] for r in self.records if key in r]
-        return statistics.median(values[1:] if len(values) > 1 else values) if values else None
+        return statistics.median(values) if values else None
 
     def _last(self, key: str) -> Optional[float]:
         return next((r[key] for r in reversed(self.records) if key in r), None)
