@@ -425,12 +425,12 @@ def test_fused_reads_gradients_wherever_they_are():
             g = torch.randn(p.shape).bfloat16()
             p.grad.copy_(g)
             q.grad = g.clone()
-        if step == 1:
-            fused_ps[2].grad = foreach_ps[2].grad = None
+        if step == 1:  # a tensor of two blocks: each of its blocks must read the zero block
+            fused_ps[4].grad = foreach_ps[4].grad = None
         fused.step()
         foreach.step()
         if step == 1:
-            fused_ps[2].grad = arena[starts[2]:starts[2] + numels[2]].view(fused_ps[2].shape)
+            fused_ps[4].grad = arena[starts[4]:starts[4] + numels[4]].view(fused_ps[4].shape)
         for a, b in zip(snapshot(fused, fused_ps), snapshot(foreach, foreach_ps)):  # as in test_impls_agree
             if a.dtype == torch.bfloat16:
                 torch.testing.assert_close(a, b, rtol=torch.finfo(a.dtype).eps, atol=0)

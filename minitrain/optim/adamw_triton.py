@@ -29,6 +29,7 @@ and CUDA graphs' pools make that the rule) upload nothing.
 
 import math
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -232,7 +233,9 @@ def _work_table(bucket):
 
 class _GradOffsets:
     """Where a bucket's gradients are this step, as element offsets from a zero block of their dtype,
-    on the device. Re-uploaded (pinned, no sync) only when an address changed."""
+    on the device. Re-uploaded (pinned, no sync) only when an address changed, which in training is
+    every step (autograd makes new gradients after zero_grad): the host's work here is per tensor, so it
+    runs through C-level maps and numpy, not a Python loop (thousands of tensors would cost milliseconds)."""
 
     def __init__(self, bucket):
         self.bucket = bucket
@@ -246,21 +249,26 @@ class _GradOffsets:
         except TypeError:  # a parameter without a gradient
             ptrs = [0 if g is None else g.data_ptr() for g in grads]
         if ptrs != self.ptrs:
-            self._check(grads)
+            self._check([g for g in grads if g is not None] if 0 in ptrs else grads)
             base, size = self.zeros.data_ptr(), self.zeros.element_size()
-            host = torch.tensor([_MISSING.value if g is None else (ptr - base) // size for g, ptr in zip(grads, ptrs)],
-                                dtype=torch.int64, device="cpu")
+            addresses = np.array(ptrs, dtype=np.int64)
+            offsets = (addresses - base) // size
+            offsets[addresses == 0] = _MISSING.value  # no tensor lives at address 0
+            host = torch.from_numpy(offsets)
             self.offsets = host.pin_memory().to(self.zeros.device, non_blocking=True) if self.zeros.is_cuda else host
-            self.align = 16 // size if all(ptr % 16 == 0 for ptr in ptrs + [base]) else 1
+            aligned = base % 16 == 0 and not (addresses % 16).any()
+            self.align = 16 // size if aligned else 1
             self.ptrs = ptrs
         return self.offsets, self.zeros, self.align
 
     def _check(self, grads):
-        for p, g in zip(self.bucket.params, grads):
-            if g is not None and (g.dtype != self.zeros.dtype or g.shape != p.shape or not g.is_contiguous()):
-                raise ValueError(f"fused AdamW reads gradients in place and needs each p.grad contiguous, shaped "
-                                 f"like p, in {self.zeros.dtype}; got {g.dtype} {tuple(g.shape)} "
-                                 f"stride {g.stride()} for a parameter of shape {tuple(p.shape)}")
+        """Each gradient read in place must be contiguous. Its shape and dtype are its parameter's already:
+        torch refuses any other p.grad, and a bucket holds the parameters of one dtype."""
+        if all(map(torch.Tensor.is_contiguous, grads)):
+            return
+        p, g = next((p, g) for p, g in zip(self.bucket.params, grads) if not g.is_contiguous())
+        raise ValueError(f"fused AdamW reads gradients in place and needs each p.grad contiguous; got stride "
+                         f"{g.stride()} for a parameter of shape {tuple(p.shape)}")
 
 
 class FusedStep:
