@@ -41,6 +41,19 @@ def test_correct_bf16_losses_pass(inputs, loss_fn):
     assert hidden.grad is None and weight.grad is None  # the timed calls start from empty gradients
 
 
+def test_torchs_linear_cross_entropy_row_has_gradients_within_tolerance(inputs):
+    """The row to time beside ours where torch has it; its loss comes back in bf16, outside the loss tolerance
+    (flagged in the table, the row still timed), its gradients within."""
+    loss_fn = bench.torch_linear_cross_entropy()
+    if loss_fn is None:
+        pytest.skip(f"torch {torch.__version__} has no F.linear_cross_entropy")
+    hidden, weight, targets, reference = inputs
+    check = bench.check_against_reference(loss_fn, hidden, weight, targets, reference)
+    assert check["failed"] in ([], ["loss_err"]) and check["loss_err"] < 1e-2
+    assert loss_fn(hidden, weight, targets).dtype == torch.bfloat16
+    hidden.grad = weight.grad = None
+
+
 def _off_loss(hidden, weight, targets):
     loss = linear_cross_entropy_reference(hidden, weight, targets)
     return loss + 2 * bench.LOSS_TOL * loss.detach()
