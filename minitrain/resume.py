@@ -190,14 +190,26 @@ def save_checkpoint(state: dict[str, Any], out_dir: Path) -> Path:
     latest = ckpts / LATEST
     tmp = _temp_path(latest)
     try:
-        with open(tmp, "wb") as f:
-            torch.save(state, f)
-            f.flush()
-            os.fsync(f.fileno())
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(state, f)
+                f.flush()
+                os.fsync(f.fileno())
+        except (OSError, RuntimeError) as e:  # a full disk, a quota: torch.save's writer says RuntimeError
+            raise _unwritable(ckpts, e) from None
         _publish(tmp, latest, ckpts / PREVIOUS)
     finally:
         tmp.unlink(missing_ok=True)  # still there only when the save failed
     return latest
+
+
+def _unwritable(ckpts: Path, e: BaseException) -> "CheckpointError":
+    """A save that could not be written: what happened, that nothing published is lost, and what to do."""
+    if failures := getattr(e, "failures", None):  # torch.distributed.checkpoint's, wrapping each rank's error
+        e, _ = next(iter(failures.values()))
+    return CheckpointError(f"could not write a checkpoint into {ckpts} ({_reason(e)}); the checkpoints "
+                           "published before are untouched. Free space there (or move the run dir to a disk "
+                           "with room), then continue with trainer.resume=auto")
 
 
 def _by_rank(state: dict[str, Any], rank: int) -> dict[str, Any]:
@@ -210,6 +222,7 @@ def save_sharded(state: dict[str, Any], out_dir: Path, rank: int, mode: str) -> 
     the state's `config` go into its minitrain.json, read by load_checkpoint before any shard."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException
 
     ckpts = checkpoint_dir(out_dir)
     latest = ckpts / LATEST_SHARDED
@@ -218,7 +231,10 @@ def save_sharded(state: dict[str, Any], out_dir: Path, rank: int, mode: str) -> 
     tmp = ckpts / name[0]
     try:
         shards = {k: v for k, v in state.items() if k != "config"}  # the config lives in minitrain.json
-        dcp.save(_by_rank(shards, rank), checkpoint_id=tmp)  # returns once every rank's shards and .metadata exist
+        try:  # returns once every rank's shards and .metadata exist; a rank's failure is raised on every rank
+            dcp.save(_by_rank(shards, rank), checkpoint_id=tmp)
+        except (CheckpointException, OSError, RuntimeError) as e:
+            raise _unwritable(ckpts, e) from None
         if rank == 0:
             info = {"world_size": dist.get_world_size(), "mode": mode, "config": state["config"]}
             with open(tmp / JOB_INFO, "w") as f:
