@@ -6,8 +6,8 @@
     loop: step -> log / eval / save      device values read at log steps only; a diverged run stops
 
 A checkpoint is the state_dict of every part (`Trainer.parts()`), so adding a part adds it to the
-checkpoint by construction. The run directory has one owner at a time (a lock); Ctrl-C saves a
-checkpoint after the current step, a second Ctrl-C aborts.
+checkpoint by construction. The run directory has one owner at a time (a lock); Ctrl-C or SIGTERM saves
+a checkpoint after the current step, a second Ctrl-C aborts.
 """
 
 from __future__ import annotations
@@ -45,12 +45,12 @@ class NonFiniteLossError(RuntimeError):
 
 
 class TrainingInterrupted(Exception):
-    """Ctrl-C: a checkpoint was saved; the message says where. `main`: raised on the rank that reports it
-    (under torchrun every rank stops, one says so)."""
+    """Ctrl-C or SIGTERM: a checkpoint was saved; the message says where. `main`: raised on the rank that
+    reports it (under torchrun every rank stops, one says so); `exit_code`: 128 + the signal's number."""
 
-    def __init__(self, message: str, main: bool = True):
+    def __init__(self, message: str, main: bool = True, exit_code: int = 128 + signal.SIGINT):
         super().__init__(message)
-        self.main = main
+        self.main, self.exit_code = main, exit_code
 
 
 def build_loss(plan: Plan, cfg: Config):
@@ -162,18 +162,21 @@ class Progress:
 
 
 class _Interrupts:
-    """SIGINT during fit: the first asks for a checkpoint, a second one (a moment later) aborts at once.
-    A terminal's Ctrl-C under torchrun reaches every worker twice, from the terminal and forwarded by
-    torchrun: copies within SAME_INTERRUPT_S of the first are that one interrupt."""
+    """SIGINT (Ctrl-C) or SIGTERM (a scheduler's or `kill`'s stop, which torchrun forwards) during fit: the
+    first asks for a checkpoint, a second one (a moment later) aborts at once. A terminal's Ctrl-C under
+    torchrun reaches every worker twice, from the terminal and forwarded by torchrun: copies within
+    SAME_INTERRUPT_S of the first are that one interrupt."""
 
     SAME_INTERRUPT_S = 1.0
+    SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
     def __init__(self, say, when: str):
-        self.requested, self.say, self.when, self.previous, self.first = False, say, when, None, 0.0
+        self.requested, self.say, self.when, self.previous, self.first = False, say, when, {}, 0.0
+        self.signum = signal.SIGINT
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            self.previous = signal.signal(signal.SIGINT, self._handle)
+            self.previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
         return self
 
     def _handle(self, signum, frame):
@@ -181,12 +184,17 @@ class _Interrupts:
             if time.monotonic() - self.first < self.SAME_INTERRUPT_S:
                 return
             raise KeyboardInterrupt
-        self.requested, self.first = True, time.monotonic()
-        self.say(f"interrupted: saving a checkpoint {self.when} (Ctrl-C again to abort without one)")
+        self.requested, self.first, self.signum = True, time.monotonic(), signum
+        what = "interrupted (Ctrl-C)" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
+        self.say(f"{what}: saving a checkpoint {self.when} (Ctrl-C again to abort without one)")
+
+    @property
+    def exit_code(self) -> int:
+        return 128 + self.signum
 
     def __exit__(self, *exc):
-        if self.previous is not None:
-            signal.signal(signal.SIGINT, self.previous)
+        for s, handler in self.previous.items():
+            signal.signal(s, handler)
 
 
 class Trainer:
@@ -387,7 +395,8 @@ class Trainer:
                     if stop:
                         raise TrainingInterrupted(
                             f"stopped at step {p.step} of {t.max_steps}; checkpoint saved to {path} — continue "
-                            f"with trainer.resume=auto hydra.run.dir={self.out_dir}", main=self.dist.is_main)
+                            f"with trainer.resume=auto hydra.run.dir={self.out_dir}", main=self.dist.is_main,
+                            exit_code=interrupts.exit_code)
                     if logging or evaluating or saving:
                         throughput.restart()  # eval and saving are not training time
             bar.close()
@@ -398,7 +407,8 @@ class Trainer:
             self.logger.finish()
         except BaseException as e:
             bar.close()
-            self.logger.finish(exit_code=130 if isinstance(e, (TrainingInterrupted, KeyboardInterrupt)) else 1)
+            self.logger.finish(exit_code=e.exit_code if isinstance(e, TrainingInterrupted) else
+                               130 if isinstance(e, KeyboardInterrupt) else 1)
             raise
         finally:
             self.close()  # the run dir is free for the next run (a resume in this process included)

@@ -20,7 +20,7 @@ def main(cfg: DictConfig) -> None:
     except TrainingInterrupted as e:
         if e.main:
             print(f"minitrain: {e}", file=sys.stderr)
-        sys.exit(130)
+        sys.exit(e.exit_code)
     except (ConfigError, DataError, CheckpointError, RunDirBusyError, NonFiniteLossError) as e:
         # A user-facing problem: one clear line, not a traceback.
         print(f"error: {e}", file=sys.stderr)

@@ -228,10 +228,12 @@ def test_a_failing_rank_ends_the_job_with_a_clear_message(data_cache, tmp_path):
     assert "rank 1 failed: RuntimeError: simulated failure" in out.stdout + out.stderr
 
 
-def test_ctrl_c_under_torchrun_saves_at_the_next_log_step_reports_once_and_resumes(data_cache, tmp_path):
-    """The terminal's SIGINT reaches every worker, and torchrun forwards another within milliseconds: one
-    interrupt, not the abort a second Ctrl-C asks for. The ranks stop together at the next log step with a
-    sharded checkpoint, one of them says so, and the run continues from it."""
+@pytest.mark.parametrize("how", ["ctrl-c", "sigterm"])
+def test_a_stop_under_torchrun_saves_at_the_next_log_step_reports_once_and_resumes(data_cache, tmp_path, how):
+    """ctrl-c: the terminal's SIGINT reaches every worker, and torchrun forwards another within milliseconds:
+    one interrupt, not the abort a second Ctrl-C asks for. sigterm: a scheduler stops torchrun alone, which
+    forwards it. Either way the ranks stop together at the next log step with a sharded checkpoint, one of
+    them says so, and the run continues from it."""
     run_dir = tmp_path / "run"
 
     def command(max_steps, *extra):
@@ -248,7 +250,10 @@ def test_ctrl_c_under_torchrun_saves_at_the_next_log_step_reports_once_and_resum
     metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + TIMEOUT_S
     while not (metrics.exists() and '"step": 4' in metrics.read_text()) and time.monotonic() < deadline:
         time.sleep(0.05)
-    os.killpg(job.pid, signal.SIGINT)  # Ctrl-C: the whole foreground group
+    if how == "ctrl-c":
+        os.killpg(job.pid, signal.SIGINT)  # the whole foreground group
+    else:
+        job.send_signal(signal.SIGTERM)  # torchrun only
     out, _ = job.communicate(timeout=TIMEOUT_S)
     stopped = re.findall(r"stopped at step (\d+) of 100000", out)
     assert len(stopped) == 1, out[-3000:]  # every rank stopped; one said so

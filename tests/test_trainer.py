@@ -1,5 +1,6 @@
 import json
 import math
+import re
 import signal
 import subprocess
 import sys
@@ -360,6 +361,29 @@ def test_a_copy_of_the_interrupt_within_a_moment_is_the_same_interrupt_a_later_o
     now[0] += 0.2 * interrupts.SAME_INTERRUPT_S
     with pytest.raises(KeyboardInterrupt):
         interrupts._handle(signal.SIGINT, None)  # the user's second Ctrl-C
+
+
+def test_sigterm_saves_a_checkpoint_after_the_step_and_exits_143(data_cache, tmp_path):
+    """A scheduler's stop (SIGTERM, then SIGKILL after a grace period) loses no step."""
+    import signal
+    import time
+
+    run_dir = tmp_path / "run"
+    job = subprocess.Popen([sys.executable, str(REPO / "scripts" / "train.py"), "trainer.max_steps=100000",
+                            "trainer.log_every=2", "trainer.save_every=100000", "trainer.eval_every=100000",
+                            "trainer.batch_size=4", "model.block_size=32", "trainer.warmup_steps=1",
+                            f"data.cache_dir={data_cache}", "logger.mode=disabled", f"hydra.run.dir={run_dir}"],
+                           cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    metrics, deadline = run_dir / "metrics.jsonl", time.monotonic() + 120
+    while not (metrics.exists() and '"step": 4' in metrics.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    job.send_signal(signal.SIGTERM)
+    out, err = job.communicate(timeout=120)
+    assert job.returncode == 128 + signal.SIGTERM, err[-2000:]
+    assert "stopped by SIGTERM: saving a checkpoint after this step" in out and "Traceback" not in err
+    step = int(re.search(r"stopped at step (\d+) of 100000", err).group(1))
+    state = resume.load(resume.checkpoint_dir(run_dir) / resume.LATEST, torch.device("cpu"))
+    assert state["progress"]["step"] == step >= 4
 
 
 def test_fused_kernels_inside_a_trainer_match_the_torch_parts(make_cfg, tmp_path):
