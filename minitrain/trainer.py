@@ -362,6 +362,10 @@ class Trainer:
         self.logger.print(self.plan.memory.table())
         self.logger.summary(self.plan.memory.as_dict())
         throughput, compared, record = self.throughput(), False, {}
+        if self.plan.compiled:  # a big model's compile takes minutes, with the bar standing at its first step
+            self.logger.print(f"compiling: the first {throughput.untimed_steps} steps build the compiled step"
+                              f"{' and record its CUDA graphs' if self.plan.cuda_graphs else ''}; tokens/s "
+                              "leaves them out")
         bar = tqdm(total=t.max_steps, initial=p.step, desc="train", unit="step", disable=not self.show_progress,
                    dynamic_ncols=True)
         try:

@@ -344,6 +344,26 @@ def test_tokens_per_s_leaves_out_the_processes_first_steps(make_cfg, monkeypatch
     assert records[1]["perf/step_ms"] == pytest.approx(1000.0)
 
 
+def test_a_compiled_run_says_its_first_steps_compile(make_cfg, tmp_path, monkeypatch):
+    """Said before the first step, where the compile's minutes go (the step itself is not run here)."""
+
+    class FirstStep(Exception):
+        pass
+
+    def first_step(step):
+        raise FirstStep
+
+    import dataclasses
+
+    t = Trainer(make_cfg(), progress=False)
+    t.plan = dataclasses.replace(t.plan, compile_mode="default")  # as planned with trainer.compile=true
+    monkeypatch.setattr(t, "train_step", first_step)
+    with pytest.raises(FirstStep):
+        t.fit()
+    log = (tmp_path / "run" / "train.log").read_text()
+    assert "compiling: the first 3 steps build the compiled step; tokens/s leaves them out" in log
+
+
 def test_a_copy_of_the_interrupt_within_a_moment_is_the_same_interrupt_a_later_one_aborts(monkeypatch):
     """Under torchrun the terminal's SIGINT and torchrun's forwarded copy arrive together: one request."""
     from minitrain import trainer as trainer_module
