@@ -233,7 +233,7 @@ def save_sharded(state: dict[str, Any], out_dir: Path, rank: int, mode: str) -> 
         shards = {k: v for k, v in state.items() if k != "config"}  # the config lives in minitrain.json
         try:  # returns once every rank's shards and .metadata exist; a rank's failure is raised on every rank
             dcp.save(_by_rank(shards, rank), checkpoint_id=tmp)
-        except (CheckpointException, OSError, RuntimeError) as e:
+        except (CheckpointException, OSError) as e:  # not RuntimeError: a collective's (a peer gone) stays raw
             raise _unwritable(ckpts, e) from None
         if rank == 0:
             info = {"world_size": dist.get_world_size(), "mode": mode, "config": state["config"]}
