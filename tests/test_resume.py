@@ -115,6 +115,24 @@ def test_a_failed_write_leaves_both_checkpoints_and_no_temporary(tmp_path, monke
     assert sorted(p.name for p in ckpts.iterdir()) == [resume.LATEST, resume.PREVIOUS]
 
 
+def test_a_sharded_save_that_cannot_be_written_says_so_and_leaves_both_checkpoints(tmp_path, monkeypatch,
+                                                                                   process_group):
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    resume.save_sharded(state_at(1), tmp_path, rank=0, mode="ddp")
+    resume.save_sharded(state_at(2), tmp_path, rank=0, mode="ddp")
+
+    def disk_full(self, *args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(FileSystemWriter, "write_data", disk_full)
+    with pytest.raises(CheckpointError, match=r"could not write a checkpoint into .*\(OSError: \[Errno 28\] No space"):
+        resume.save_sharded(state_at(3), tmp_path, rank=0, mode="ddp")
+    ckpts = resume.checkpoint_dir(tmp_path)
+    assert sorted(p.name for p in ckpts.iterdir()) == [resume.LATEST_SHARDED, resume.PREVIOUS_SHARDED]
+    assert resumed_step(tmp_path, is_sharded=True) == 2
+
+
 def test_temporary_names_differ_between_saves(tmp_path):
     latest = resume.checkpoint_dir(tmp_path) / resume.LATEST
     a, b = resume._temp_path(latest), resume._temp_path(latest)
