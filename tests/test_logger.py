@@ -3,7 +3,7 @@ import json
 import pytest
 
 from minitrain import logger as logger_module
-from minitrain.config import LoggerConfig, LoggerMode
+from minitrain.config import ConfigError, LoggerConfig, LoggerMode
 from minitrain.logger import RunLogger
 
 QUIET = LoggerConfig(mode=LoggerMode.disabled)
@@ -122,3 +122,14 @@ def test_the_plan_is_the_first_line_and_in_wandbs_config(tmp_path):
     resumed.log_plan({"micro_batch": 2})
     assert strict_records(tmp_path / "metrics.jsonl") == [{"plan": {"micro_batch": 2}},
                                                           {"step": 1, "train/loss": 5.0}]
+
+
+def test_wandb_online_without_a_key_fails_at_start_saying_what_to_do(tmp_path, monkeypatch):
+    for var in ("WANDB_API_KEY", "WANDB_MODE", "WANDB_DISABLED"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc, no wandb settings with a key
+    monkeypatch.setenv("WANDB_CONFIG_DIR", str(tmp_path / "wandb-config"))
+    cfg = LoggerConfig(mode=LoggerMode.online, project="minitrain-test")
+    with pytest.raises(ConfigError, match=r"logger.mode=online: wandb could not start the run \(.*API key.*\)"
+                                          r".*wandb login.*logger.mode=offline"):
+        RunLogger(cfg, tmp_path, {}, run_id=None, group=None, name=None)
