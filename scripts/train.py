@@ -13,6 +13,10 @@ from minitrain.trainer import NonFiniteLossError, RunInfo, TrainingInterrupted, 
 register_configs()
 
 
+class SweepCellFailed(Exception):
+    """One cell of a -m sweep could not run; the others still do, and the sweep ends non-zero."""
+
+
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
 def main(cfg: DictConfig) -> None:
     try:
@@ -24,6 +28,8 @@ def main(cfg: DictConfig) -> None:
     except (ConfigError, DataError, CheckpointError, RunDirBusyError, NonFiniteLossError) as e:
         # A user-facing problem: one clear line, not a traceback.
         print(f"error: {e}", file=sys.stderr)
+        if RunInfo.from_hydra().group is not None:
+            raise SweepCellFailed(str(e)) from None  # Hydra records the cell as failed and runs the next
         sys.exit(2)
 
 

@@ -141,6 +141,20 @@ def test_a_run_refused_by_the_lock_leaves_the_holders_record_alone(data_cache, t
     assert (run_dir / ".hydra" / "overrides.yaml").read_text() == "- the holder's\n"
 
 
+def test_a_sweep_cell_that_cannot_run_leaves_the_others_running(data_cache, tmp_path):
+    """One cell's bad config (or a step that does not fit) is that cell's failure: it says why, the next
+    cells still run, and the sweep ends non-zero."""
+    sweep = tmp_path / "sweep"
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "train.py"), "-m", "model.n_head=5,4",
+                          "trainer.max_steps=2", "trainer.log_every=1", "trainer.batch_size=4", "model.block_size=32",
+                          "trainer.warmup_steps=1", "trainer.eval_batches=1", "trainer.sample_tokens=0",
+                          f"data.cache_dir={data_cache}", "logger.mode=disabled", f"hydra.sweep.dir={sweep}"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert out.returncode != 0
+    assert "error: model.n_embd: 128 is not divisible by model.n_head=5" in out.stderr
+    assert [r["step"] for r in read_jsonl(sweep / "1" / "metrics.jsonl") if "train/loss" in r] == [1, 2]
+
+
 def test_bad_config_fails_at_start_with_the_key(tmp_path):
     out = subprocess.run([sys.executable, str(REPO / "scripts" / "train.py"), "model.n_head=5",
                           f"hydra.run.dir={tmp_path}"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
