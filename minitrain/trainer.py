@@ -100,6 +100,15 @@ class RunInfo:
         return RunInfo(group=f"{sweep.parent.name}_{sweep.name}",
                        name=hc.job.override_dirname or f"job{hc.job.num}", overrides=overrides)
 
+    def write_failure(self, out_dir: Path, message: str) -> None:
+        """A sweep cell that could not run: error.txt and its overrides beside it, for the sweep's report; in
+        a dir that holds no run only (a refused cell must not touch another run's record)."""
+        if self.overrides is None or (out_dir / "metrics.jsonl").exists():
+            return
+        (out_dir / ".hydra").mkdir(parents=True, exist_ok=True)
+        (out_dir / ".hydra" / "overrides.yaml").write_text(OmegaConf.to_yaml(self.overrides))
+        (out_dir / "error.txt").write_text(message + "\n")
+
     def write(self, out_dir: Path, config: dict[str, Any]) -> None:
         """.hydra/config.yaml (the resolved config) and overrides.yaml, written by the run that holds the
         dir's lock (Hydra's own copy, written before any lock, would let a refused second run overwrite

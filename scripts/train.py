@@ -1,8 +1,10 @@
 """Train a GPT: `python scripts/train.py [group=option ...] [key=value ...]` (Hydra; -m for sweeps)."""
 
 import sys
+from pathlib import Path
 
 import hydra
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from minitrain.config import ConfigError, register_configs
@@ -28,7 +30,9 @@ def main(cfg: DictConfig) -> None:
     except (ConfigError, DataError, CheckpointError, RunDirBusyError, NonFiniteLossError) as e:
         # A user-facing problem: one clear line, not a traceback.
         print(f"error: {e}", file=sys.stderr)
-        if RunInfo.from_hydra().group is not None:
+        run = RunInfo.from_hydra()
+        if run.group is not None:
+            run.write_failure(Path(HydraConfig.get().runtime.output_dir), str(e))
             raise SweepCellFailed(str(e)) from None  # Hydra records the cell as failed and runs the next
         sys.exit(2)
 

@@ -31,9 +31,22 @@ def fabricate_sweep(root):
             "mem_pred/transient_gb": 0.2, "mem_pred/peak_gb": predicted, "mem/peak_allocated_gb": measured}))
 
 
+def test_a_cell_that_did_not_run_is_listed_under_the_table(tmp_path):
+    fabricate_sweep(tmp_path)
+    failed = tmp_path / "2_precision=fp16,checkpointing=none"
+    (failed / ".hydra").mkdir(parents=True)
+    (failed / ".hydra" / "overrides.yaml").write_text("- precision=fp16\n- checkpointing=none\n- trainer.max_steps=3\n")
+    (failed / "error.txt").write_text("the step does not fit\n")
+    cells, not_run = load_sweep(tmp_path)
+    assert len(cells) == 2 and not_run == [("precision=fp16,checkpointing=none", "the step does not fit")]
+    md = write_report(tmp_path, out_dir=tmp_path / "out", wandb_mode=None)["report"].read_text()
+    assert "Did not run:\n- precision=fp16,checkpointing=none: the step does not fit\n" in md
+
+
 def test_report_from_fabricated_sweep(tmp_path):
     fabricate_sweep(tmp_path)
-    cells = load_sweep(tmp_path)
+    cells, failed = load_sweep(tmp_path)
+    assert failed == []
     assert [c.name for c in cells] == ["precision=fp32,checkpointing=none", "precision=bf16,checkpointing=full"]
     assert [r["step"] for r in cells[0].records] == [1, 2, 3]  # the plan record is not a step
     assert cells[0].tokens_per_s == 1000.0  # median over every interval (the trainer leaves warm-up out)

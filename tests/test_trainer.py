@@ -153,6 +153,11 @@ def test_a_sweep_cell_that_cannot_run_leaves_the_others_running(data_cache, tmp_
     assert out.returncode != 0
     assert "error: model.n_embd: 128 is not divisible by model.n_head=5" in out.stderr
     assert [r["step"] for r in read_jsonl(sweep / "1" / "metrics.jsonl") if "train/loss" in r] == [1, 2]
+    from minitrain.tools.report import load_sweep
+
+    cells, failed = load_sweep(sweep)  # the report names the cell that did not run, and why
+    assert [c.name for c in cells] == ["model.n_head=4"]
+    assert failed == [("model.n_head=5", "model.n_embd: 128 is not divisible by model.n_head=5")]
 
 
 def test_bad_config_fails_at_start_with_the_key(tmp_path):

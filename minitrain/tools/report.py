@@ -68,15 +68,20 @@ class Cell:
         return self._last("train/loss")
 
 
-def load_sweep(sweep_dir: Path) -> list[Cell]:
-    """Every job dir with a metrics.jsonl, in job order, named by the overrides that vary across the sweep."""
-    jobs = sorted((p.parent for p in Path(sweep_dir).glob("*/metrics.jsonl")), key=_job_order)
+def load_sweep(sweep_dir: Path) -> tuple[list[Cell], list[tuple[str, str]]]:
+    """Every job dir with a metrics.jsonl, in job order, named by the overrides that vary across the sweep;
+    and (name, error) of each cell that did not run (its error.txt, written by scripts/train.py)."""
+    jobs = sorted({p.parent for pattern in ("*/metrics.jsonl", "*/error.txt") for p in Path(sweep_dir).glob(pattern)},
+                  key=_job_order)
     overrides = [_overrides(job) for job in jobs]
     shared = set.intersection(*map(set, overrides)) if len(jobs) > 1 else set()
-    return [Cell(name=",".join(o for o in ov if o not in shared) or job.name,
-                 records=read_step_records(job / "metrics.jsonl"),
-                 memory=json.loads((job / "memory.json").read_text()) if (job / "memory.json").exists() else {})
-            for job, ov in zip(jobs, overrides)]
+    names = [",".join(o for o in ov if o not in shared) or job.name for job, ov in zip(jobs, overrides)]
+    cells = [Cell(name=name, records=read_step_records(job / "metrics.jsonl"),
+                  memory=json.loads((job / "memory.json").read_text()) if (job / "memory.json").exists() else {})
+             for job, name in zip(jobs, names) if (job / "metrics.jsonl").exists()]
+    failed = [(name, (job / "error.txt").read_text().strip()) for job, name in zip(jobs, names)
+              if not (job / "metrics.jsonl").exists()]
+    return cells, failed
 
 
 def read_step_records(path: Path) -> list[dict]:
@@ -192,11 +197,13 @@ def write_report(sweep_dir: Path, out_dir: Optional[Path] = None, wandb_mode: Op
     sweep_dir = Path(sweep_dir)
     out_dir = Path(out_dir or sweep_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    cells = load_sweep(sweep_dir)
+    cells, failed = load_sweep(sweep_dir)
     if not cells:
         raise ReportError(f"no <job>/metrics.jsonl under {sweep_dir}: give the directory of a sweep "
                           "(`train.py -m ...` writes runs/multirun/<date>/<time>/<job>/)")
     table = markdown_table(cells)
+    if failed:
+        table += "\n\nDid not run:\n" + "".join(f"- {name}: {error}\n" for name, error in failed)
     plots = {}
     if plotting_available():
         plots = {"throughput_vs_memory": plot_throughput_vs_memory(cells, out_dir / "throughput_vs_memory.png"),
