@@ -220,7 +220,8 @@ def profile_steps(trainer: Trainer, first: int, steps: int) -> dict:
     kernels = sorted((e for e in events if is_gpu_work(e)),
                      key=lambda e: e.self_device_time_total, reverse=True)
     total = sum(e.self_device_time_total for e in kernels)
-    step_ranges = [(e.time_range.start, e.time_range.end) for e in prof.events() if e.name == "bench.step"]
+    step_ranges = [(e.time_range.start, e.time_range.end) for e in prof.events()  # the host's, not the GPU's copy
+                   if e.name == "bench.step" and e.device_type == torch.autograd.DeviceType.CPU]
     syncs = defaultdict(int)
     for e in prof.events():
         if e.name in SYNC_CALLS and any(a <= e.time_range.start <= b for a, b in step_ranges):
