@@ -258,7 +258,7 @@ def test_a_stop_under_torchrun_saves_at_the_next_log_step_reports_once_and_resum
     stopped = re.findall(r"stopped at step (\d+) of 100000", out)
     assert len(stopped) == 1, out[-3000:]  # every rank stopped; one said so
     step = int(stopped[0])
-    assert step % 4 == 0 and step > 4
+    assert step % 4 == 0 and step >= 4  # a log step (the signal may land just before step 4's agreement)
     assert "KeyboardInterrupt" not in out, out[-3000:]  # the forwarded copy did not abort the save
     assert json.loads((run_dir / "checkpoints" / "latest" / "minitrain.json").read_text())["world_size"] == WORLD
     resumed = subprocess.run(command(step + 1, "trainer.resume=auto"), cwd=tmp_path, env=env, capture_output=True,
