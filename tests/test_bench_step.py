@@ -56,7 +56,8 @@ def test_a_rows_mfu_and_hfu_come_from_the_trainers_meter(make_cfg):
     """HFU counts the recomputed forward; both over the peak the trainer would log against."""
     from minitrain.trainer import Trainer
 
-    trainer = Trainer(make_cfg("checkpointing=full", "trainer.peak_flops=1e12", "trainer.micro_batch=8"), progress=False)
+    trainer = Trainer(make_cfg("checkpointing=full", "trainer.peak_flops=1e12", "trainer.micro_batch=8"),
+                      progress=False)
     try:
         run = bench_step.Run(trainer, 0, 0)
         run.round_ms, run.losses = [40.0, 60.0], [torch.tensor(1.0)]
