@@ -21,6 +21,12 @@ class ConfigError(ValueError):
     """A config value that cannot work; the message names the key."""
 
 
+def error_reason(e: BaseException) -> str:
+    """An exception as a few words for a one-line message: its type and its first sentence."""
+    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+    return f"{type(e).__name__}: {first.split('. ')[0]}" if first else type(e).__name__
+
+
 def _require(ok: bool, key: str, message: str) -> None:
     if not ok:
         raise ConfigError(f"{key}: {message}")

@@ -16,7 +16,7 @@ import os
 from pathlib import Path
 from typing import Any, Optional
 
-from .config import ConfigError, LoggerConfig, LoggerMode
+from .config import ConfigError, LoggerConfig, LoggerMode, error_reason
 
 # Console columns: (key, label, format); a key absent from a record is left out of the line.
 _CONSOLE = [
@@ -82,10 +82,9 @@ class RunLogger:
                 config=config, dir=str(out_dir), mode=cfg.mode.value, id=run_id, resume="allow",
             )
         except wandb.errors.Error as e:  # no API key, no network, a refused project
-            reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise ConfigError(f"logger.mode={cfg.mode.value}: wandb could not start the run ({reason}). Run "
-                              "`wandb login` (or set WANDB_API_KEY), or log offline (logger.mode=offline, the "
-                              "default) and upload later with `wandb sync`") from None
+            raise ConfigError(f"logger.mode={cfg.mode.value}: wandb could not start the run ({error_reason(e)}). "
+                              "Run `wandb login` (or set WANDB_API_KEY), or log offline (logger.mode=offline, "
+                              "the default) and upload later with `wandb sync`") from None
 
     @property
     def run_id(self) -> Optional[str]:

@@ -37,6 +37,8 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
+from .config import error_reason
+
 LATEST, PREVIOUS = "latest.pt", "previous.pt"
 LATEST_SHARDED, PREVIOUS_SHARDED = "latest", "previous"  # torch.distributed.checkpoint directories
 JOB_INFO = "minitrain.json"  # in a sharded checkpoint: world_size, mode, config
@@ -140,8 +142,8 @@ class RunDirLock:
 
 def remove_stale_temporaries(out_dir: Path) -> list[Path]:
     """Delete the temporaries of interrupted saves and log rewrites (a checkpoint's can be as large as a
-    checkpoint). Only safe for
-    the holder of the run dir's lock: another live writer's temporary would go too."""
+    checkpoint). Only safe for the holder of the run dir's lock: another live writer's temporary would go
+    too."""
     stale = sorted([*checkpoint_dir(out_dir).glob(f"*{_TEMP_MARK}*"),
                     *Path(out_dir).glob(f"metrics.jsonl{_TEMP_MARK}*")])  # the logger's rewrite on resume
     for path in stale:
@@ -207,7 +209,7 @@ def _unwritable(ckpts: Path, e: BaseException) -> "CheckpointError":
     """A save that could not be written: what happened, that nothing published is lost, and what to do."""
     if failures := getattr(e, "failures", None):  # torch.distributed.checkpoint's, wrapping each rank's error
         e, _ = next(iter(failures.values()))
-    return CheckpointError(f"could not write a checkpoint into {ckpts} ({_reason(e)}); the checkpoints "
+    return CheckpointError(f"could not write a checkpoint into {ckpts} ({error_reason(e)}); the checkpoints "
                            "published before are untouched. Free space there (or move the run dir to a disk "
                            "with room), then continue with trainer.resume=auto")
 
@@ -265,18 +267,13 @@ class _Unusable(Exception):
     """Why one candidate checkpoint cannot be resumed from (the next one may be)."""
 
 
-def _reason(e: BaseException) -> str:
-    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    return f"{type(e).__name__}: {first.split('. ')[0]}" if first else type(e).__name__
-
-
 def load(path: Path, device: torch.device) -> dict[str, Any]:
     """A single-process checkpoint file; raises CheckpointError naming the file if it cannot be read."""
     try:
         # weights_only=False: the checkpoint holds RNG states and the config, written by us.
         state = torch.load(path, map_location=device, weights_only=False)
     except Exception as e:  # whatever the reader trips on (zip, pickle, EOF), the file is unusable
-        raise CheckpointError(f"{path} is unreadable ({_reason(e)})") from None
+        raise CheckpointError(f"{path} is unreadable ({error_reason(e)})") from None
     if not isinstance(state, dict):
         raise CheckpointError(f"{path} is not a minitrain checkpoint (it holds a {type(state).__name__})")
     return state
@@ -404,7 +401,7 @@ def _load_sharded_checked(path: Path, shown: str, template: dict[str, Any],
         info = json.loads((path / JOB_INFO).read_text())
         world, config = info["world_size"], info["config"]
     except (OSError, ValueError, KeyError) as e:
-        raise _Unusable(f"has no readable {JOB_INFO} ({_reason(e)})") from None
+        raise _Unusable(f"has no readable {JOB_INFO} ({error_reason(e)})") from None
     if world != dist.get_world_size():
         raise CheckpointError(
             f"{shown} was written by {world} processes; this job has {dist.get_world_size()} (each rank's RNG "
@@ -417,7 +414,7 @@ def _load_sharded_checked(path: Path, shown: str, template: dict[str, Any],
         if isinstance(e, CheckpointException):  # it wraps what each rank's reader raised
             rank_failed, (e, _) = next(iter(e.failures.items()))
             shown = f"{shown} (rank {rank_failed})"
-        raise CheckpointError(f"{shown} could not be loaded ({_reason(e)}); point trainer.resume at "
+        raise CheckpointError(f"{shown} could not be loaded ({error_reason(e)}); point trainer.resume at "
                               "another checkpoint or start a new run dir (hydra.run.dir=...)") from None
     return {**state, "config": config}, notes
 

@@ -105,8 +105,7 @@ class RunInfo:
         a dir that holds no run only (a refused cell must not touch another run's record)."""
         if self.overrides is None or (out_dir / "metrics.jsonl").exists():
             return
-        (out_dir / ".hydra").mkdir(parents=True, exist_ok=True)
-        (out_dir / ".hydra" / "overrides.yaml").write_text(OmegaConf.to_yaml(self.overrides))
+        self._write_overrides(out_dir)
         (out_dir / "error.txt").write_text(message + "\n")
 
     def write(self, out_dir: Path, config: dict[str, Any]) -> None:
@@ -115,10 +114,13 @@ class RunInfo:
         the first run's record)."""
         if self.overrides is None:
             return
+        self._write_overrides(out_dir).joinpath("config.yaml").write_text(OmegaConf.to_yaml(config))
+
+    def _write_overrides(self, out_dir: Path) -> Path:
         folder = out_dir / ".hydra"
-        folder.mkdir(exist_ok=True)
-        (folder / "config.yaml").write_text(OmegaConf.to_yaml(config))
+        folder.mkdir(parents=True, exist_ok=True)
         (folder / "overrides.yaml").write_text(OmegaConf.to_yaml(self.overrides))
+        return folder
 
 
 @dataclass

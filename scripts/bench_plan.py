@@ -128,18 +128,19 @@ def measure_point(model: str, micro: int, policy: str, warmup: int, steps: int, 
             opt_ms.append(statistics.median(a.elapsed_time(b) for a, b in opt_events))
         assert torch.isfinite(loss).item(), f"{model} micro {micro} {policy}: the loss is {loss.item()}"
         stats = torch.cuda.memory_stats()
-        predicted = trainer.plan.memory.peak
+        predicted, block_size = trainer.plan.memory.peak, trainer.model_cfg.block_size
         trainer.close()
     micro_ms = [(s - o) / 2 for s, o in zip(step_ms, opt_ms)]
-    return {"model": model, "micro": micro, "policy": policy, "micro_ms": statistics.median(micro_ms),
+    return {"model": model, "micro": micro, "policy": policy, "block_size": block_size,
+            "micro_ms": statistics.median(micro_ms),
             "micro_ms_rounds": micro_ms, "optimizer_ms": statistics.median(opt_ms),
             "peak_reserved_gb": stats["reserved_bytes.all.peak"] / 1e9,
             "peak_allocated_gb": stats["allocated_bytes.all.peak"] / 1e9, "predicted_gb": predicted / 1e9}
 
 
-def tokens_per_s(point: dict, batch: int, block_size: int = 1024) -> float:
+def tokens_per_s(point: dict, batch: int) -> float:
     accum = batch // point["micro"]
-    return batch * block_size / ((accum * point["micro_ms"] + point["optimizer_ms"]) / 1e3)
+    return batch * point["block_size"] / ((accum * point["micro_ms"] + point["optimizer_ms"]) / 1e3)
 
 
 def main() -> None:

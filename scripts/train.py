@@ -21,8 +21,9 @@ class SweepCellFailed(Exception):
 
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
 def main(cfg: DictConfig) -> None:
+    run = RunInfo.from_hydra()
     try:
-        train(cfg, RunInfo.from_hydra())
+        train(cfg, run)
     except TrainingInterrupted as e:
         if e.main:
             print(f"minitrain: {e}", file=sys.stderr)
@@ -30,9 +31,9 @@ def main(cfg: DictConfig) -> None:
     except (ConfigError, DataError, CheckpointError, RunDirBusyError, NonFiniteLossError) as e:
         # A user-facing problem: one clear line, not a traceback.
         print(f"error: {e}", file=sys.stderr)
-        run = RunInfo.from_hydra()
         if run.group is not None:
-            run.write_failure(Path(HydraConfig.get().runtime.output_dir), str(e))
+            if not isinstance(e, RunDirBusyError):  # a busy dir is another run's: its record stays as it is
+                run.write_failure(Path(HydraConfig.get().runtime.output_dir), str(e))
             raise SweepCellFailed(str(e)) from None  # Hydra records the cell as failed and runs the next
         sys.exit(2)
 

@@ -39,5 +39,5 @@ def test_a_cell_the_plan_splits_is_checked_against_recompute_at_a_larger_micro_b
 
 
 def test_a_cells_rate_counts_every_micro_batch_and_one_optimizer_step():
-    point = {"micro": 8, "micro_ms": 10.0, "optimizer_ms": 4.0}
-    assert bench_plan.tokens_per_s(point, 32, block_size=100) == pytest.approx(32 * 100 / ((4 * 10.0 + 4.0) / 1e3))
+    point = {"micro": 8, "block_size": 100, "micro_ms": 10.0, "optimizer_ms": 4.0}
+    assert bench_plan.tokens_per_s(point, 32) == pytest.approx(32 * 100 / ((4 * 10.0 + 4.0) / 1e3))

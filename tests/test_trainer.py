@@ -160,6 +160,22 @@ def test_a_sweep_cell_that_cannot_run_leaves_the_others_running(data_cache, tmp_
     assert failed == [("model.n_head=5", "model.n_embd: 128 is not divisible by model.n_head=5")]
 
 
+def test_a_sweep_cell_refused_by_anothers_lock_leaves_that_runs_record_alone(data_cache, tmp_path):
+    from minitrain.resume import RunDirLock
+
+    cell = tmp_path / "sweep" / "0"
+    (cell / ".hydra").mkdir(parents=True)
+    (cell / ".hydra" / "overrides.yaml").write_text("- the holder's\n")
+    with RunDirLock(cell):
+        out = subprocess.run([sys.executable, str(REPO / "scripts" / "train.py"), "-m", "trainer.max_steps=2,3",
+                              f"data.cache_dir={data_cache}", "logger.mode=disabled",
+                              f"hydra.sweep.dir={tmp_path / 'sweep'}"], cwd=tmp_path, capture_output=True,
+                             text=True, timeout=300)
+    assert out.returncode != 0 and "pid" in out.stderr, out.stderr[-2000:]
+    assert (cell / ".hydra" / "overrides.yaml").read_text() == "- the holder's\n"
+    assert not (cell / "error.txt").exists()
+
+
 def test_bad_config_fails_at_start_with_the_key(tmp_path):
     out = subprocess.run([sys.executable, str(REPO / "scripts" / "train.py"), "model.n_head=5",
                           f"hydra.run.dir={tmp_path}"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
