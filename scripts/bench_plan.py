@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from unittest import mock
 
@@ -35,6 +36,7 @@ sys.path.insert(0, str(REPO))
 from minitrain import plan as planning  # noqa: E402
 from minitrain.config import compose_config, resolve  # noqa: E402
 
+NOT_MEASURED = "not measured: over --time-limit-s (pass this JSON to --measured to go on)"
 POLICIES = ("none", "selective", "full")  # the ladder of recompute the alternatives walk
 # Everything but the micro-batch and the policy as the defaults resolve them on a CUDA GPU, spelled out
 # so a dry run on a CPU plans the same step.
@@ -138,6 +140,13 @@ def measure_point(model: str, micro: int, policy: str, warmup: int, steps: int, 
             "peak_allocated_gb": stats["allocated_bytes.all.peak"] / 1e9, "predicted_gb": predicted / 1e9}
 
 
+def earlier_points(files: list[str]) -> dict[tuple, dict]:
+    """The points an earlier run's JSON holds, by key, but those it left unmeasured: a grid longer than one
+    run's time goes on where it stopped."""
+    return {tuple(p["key"]): p for f in files for p in json.loads(Path(f).read_text())["points"]
+            if p.get("error") != NOT_MEASURED}
+
+
 def tokens_per_s(point: dict, batch: int) -> float:
     accum = batch // point["micro"]
     return batch * point["block_size"] / ((accum * point["micro_ms"] + point["optimizer_ms"]) / 1e3)
@@ -151,6 +160,8 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3, help="steps per timed round")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--dry-run", action="store_true", help="list the cells and points; measure nothing")
+    ap.add_argument("--time-limit-s", type=float, help="start no point after this; the table shows what was measured")
+    ap.add_argument("--measured", nargs="*", default=[], help="JSON of earlier runs: their points are not re-measured")
     ap.add_argument("--device-memory-gb", type=float, help="with --dry-run: the GPU's memory to plan against")
     ap.add_argument("--point", help=argparse.SUPPRESS)  # model:micro:policy, measured in this process
     ap.add_argument("--out", default="bench_plan.json")
@@ -178,8 +189,14 @@ def main() -> None:
         return
 
     budget_gb = 0.9 * torch.cuda.get_device_properties(0).total_memory / 1e9
-    measured = {}
+    measured = earlier_points(args.measured)
+    started = time.monotonic()
     for model, micro, policy in points:
+        if (model, micro, policy) in measured:
+            continue
+        if args.time_limit_s and time.monotonic() - started > args.time_limit_s:
+            measured[model, micro, policy] = {"error": NOT_MEASURED}
+            continue
         cmd = [sys.executable, __file__, "--point", f"{model}:{micro}:{policy}", "--warmup", str(args.warmup),
                "--steps", str(args.steps), "--rounds", str(args.rounds)]
         done = subprocess.run(cmd, capture_output=True, text=True)

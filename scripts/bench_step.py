@@ -142,6 +142,7 @@ SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
               "cudaMemcpyAsync")  # the last: to show how many copies a step queues (async from pinned memory)
 
 
+PROFILE_WARMUP_STEPS = 2  # traced and discarded: they refill the queue the profiler's start drained
 LONG_GAP_US = 20  # longer than a kernel launch's own latency: the device waited for the host (or a sync)
 
 
@@ -202,20 +203,32 @@ def phase_times(trainer: Trainer, first: int, steps: int) -> dict:
             for name in clock.host}
 
 
-def profile_steps(trainer: Trainer, first: int, steps: int) -> dict:
-    """The profiler over `steps` steps in the steady state: GPU time by kernel (the next cost to attack),
-    GPU idle gaps, and the host syncs issued inside the steps. Two unsynced steps run first, so the
-    window opens with the device's queue as full as in training (a window opened on an idle device shows
-    the host's enqueue latency of its first step as idle, which training pays after log steps only)."""
-    from torch.profiler import ProfilerActivity, profile, record_function
+def traced_steps(trainer: Trainer, first: int, steps: int):
+    """The profiler's trace of `steps` steps in the steady state, each in a "bench.step" range. The
+    profiler's start drains the device's queue, so it first traces PROFILE_WARMUP_STEPS steps it discards:
+    the window then opens with the queue as full as in training (a window opened on an idle device shows
+    its first step's host enqueue latency as idle, which training pays after log steps only)."""
+    from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
-    for s in range(first, first + 2):
-        trainer.train_step(s)
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for s in range(first + 2, first + 2 + steps):
+    window = schedule(wait=0, warmup=PROFILE_WARMUP_STEPS, active=steps, repeat=1)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], schedule=window) as prof:
+        for s in range(first, first + PROFILE_WARMUP_STEPS):
+            trainer.train_step(s)
+            prof.step()
+        last = first + PROFILE_WARMUP_STEPS + steps - 1
+        for s in range(first + PROFILE_WARMUP_STEPS, last + 1):
             with record_function("bench.step"):
                 trainer.train_step(s)
-        torch.cuda.synchronize()  # every kernel in the window; outside the steps, not counted as theirs
+            if s == last:
+                torch.cuda.synchronize()  # every kernel in the window; outside the steps, not counted as theirs
+            prof.step()
+    return prof
+
+
+def profile_steps(trainer: Trainer, first: int, steps: int) -> dict:
+    """GPU time by kernel over `steps` traced steps (the next cost to attack), GPU idle gaps, and the host
+    syncs issued inside the steps."""
+    prof = traced_steps(trainer, first, steps)
     events = prof.key_averages()
     kernels = sorted((e for e in events if is_gpu_work(e)),
                      key=lambda e: e.self_device_time_total, reverse=True)
@@ -241,9 +254,9 @@ def finish(run: Run, row: dict, profile: bool, val: bool) -> None:
     if val:
         row["val_loss"] = run.trainer.evaluate()
     if profile:
-        steps = 4  # the profiler's (after 2 unprofiled), then as many more for the phase clock
+        steps = 4  # the profiler's (after its warm-up), then as many more for the phase clock
         row["profile"] = profile_steps(run.trainer, run.step, steps)
-        row["profile"]["phases"] = phase_times(run.trainer, run.step + 2 + steps, steps)
+        row["profile"]["phases"] = phase_times(run.trainer, run.step + PROFILE_WARMUP_STEPS + steps, steps)
 
 
 def main() -> None:

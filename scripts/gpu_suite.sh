@@ -2,7 +2,8 @@
 # The GPU tests and the measurements of docs/benchmarks.md, by section name, on a machine with an NVIDIA GPU.
 # Usage: scripts/gpu_suite.sh OUT_DIR [tests] [optimizer] [cross_entropy] [ce_rows] [ce_chunks] [gelu] [train]
 #        [step] [step_ablate] [step15b] [step_sizes] [curve] [sweep] [defaults] [defaults15b] [plan]
-# plan: PLAN_MODELS and PLAN_BATCHES (space-separated) pick the grid, default gpt2-124m at 16 64 512
+# plan: PLAN_MODELS and PLAN_BATCHES (space-separated) pick the grid, default gpt2-124m at 16 64 512; it starts no
+#   point after PLAN_TIME_LIMIT_S and goes on from the JSON files in PLAN_MEASURED
 set -uo pipefail
 out=${1:?output dir}; shift
 mkdir -p "$out"
@@ -31,7 +32,7 @@ for what in "$@"; do
         hydra.run.dir=/tmp/defaults-15b 2>&1 | grep -v "it/s\]\|step/s\]" | grep -E "^(plan|  |step|memory|error)" | tail -24
       cp /tmp/defaults-15b/metrics.jsonl "$out/defaults_15b.jsonl" ;;
     plan) timeout 590 python3 scripts/bench_plan.py --models ${PLAN_MODELS:-gpt2-124m} --batches ${PLAN_BATCHES:-16 64 512} \
-            --out "$out/bench_plan_$(echo ${PLAN_MODELS:-gpt2-124m} | tr " " _).json" 2>&1 | tail -40 ;;
+            --time-limit-s ${PLAN_TIME_LIMIT_S:-470} --measured ${PLAN_MEASURED:-} --out "$out/bench_plan.json" 2>&1 | tail -40 ;;
     optimizer) timeout 240 python3 scripts/bench_optimizer.py --out "$out/bench_optimizer.json" 2>&1 | tail -40 ;;
     cross_entropy) timeout 400 python3 scripts/bench_cross_entropy.py --out "$out/bench_cross_entropy.json" 2>&1 | tail -40 ;;
     train) timeout 300 python3 scripts/train.py model=gpt2-124m precision=bf16 trainer.batch_size=16 \

@@ -1,6 +1,7 @@
 """scripts/bench_plan.py's choice of points and its arithmetic, which run without a GPU."""
 
 import importlib.util
+import json
 from unittest import mock
 
 import pytest
@@ -41,3 +42,12 @@ def test_a_cell_the_plan_splits_is_checked_against_recompute_at_a_larger_micro_b
 def test_a_cells_rate_counts_every_micro_batch_and_one_optimizer_step():
     point = {"micro": 8, "block_size": 100, "micro_ms": 10.0, "optimizer_ms": 4.0}
     assert bench_plan.tokens_per_s(point, 32) == pytest.approx(32 * 100 / ((4 * 10.0 + 4.0) / 1e3))
+
+
+def test_a_grid_goes_on_from_an_earlier_run_but_not_from_the_points_it_left(tmp_path):
+    measured = {"key": ["gpt2-124m", 16, "none"], "micro_ms": 30.0}
+    failed = {"key": ["gpt2-124m", 32, "none"], "error": ["torch.OutOfMemoryError: ..."]}
+    left = {"key": ["gpt2-124m", 8, "none"], "error": bench_plan.NOT_MEASURED}
+    (tmp_path / "run1.json").write_text(json.dumps({"points": [measured, failed, left], "cells": []}))
+    earlier = bench_plan.earlier_points([str(tmp_path / "run1.json")])
+    assert earlier == {("gpt2-124m", 16, "none"): measured, ("gpt2-124m", 32, "none"): failed}

@@ -68,3 +68,22 @@ def test_a_rows_mfu_and_hfu_come_from_the_trainers_meter(make_cfg):
         assert row["hfu"] > row["mfu"] * 1.2  # full recompute reruns every block's forward
     finally:
         trainer.close()
+
+
+
+
+def test_the_profile_window_holds_the_steps_after_its_warm_up_only(make_cfg, monkeypatch):
+    """The warm-up steps refill the queue the profiler's start drained; they must not be in the trace."""
+    from minitrain.trainer import Trainer
+
+    trainer = Trainer(make_cfg(), progress=False)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)  # the window's last sync, on a CPU
+    steps_run = []
+    train_step = trainer.train_step
+    monkeypatch.setattr(trainer, "train_step", lambda s: steps_run.append(s) or train_step(s))
+    prof = bench_step.traced_steps(trainer, first=5, steps=3)
+    trainer.close()
+    assert steps_run == list(range(5, 5 + bench_step.PROFILE_WARMUP_STEPS + 3))
+    averages = {e.key: e.count for e in prof.key_averages()}
+    assert averages["bench.step"] == 3
+    assert averages["minitrain.optimizer"] == 3  # no op of a warm-up step is in the trace
