@@ -29,6 +29,7 @@ import tempfile
 import time
 import traceback
 from collections import defaultdict
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
@@ -41,6 +42,7 @@ from minitrain.config import compose_config, resolve  # noqa: E402
 from minitrain.metrics import is_gpu_work  # noqa: E402
 from minitrain.plan import model_config_for  # noqa: E402
 from minitrain.precision import resolve_precision  # noqa: E402
+from minitrain.tools import kernel_floors  # noqa: E402
 from minitrain.trainer import Trainer  # noqa: E402
 
 # Every setting explicit, so the rows do not depend on what `auto` resolves to (a fixed batch, no
@@ -226,8 +228,10 @@ def traced_steps(trainer: Trainer, first: int, steps: int):
 
 
 def profile_steps(trainer: Trainer, first: int, steps: int) -> dict:
-    """GPU time by kernel over `steps` traced steps (the next cost to attack), GPU idle gaps, and the host
-    syncs issued inside the steps."""
+    """GPU time by kernel over `steps` traced steps (the next cost to attack), each class of kernels beside its
+    floor on this device (minitrain/tools/kernel_floors.py), GPU idle gaps, and the host syncs issued inside
+    the steps."""
+    ceilings = kernel_floors.measure_ceilings(trainer.device)  # before the trace, so none of its kernels is in it
     prof = traced_steps(trainer, first, steps)
     events = prof.key_averages()
     kernels = sorted((e for e in events if is_gpu_work(e)),
@@ -242,10 +246,16 @@ def profile_steps(trainer: Trainer, first: int, steps: int) -> dict:
     top = [{"kernel": e.key[:90], "calls_per_step": e.count / steps,
             "ms_per_step": e.self_device_time_total / 1e3 / steps, "share": e.self_device_time_total / total}
            for e in kernels[:25]]
+    plan = trainer.plan
+    work = kernel_floors.step_work(trainer.model, plan.precision, plan.batch_size, trainer.model_cfg.block_size,
+                                   plan.compiled)
+    per_kernel = [(e.key, e.self_device_time_total / 1e3 / steps, e.count / steps) for e in kernels]  # all of them
+    rows = kernel_floors.floor_table(per_kernel, kernel_floors.floors_ms(work, ceilings))
     idle_ms, long_idle_ms, gaps = idle_gaps(prof)
     return {"gpu_ms_per_step": total / 1e3 / steps, "idle_ms_per_step": idle_ms / steps,
             "long_idle_ms_per_step": long_idle_ms / steps, "largest_gaps": gaps, "top_kernels": top,
             "kernels_per_step": sum(e.count for e in kernels) / steps,
+            "floors": {**asdict(ceilings), "rows": rows},
             "syncs_per_step": {k: v / steps for k, v in syncs.items()}}
 
 
@@ -346,6 +356,8 @@ def main() -> None:
                           f"host in {g['host']}")
                 for k in prof["top_kernels"]:
                     print(f"  {k['ms_per_step']:7.3f} ms {k['share']:6.1%} x{k['calls_per_step']:5.1f}  {k['kernel']}")
+                for line in kernel_floors.format_table(prof["floors"]):
+                    print(f"  {line}")
     Path(args.out).write_text(json.dumps(results, indent=1))
 
     print(f"\n{torch.cuda.get_device_name()}  torch {torch.__version__}  "

@@ -87,3 +87,37 @@ def test_the_profile_window_holds_the_steps_after_its_warm_up_only(make_cfg, mon
     averages = {e.key: e.count for e in prof.key_averages()}
     assert averages["bench.step"] == 3
     assert averages["minitrain.optimizer"] == 3  # no op of a warm-up step is in the trace
+
+
+def test_the_profile_sets_every_kernel_of_the_step_beside_its_floor(make_cfg, monkeypatch):
+    """All GPU kernels, not the top 25, go into the table; the floors are of the optimizer step's whole batch
+    (not a micro-batch's) against the device's ceilings, measured once."""
+    from minitrain.tools import kernel_floors
+    from minitrain.trainer import Trainer
+
+    trainer = Trainer(make_cfg("trainer.micro_batch=4"), progress=False)  # batch 8 in 2 micro-batches
+    trainer.close()
+    ceilings = kernel_floors.Ceilings(copy_bytes_per_s=1e12, gemm_flops_per_s=1e14)
+    monkeypatch.setattr(kernel_floors, "measure_ceilings", lambda device: ceilings)
+    gpu = torch.autograd.DeviceType.CUDA
+
+    def average(key, calls, us):
+        return SimpleNamespace(key=key, count=calls, self_device_time_total=us, device_type=gpu,
+                               is_user_annotation=False)
+
+    steps = 4
+    averages = [average(f"triton_poi_fused_add_{i}", 8, 1000.0 * (40 - i)) for i in range(29)]
+    averages.append(average("nvjet_sm90_tst_128x128_64x6_2x4_h_bz_NTT", 3 * steps, 400.0))  # 30th by time
+    prof = SimpleNamespace(key_averages=lambda: averages, events=lambda: [_event(0, 10, "nvjet", gpu)])
+    monkeypatch.setattr(bench_step, "traced_steps", lambda trainer, first, steps: prof)
+    floors = bench_step.profile_steps(trainer, first=0, steps=steps)["floors"]
+
+    assert (floors["copy_bytes_per_s"], floors["gemm_flops_per_s"]) == (1e12, 1e14)
+    rows = {r["class"]: r for r in floors["rows"]}
+    gemm = rows[kernel_floors.GEMM]
+    assert (gemm["kernels"], gemm["calls_per_step"], gemm["ms_per_step"]) == (1, 3, 0.1)  # 400 us over 4 steps
+    work = kernel_floors.step_work(trainer.model, trainer.plan.precision, 8, 64, compiled=False)  # eager on a CPU
+    assert gemm["floor_ms_per_step"] == work[kernel_floors.GEMM].seconds(ceilings) * 1e3
+    assert rows[kernel_floors.ADAMW]["floor_ms_per_step"] == work[kernel_floors.ADAMW].seconds(ceilings) * 1e3
+    assert rows[kernel_floors.LAYER_NORM_FORWARD]["floor_ms_per_step"] is None  # eager: the adds run apart
+    assert rows[kernel_floors.OTHER]["kernels"] == 29
