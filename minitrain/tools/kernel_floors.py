@@ -12,14 +12,15 @@ each output written once:
   GEMMs          FLOPs of every matmul of forward and backward, the LM head's included: the MFU's 6N per
                  token (GPT.flops_per_token at seq_len 0, its attention term being linear in it). Bytes are
                  not counted: a GEMM with n_embd as one of its dimensions does at least n_embd / 2 FLOPs per
-                 byte it moves, so at GPT-2 widths its FLOPs bind (a narrow model's GEMM floor is loose).
+                 byte of 16-bit operands it moves, so at GPT-2 widths its FLOPs bind (a narrow model's GEMM
+                 floor is loose).
   attention      causal attention's FLOPs: the MFU's attention term halved (it counts the full T x T score and
                  value products, a causal kernel computes half), backward twice the forward; a flash
                  backward's recompute of the scores is the kernel's choice, not counted. Bytes: forward reads
                  q, k, v and writes the output; backward reads those four and the output's gradient and
                  writes the gradients of q, k, v (A each, n_embd per token per layer).
-  cross-entropy  the logits read once and their gradient written once (A each, vocab per token); the
-                 matmuls on either side are GEMMs.
+  cross-entropy  the fused loss's row kernel, or torch's log-softmax and NLL kernels: the logits read once and
+                 their gradient written once (A each, vocab per token); the matmuls on either side are GEMMs.
   GELU           forward reads its input, writes its output; backward reads the output's gradient and the
                  input, writes the input's gradient (A each, MLP width per token per layer).
   LayerNorm      the 2L + 1 norms, each fused with the residual add before it (inductor's fusion; eager runs
@@ -33,8 +34,9 @@ each output written once:
                  clipping norm's pass and the update's), whichever implementation runs.
   other          every kernel no class claims: measured, no floor.
 
-A kernel whose input its producer has just written may find part of it in the L2 cache and run under its
-floor (measured / floor below 1): the floors assume every byte comes from and goes to HBM.
+A kernel can run under its floor (measured / floor below 1): one whose input its producer has just written
+may find part of it in the L2 cache (the floors assume every byte comes from and goes to HBM), and a copy is
+half reads, half writes, so a kernel that mostly reads may stream faster than the copy does.
 """
 
 from __future__ import annotations
@@ -62,8 +64,8 @@ GELU_FORWARD, GELU_BACKWARD = "GELU forward", "GELU backward"
 LAYER_NORM_FORWARD, LAYER_NORM_BACKWARD = "LayerNorm forward", "LayerNorm backward"
 ADAMW, OTHER = "AdamW", "other"
 
-# Lowercase name patterns, first match wins: attention before GEMMs (cuDNN's and xformers' attention kernels
-# are built from CUTLASS), each backward before its forward (whose pattern its name also matches).
+# Lowercase name patterns, first match wins: attention before GEMMs (torch's flash and memory-efficient
+# kernels carry "cutlass" in their names), each backward before its forward (whose pattern it also matches).
 KERNEL_CLASSES = (
     (ATTENTION, ("*sdpa*", "*flash*", "*fmha*", "*attention_kernel*", "*attention_backward*",
                  "*compute_dot_do_o*", "*convert_dq_to_16bits*")),
