@@ -4,15 +4,17 @@ For each (model, global batch) cell the plan picks a micro-batch and a checkpoin
 (`trainer.micro_batch=auto checkpointing=auto`). The hand-picked alternatives are those a user would try
 that could beat it: the same policy at the next smaller micro-batch, the first policy of more recompute
 (selective, then full) that allows a larger micro-batch, and no recompute if the plan chose some (a
-policy that recomputes more at the same micro-batch can only be slower). Every (model, micro-batch, policy) point is measured once, in
-a process of its own (so its peak memory is its own), through the trainer's own step at two
-accumulated micro-batches: the forward + backward time of one micro-batch and the optimizer's time,
-each from CUDA events without a sync in between. A cell's tokens/s is then its global batch over
-`accumulation x micro-batch time + optimizer time`, the same arithmetic for the plan's choice and for
-the alternatives. Prints the table (plan's choice, best alternative, the ratio, the measured peak
-against the budget) and writes JSON to --out.
+policy that recomputes more at the same micro-batch can only be slower). Every (model, micro-batch,
+policy) point is measured once, in a process of its own (so its peak memory is its own), through the
+trainer's own step at two accumulated micro-batches: the forward + backward time of one micro-batch
+and the optimizer's time, each from CUDA events without a sync in between. A cell's tokens/s is then its
+global batch over `accumulation x micro-batch time + optimizer time`, the same arithmetic for the plan's
+choice and for the alternatives. Prints the table (plan's choice, best alternative, the ratio, the
+measured peak against the budget) and writes JSON to --out. A grid longer than one sitting goes on from
+an earlier run's JSON (`--measured`); `--time-limit-s` starts no point after that many seconds.
 
     python scripts/bench_plan.py --models gpt2-124m gpt2-1.5b --batches 16 64 512 --out bench_plan.json
+    python scripts/bench_plan.py --time-limit-s 470 --measured bench_plan.json --out bench_plan2.json
     python scripts/bench_plan.py --dry-run --device-memory-gb 150.1   # the points it would measure, on a CPU
 """
 

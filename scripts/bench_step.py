@@ -289,7 +289,8 @@ def main() -> None:
                     help="also time the reference with CUDA graphs (compile_mode=reduce-overhead); ratios are then "
                          "against the faster of the two reference rows")
     ap.add_argument("--big-checkpointing", default="full", help="minitrain's policy for models > 1B params")
-    ap.add_argument("--profile", action="store_true", help="also profile 4 steady-state steps of each recipe: kernels beside their floors, idle, host syncs")
+    ap.add_argument("--profile", action="store_true",
+                    help="also profile 4 steady-state steps of each recipe: kernels beside their floors, idle, host syncs")
     ap.add_argument("--val", action="store_true",
                     help="also each recipe's validation loss after its steps (with --steps 200: the loss curves compared)")
     ap.add_argument("--out", default="bench_step.json")
