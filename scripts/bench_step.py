@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import gc
 import json
+import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +33,7 @@ import traceback
 from collections import defaultdict
 from dataclasses import asdict
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -60,11 +63,13 @@ RECIPES = {
 LR = {"gpt2-124m": 6e-4, "gpt2-350m": 3e-4, "gpt2-774m": 2.5e-4, "gpt2-1.5b": 6e-5}
 
 
+PROBE_STEPS = 3  # compiled: the first steps compile and record the graphs, the third runs as training does
 CANDIDATE_BATCHES = (512, 384, 256, 192, 128, 96, 64, 48, 32, 24, 16, 12, 8, 4, 2, 1)
 
 
 def largest_fitting_batch(model: str, recipe: str, extra: list[str], budget_bytes: float) -> int:
-    """The largest candidate batch whose step of `recipe` the memory model predicts within the budget."""
+    """The largest candidate batch whose step of `recipe` the memory model predicts within the budget: the
+    first guess of `measured_fitting_batch` (the model predicts an eager step; a compiled one may fit more)."""
     cfg = resolve(compose_config([f"model={model}", "trainer.out_dir=.", *RECIPES[recipe], *extra]))
     device = torch.device("cuda")
     model_cfg = model_config_for(cfg, cfg.data.vocab_size, device)
@@ -76,6 +81,42 @@ def largest_fitting_batch(model: str, recipe: str, extra: list[str], budget_byte
         if peak <= budget_bytes:
             return batch
     return 1
+
+
+def probe_fits(model: str, recipe: str, extra: list[str], batch: int, budget_bytes: float) -> bool:
+    """Whether `recipe`'s step at `batch` runs within the budget, measured: PROBE_STEPS steps (compilation
+    included) in a process of its own, so its peak reserved memory is its own and an OOM ends only it."""
+    cmd = [sys.executable, __file__, "--probe", f"{model}:{recipe}:{batch}", "--probe-extra", *extra]
+    done = subprocess.run(cmd, capture_output=True, text=True)
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
+    fits = done.returncode == 0 and bool(lines) and json.loads(lines[-1])["peak_reserved_bytes"] <= budget_bytes
+    print(f"  {model} {recipe} at B={batch}: {'fits' if fits else 'does not fit'}", flush=True)
+    return fits
+
+
+def measured_fitting_batch(model: str, recipe: str, extra: list[str], budget_bytes: float,
+                           fits: Callable[[int], bool]) -> int:
+    """The largest candidate batch whose step `fits` (measured; see probe_fits): from the memory model's
+    guess, up while the next larger one fits, or down until one does."""
+    i = CANDIDATE_BATCHES.index(largest_fitting_batch(model, recipe, extra, budget_bytes))
+    if fits(CANDIDATE_BATCHES[i]):
+        while i > 0 and fits(CANDIDATE_BATCHES[i - 1]):
+            i -= 1
+        return CANDIDATE_BATCHES[i]
+    for batch in CANDIDATE_BATCHES[i + 1:]:
+        if fits(batch):
+            return batch
+    raise RuntimeError(f"{model} {recipe}: not even a batch of {CANDIDATE_BATCHES[-1]} fits")
+
+
+def probe(spec: str, extra: list[str]) -> None:
+    """--probe model:recipe:batch, in a child process: PROBE_STEPS steps, then the peak reserved bytes."""
+    model, recipe, batch = spec.split(":")
+    with tempfile.TemporaryDirectory() as out:
+        run = Run(build(model, int(batch), recipe, extra, out), 0, 0)
+        run.steps(PROBE_STEPS)
+        torch.cuda.synchronize()
+        print(json.dumps({"peak_reserved_bytes": torch.cuda.max_memory_reserved()}))
 
 
 def build(model: str, batch: int, recipe: str, extra: list[str], out_dir: str) -> Trainer:
@@ -273,8 +314,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--models", nargs="+", default=["gpt2-124m", "gpt2-1.5b"])
     ap.add_argument("--batch", nargs="+", default=["16", "auto"],
-                    help="global batch per model; auto: each recipe at the largest batch its step fits in 90%% "
-                         "of the GPU (by the memory model)")
+                    help="global batch per model; auto: each recipe at the largest batch whose step runs within "
+                         "90%% of the GPU (measured, in processes of their own, from the memory model's guess)")
     ap.add_argument("--warmup", type=int, default=8)
     ap.add_argument("--steps", type=int, default=24)
     ap.add_argument("--rounds", type=int, default=4,
@@ -282,6 +323,8 @@ def main() -> None:
                          "(clocks, heat) falls on all; 1 (always with --batch auto): one after the other, each alone")
     ap.add_argument("--no-compile", action="store_true")
     ap.add_argument("--minitrain-extra", nargs="*", default=[], help="extra overrides for the minitrain recipe")
+    ap.add_argument("--reference-extra", nargs="*", default=[],
+                    help="extra overrides for the reference recipe (e.g. checkpointing=full where it needs it)")
     ap.add_argument("--ablate", nargs="*", default=[],
                     help="also time minitrain with each of these override sets (e.g. 'model.gelu=torch'), "
                          "interleaved with the two recipes")
@@ -294,7 +337,12 @@ def main() -> None:
     ap.add_argument("--val", action="store_true",
                     help="also each recipe's validation loss after its steps (with --steps 200: the loss curves compared)")
     ap.add_argument("--out", default="bench_step.json")
+    ap.add_argument("--probe", help=argparse.SUPPRESS)  # model:recipe:batch, run in this process (probe_fits)
+    ap.add_argument("--probe-extra", nargs="*", default=[], help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.probe:
+        probe(args.probe, args.probe_extra)
+        return
     compile_flag = [f"trainer.compile={not args.no_compile}"]
     budget = 0.9 * torch.cuda.get_device_properties(0).total_memory
     results = []
@@ -305,14 +353,16 @@ def main() -> None:
         runs, rows = {}, {}
         rounds = 1 if batch == "auto" else args.rounds  # at its largest batch, each recipe needs the GPU alone
         with tempfile.TemporaryDirectory() as tmp:
-            variants = [("minitrain", "minitrain", ours_extra), ("reference", "reference", [])]
+            variants = [("minitrain", "minitrain", ours_extra), ("reference", "reference", list(args.reference_extra))]
             if args.reference_graphs:
                 variants.append(("reference graphed", "reference", ["trainer.compile_mode=reduce-overhead"]))
             for ablation in args.ablate:  # minitrain with one part swapped: that part's share of the gain
                 variants.append((f"minitrain {ablation}", "minitrain", ours_extra + ablation.split()))
             for i, (name, recipe, recipe_extra) in enumerate(variants):
                 extra = compile_flag + recipe_extra
-                recipe_batch = largest_fitting_batch(model, recipe, extra, budget) if batch == "auto" else int(batch)
+                recipe_batch = int(batch) if batch != "auto" else measured_fitting_batch(
+                    model, recipe, extra, budget,
+                    functools.partial(probe_fits, model, recipe, extra, budget_bytes=budget))
                 row = rows[name] = {"model": model, "batch": recipe_batch, "recipe": name, "overrides": extra}
                 graphed_before = any(r.trainer.plan.cuda_graphs for r in runs.values())
                 try:
@@ -388,7 +438,9 @@ def main() -> None:
             gap = max(abs(a - b) for a, b in zip(ref["losses"], ours["losses"]))
             per_round = [a / b * ours["batch"] / ref["batch"]  # tokens/s ratios of the rounds
                          for a, b in zip(ref["ms_per_round"], ours["ms_per_round"])]
-            batches = "" if ref["batch"] == ours["batch"] else f" (each at its batch: {ref['batch']}, {ours['batch']})"
+            batches = "" if ref["batch"] == ours["batch"] else (
+                f" (each at its batch: {ref['batch']}, {ours['batch']}; "
+                f"{'the reference' if ref['batch'] < ours['batch'] else ours['recipe']} memory-limited)")
             if ours["peak_reserved_gb"] is None or mem_ref is None:
                 peak = "memory not its own (it shares a graphed recipe's pool)"
             elif ours["cuda_graphs"]:  # the allocated counter misses the graphs' pool: what the process holds

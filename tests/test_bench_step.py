@@ -3,6 +3,7 @@
 import importlib.util
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from conftest import REPO
@@ -121,3 +122,21 @@ def test_the_profile_sets_every_kernel_of_the_step_beside_its_floor(make_cfg, mo
     assert rows[kernel_floors.ADAMW]["floor_ms_per_step"] == work[kernel_floors.ADAMW].seconds(ceilings) * 1e3
     assert rows[kernel_floors.LAYER_NORM_FORWARD]["floor_ms_per_step"] is None  # eager: the adds run apart
     assert rows[kernel_floors.OTHER]["kernels"] == 29
+
+
+def test_auto_batch_is_measured_from_the_memory_models_guess(monkeypatch):
+    """The memory model's guess is only where the search starts: a compiled step may fit more, or less."""
+    candidates = bench_step.CANDIDATE_BATCHES
+    for guess, largest_that_runs in [(32, 48), (32, 32), (64, 24), (512, 512)]:
+        monkeypatch.setattr(bench_step, "largest_fitting_batch", lambda *args, g=guess: g)
+        probed = []
+
+        def fits(batch, limit=largest_that_runs):
+            probed.append(batch)
+            return batch <= limit
+
+        assert bench_step.measured_fitting_batch("m", "reference", [], 1.0, fits) == largest_that_runs
+        assert probed[0] == guess  # the guess is tried first, and no candidate twice
+        assert len(probed) == len(set(probed)) <= abs(candidates.index(guess) - candidates.index(largest_that_runs)) + 2
+    with pytest.raises(RuntimeError, match="not even a batch of 1 fits"):
+        bench_step.measured_fitting_batch("m", "reference", [], 1.0, lambda batch: False)
