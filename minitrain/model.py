@@ -81,6 +81,12 @@ def run_block(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return block(x)
 
 
+def attention_flops_per_token(n_layer: int, n_embd: int, seq_len: int) -> int:
+    """Training FLOPs per token of the attention scores and values, without the causal mask's saving (the
+    MFU convention): forward 4 * n_layer * n_embd * seq_len, the backward twice that."""
+    return 12 * n_layer * n_embd * seq_len
+
+
 class GPT(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -135,8 +141,8 @@ class GPT(nn.Module):
 
     def flops_per_token(self, seq_len: int) -> int:
         """Training FLOPs per token: 6N for the matmuls (N without positions, tied head counted once)
-        plus 12 * n_layer * n_embd * seq_len for attention scores and values (forward 4·L·H·T, x3)."""
-        return 6 * self.num_params() + 12 * self.cfg.n_layer * self.cfg.n_embd * seq_len
+        plus attention's scores and values (attention_flops_per_token)."""
+        return 6 * self.num_params() + attention_flops_per_token(self.cfg.n_layer, self.cfg.n_embd, seq_len)
 
     def param_groups(self, weight_decay: float) -> list[dict]:
         """Decay matrices only; norms, biases and embeddings (the tied head too) keep their scale."""
