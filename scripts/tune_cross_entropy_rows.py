@@ -1,9 +1,10 @@
 """Tune the fused loss's softmax kernels on the GPU, each beside a copy of the same bytes (the ceiling).
 
-The row kernel reads each row twice (log-sum-exp, then the gradient) and writes it once. When the rows
-in flight fit in L2 the second read is nearly free: the floor is then one read and one write. This
-prints, per grid size (rows streaming at once), block and warp count, the time and the bandwidth
-counted as one read + one write. Then the block kernel of `low_memory`'s pass B (one read, one write of
+The row kernel reads each row twice (log-sum-exp, then the gradient) and writes it once, unless its block
+holds the whole row, which it then reads once. When the rows in flight fit in L2 the second read is
+nearly free: the floor is then one read and one write. This prints, per grid size (rows streaming at
+once), block and warp count, the time and the bandwidth counted as one read + one write; each variant's
+log-sum-exp and gradient are checked against torch's before it is timed. Then the block kernel of `low_memory`'s pass B (one read, one write of
 an N x H block of logits) per tile shape and warp count.
 
     python scripts/tune_cross_entropy_rows.py
@@ -18,11 +19,15 @@ import sys
 from pathlib import Path
 
 import torch
+import triton
 import triton.testing
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from minitrain.ops.cross_entropy_triton import cross_entropy_rows, logit_grad_block  # noqa: E402
+
+
+GRAD_TOLERANCE = 1e-2  # relative error of a bf16 gradient
 
 
 def main() -> None:
@@ -38,6 +43,7 @@ def main() -> None:
     for shape in args.shapes:
         rows, vocab = map(int, shape.split("x"))
         logits = torch.randn(rows, vocab, device="cuda", dtype=torch.bfloat16) * 3
+        work = logits.clone()  # the timed runs overwrite it with gradients; `logits` stays the checks' input
         targets = torch.randint(0, vocab, (rows,), device="cuda")
         losses, lse = (torch.empty(rows, device="cuda") for _ in range(2))
         scale = torch.tensor(1.0 / rows, device="cuda")
@@ -45,13 +51,30 @@ def main() -> None:
         copy_src = torch.empty_like(logits)
         copy_ms = triton.testing.do_bench(lambda: copy_src.copy_(logits), return_mode="median")
         print(f"{shape}: copy {copy_ms:.3f} ms = {nbytes / copy_ms / 1e9:.2f} TB/s")
-        variants = [(None, 4096, 8)] + list(itertools.product([1, 2, 3, 4, 6, 8], [2048, 4096, 8192], [4, 8, 16]))
+        want_lse = torch.logsumexp(logits.float(), 1)
+        want_grad = torch.softmax(logits.float(), 1)
+        want_grad[torch.arange(rows, device="cuda"), targets] -= 1.0
+        want_grad *= scale
+        whole_row = triton.next_power_of_2(vocab)  # one block: the row read once
+        variants = ([(None, 4096, 8)] + list(itertools.product([1, 2, 3, 4, 6, 8], [2048, 4096, 8192], [4, 8, 16]))
+                    + list(itertools.product([1, 2, 4], [whole_row], [8, 16, 32])))
         for per_sm, block, warps in variants:
             programs = None if per_sm is None else per_sm * sms
 
-            def run():
-                cross_entropy_rows(logits, targets, losses, lse, scale, ignore_index=-100, label_smoothing=0.0,
+            def run(into=work):
+                cross_entropy_rows(into, targets, losses, lse, scale, ignore_index=-100, label_smoothing=0.0,
                                    z_loss=0.0, write_grad=True, programs=programs, block=block, num_warps=warps)
+
+            checked = logits.clone()
+            try:
+                run(checked)
+            except Exception as e:  # a block too wide for the chip's registers or shared memory
+                print(f"  rows/SM {per_sm} block {block} warps {warps}: cannot run ({type(e).__name__})")
+                continue
+            grad_err = ((checked.float() - want_grad).norm() / want_grad.norm()).item()
+            if not (torch.allclose(lse, want_lse, rtol=1e-5, atol=1e-4) and grad_err < GRAD_TOLERANCE):
+                print(f"  rows/SM {per_sm} block {block} warps {warps}: wrong (gradient error {grad_err:.1e}), not timed")
+                continue
 
             ms = triton.testing.do_bench(run, return_mode="median")
             row = {"shape": shape, "rows_per_sm": per_sm, "block": block, "warps": warps, "ms": ms,

@@ -52,8 +52,10 @@ def test_chunk_budgets(rows):
 
 
 @pytest.mark.parametrize("programs", [1, 3, N])
-def test_row_kernel_any_number_of_programs(programs):
-    """The row kernel's programs stride over the rows: any grid covers every row exactly once."""
+@pytest.mark.parametrize("block", [32, 256])  # rows of V = 123 columns in four blocks, or in one (read once)
+def test_row_kernel_any_number_of_programs(programs, block):
+    """The row kernel's programs stride over the rows: any grid covers every row exactly once, and its
+    losses and gradients are the truth's, whether a row streams in blocks or sits in one."""
     from minitrain.ops.cross_entropy_triton import cross_entropy_rows
 
     hidden, weight, targets = make_inputs(programs)
@@ -62,15 +64,19 @@ def test_row_kernel_any_number_of_programs(programs):
     for grid in (programs, None):
         grad, losses, lse = logits.clone(), torch.full((N,), float("nan")), torch.full((N,), float("nan"))
         cross_entropy_rows(grad, targets, losses, lse, torch.tensor(0.5), ignore_index=-100, label_smoothing=0.1,
-                           z_loss=1e-3, write_grad=True, programs=grid, block=32)
+                           z_loss=1e-3, write_grad=True, programs=grid, block=block)
         outs.append((grad, losses, lse))
     assert not any(t.isnan().any() for t in outs[0])
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
-    want = F.cross_entropy(logits.double(), targets, reduction="none", label_smoothing=0.1)
+    exact = logits.double().requires_grad_()
+    want = F.cross_entropy(exact, targets, reduction="none", label_smoothing=0.1)
     valid = targets != -100
-    z_term = 1e-3 * logits.double()[valid].logsumexp(1) ** 2
-    torch.testing.assert_close(outs[0][1][valid].double(), want[valid] + z_term, rtol=1e-5, atol=1e-6)
+    want = torch.where(valid, want + 1e-3 * exact.logsumexp(1) ** 2, 0.0)
+    (0.5 * want.sum()).backward()
+    torch.testing.assert_close(outs[0][1].double(), want.detach(), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(outs[0][2][valid].double(), exact.detach()[valid].logsumexp(1), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(outs[0][0].double(), exact.grad, rtol=1e-5, atol=1e-7)
 
 
 # low_memory: the row chunks use the memory of grad_weight and pass B's workspace; the vocab blocks are

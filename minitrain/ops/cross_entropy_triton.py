@@ -2,7 +2,8 @@
 
 _cross_entropy_rows_kernel   whole rows (all V columns): online max / log-sum-exp, the row's loss
                              and log-sum-exp, and, when gradients are wanted, d(loss)/d(logits)
-                             written in place (two streaming reads, one write).
+                             written in place (two streaming reads, one write; one read when the
+                             block holds the whole row, which then stays on chip between the passes).
 _logit_grad_block_kernel     a block of columns of every row, given each row's log-sum-exp:
                              d(loss)/d(logits) in place (one read, one write).
 
@@ -35,7 +36,7 @@ def _logit_grad(x, cols, target, lse, scale, V, label_smoothing, z_loss, ROUND_B
 @triton.jit
 def _cross_entropy_row(row_ptr, row, cols, targets_ptr, loss_ptr, lse_ptr, grad_scale_ptr, scale_stride, V,
                        ignore_index, label_smoothing, z_loss, WRITE_GRAD: tl.constexpr, ROUND_BF16: tl.constexpr,
-                       BLOCK: tl.constexpr):
+                       BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
     target = tl.load(targets_ptr + row)
     if target == ignore_index:
         # Ignored rows skip the exp passes; their zero gradient row makes them
@@ -46,6 +47,20 @@ def _cross_entropy_row(row_ptr, row, cols, targets_ptr, loss_ptr, lse_ptr, grad_
             for start in range(0, V, BLOCK):
                 offs = start + cols
                 tl.store(row_ptr + offs, tl.zeros([BLOCK], row_ptr.dtype.element_ty), mask=offs < V)
+    elif ONE_BLOCK:
+        # The whole row in one block: read once, statistics and gradient from the same registers.
+        x = tl.load(row_ptr + cols, mask=cols < V, other=-float("inf")).to(tl.float32)
+        m = tl.max(x, axis=0)
+        lse = m + tl.log(tl.sum(tl.exp(x - m), axis=0))
+        x_sum = tl.sum(tl.where(cols < V, x, 0.0), axis=0)
+        x_target = tl.sum(tl.where(cols == target, x, 0.0), axis=0)
+        loss = lse - (1.0 - label_smoothing) * x_target - label_smoothing * x_sum / V + z_loss * lse * lse
+        tl.store(loss_ptr + row, loss)
+        tl.store(lse_ptr + row, lse)
+        if WRITE_GRAD:
+            scale = tl.load(grad_scale_ptr + row * scale_stride)
+            g = _logit_grad(x, cols, target, lse, scale, V, label_smoothing, z_loss, ROUND_BF16)
+            tl.store(row_ptr + cols, g.to(row_ptr.dtype.element_ty), mask=cols < V)
     else:
         # Pass 1: online max / sum-exp (and the plain sum that label smoothing needs).
         m = -float("inf")
@@ -91,12 +106,14 @@ def _cross_entropy_rows_kernel(
     WRITE_GRAD: tl.constexpr,
     ROUND_BF16: tl.constexpr,
     BLOCK: tl.constexpr,
+    ONE_BLOCK: tl.constexpr,  # BLOCK >= V: the row is read once
 ):
     cols = tl.arange(0, BLOCK)
     # Rows in a grid-stride loop: how many rows stream at once is the grid's choice (see the launcher).
     for row in range(tl.program_id(0).to(tl.int64), M, tl.num_programs(0)):
         _cross_entropy_row(logits_ptr + row * stride_row, row, cols, targets_ptr, loss_ptr, lse_ptr, grad_scale_ptr,
-                           scale_stride, V, ignore_index, label_smoothing, z_loss, WRITE_GRAD, ROUND_BF16, BLOCK)
+                           scale_stride, V, ignore_index, label_smoothing, z_loss, WRITE_GRAD, ROUND_BF16, BLOCK,
+                           ONE_BLOCK)
 
 
 @triton.jit
@@ -168,6 +185,7 @@ def cross_entropy_rows(logits, targets, losses, lse, grad_scale, *, ignore_index
         WRITE_GRAD=write_grad,
         ROUND_BF16=rounds_bf16(logits.dtype),
         BLOCK=block,
+        ONE_BLOCK=block >= vocab,
         num_warps=num_warps,
     )
 
