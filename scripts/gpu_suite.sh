@@ -2,6 +2,7 @@
 # The GPU tests and the measurements of docs/benchmarks.md, by section name, on a machine with an NVIDIA GPU.
 # Usage: scripts/gpu_suite.sh OUT_DIR [tests] [optimizer] [cross_entropy] [ce_rows] [ce_chunks] [gelu] [train]
 #        [step] [step_ablate] [step15b] [step_sizes] [curve] [sweep] [defaults] [defaults15b] [plan] [attention]
+#        [diverge15b]
 # plan: PLAN_MODELS and PLAN_BATCHES (space-separated) pick the grid, default gpt2-124m at 16 64 512; it starts no
 #   point after PLAN_TIME_LIMIT_S and goes on from the JSON files in PLAN_MEASURED
 set -uo pipefail
@@ -53,6 +54,11 @@ for what in "$@"; do
     step15b) timeout 590 python3 scripts/bench_step.py --models gpt2-1.5b --batch auto --warmup 2 --steps 4 \
                --minitrain-extra trainer.compile_mode=default \
                --out "$out/bench_step_15b.json" 2>&1 | tail -8 ;;
+    diverge15b)  # where the reference's gpt2-1.5b loss runs away: both recipes at B=8, compiled, then eager
+      for flag in "" "--no-compile"; do
+        timeout 280 python3 scripts/bench_step.py --models gpt2-1.5b --batch 8 --warmup 2 --steps 10 --rounds 1 \
+          --big-checkpointing none $flag --out "$out/diverge15b${flag:+_eager}.json" 2>&1 | grep -E "^gpt2-1.5b" | tail -4
+      done ;;
     gelu) timeout 60 python3 scripts/bench_gelu.py --out "$out/bench_gelu.json" 2>&1 | tail -6 ;;
     attention) timeout 120 python3 scripts/bench_attention.py --out "$out/bench_attention.json" 2>&1 | tail -24 ;;
     ce_rows) timeout 200 python3 scripts/tune_cross_entropy_rows.py --out "$out/tune_ce_rows.json" 2>&1 | tail -60 ;;
