@@ -10,6 +10,7 @@ predicted throughput that fits `trainer.memory_budget`. Everything downstream re
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any, Optional
 
@@ -237,7 +238,8 @@ def make_plan(cfg: Config, tokenizer_vocab: int, device: torch.device, world_siz
             break
         too_big.append((estimate, micro))
     else:
-        raise PlanError(_no_fit_message(cfg, *min(too_big, key=lambda c: c[0].peak), budget, total, device))
+        raise PlanError(_no_fit_message(cfg, precision, *min(too_big, key=lambda c: c[0].peak), budget, total,
+                                        device))
     if not {"micro_batch", "checkpointing"} & set(auto) and estimate.peak > CLOSE_TO_BUDGET * budget:
         notes.append(f"the predicted peak is {estimate.peak / budget:.0%} of trainer.memory_budget")
 
@@ -253,16 +255,20 @@ def make_plan(cfg: Config, tokenizer_vocab: int, device: torch.device, world_siz
                 memory=estimate, memory_budget=budget, device_memory=total, auto=tuple(auto), notes=tuple(notes))
 
 
-def _no_fit_message(cfg: Config, smallest: MemoryEstimate, micro: int, budget: int, total: int,
-                    device: torch.device) -> str:
+def _no_fit_message(cfg: Config, precision: Precision, smallest: MemoryEstimate, micro: int, budget: int,
+                    total: int, device: torch.device) -> str:
     where = "of the RAM available" if device.type == "cpu" else "of the device's memory"
     tried = []
     if cfg.trainer.micro_batch != "auto":
         tried.append("trainer.micro_batch=auto")
     if cfg.checkpointing.policy != CheckpointPolicy.auto:
         tried.append("checkpointing=auto")
-    advice = ", ".join(tried + ["a smaller model", "precision=bf16" if device.type == "cuda" else
-                                "fewer parameters", "or distributed=fsdp over more devices"])
+    needed = math.ceil(smallest.peak / total * 100) / 100  # the budget fraction the smallest step needs
+    if cfg.trainer.memory_budget < needed <= 1:
+        tried.append(f"trainer.memory_budget={needed:g}")
+    if device.type == "cuda" and precision.param_dtype == torch.float32:
+        tried.append("precision=bf16")  # 2-byte params and activations
+    advice = ", ".join(tried + ["a smaller model", "or distributed=fsdp over more devices"])
     return (f"the step does not fit: its smallest predicted peak is {smallest.peak / GB:.2f} GB (micro-batch "
             f"{micro}), over trainer.memory_budget={cfg.trainer.memory_budget} {where} "
             f"({budget / GB:.2f} of {total / GB:.2f} GB). Try {advice}.\n{smallest.table()}")

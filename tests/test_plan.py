@@ -1,6 +1,7 @@
 """The plan: what `auto` resolves to per device, the auto-fit of micro-batch and checkpointing, and the refusals."""
 
 import json
+import re
 
 import pytest
 import torch
@@ -99,6 +100,24 @@ def test_a_step_that_cannot_fit_stops_at_the_plan_naming_what_to_change(monkeypa
                  monkeypatch=monkeypatch)
     with pytest.raises(PlanError, match="does not fit"):  # gpt2-1.5b's 16 B/param alone exceed a small machine
         plan_for("model=gpt2-1.5b", memory_gb=23, monkeypatch=monkeypatch)
+
+
+def test_a_step_that_cannot_fit_names_the_budget_and_precision_that_would_help(monkeypatch):
+    cuda = torch.device("cuda")  # only its type is read
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a 16 GB GPU")
+    tight = ("model=gpt2-124m", "trainer.memory_budget=0.1")
+    with pytest.raises(PlanError) as fp32:
+        plan_for(*tight, "precision=fp32", memory_gb=16, monkeypatch=monkeypatch, device=cuda)
+    budget = float(re.search(r"trainer\.memory_budget=(0\.\d+),", str(fp32.value)).group(1))
+    assert "precision=bf16" in str(fp32.value)
+    plan_for("model=gpt2-124m", f"trainer.memory_budget={budget}", "precision=fp32", memory_gb=16,
+             monkeypatch=monkeypatch, device=cuda)  # the budget it names is enough
+    with pytest.raises(PlanError) as bf16:
+        plan_for(*tight, "precision=bf16", memory_gb=16, monkeypatch=monkeypatch, device=cuda)
+    assert "precision=bf16" not in str(bf16.value)  # already 2-byte params: no advice to take them
+    with pytest.raises(PlanError) as whole:  # no budget fraction of this device can hold it
+        plan_for("model=gpt2-1.5b", "trainer.memory_budget=0.9", memory_gb=23, monkeypatch=monkeypatch)
+    assert "trainer.memory_budget=" not in str(whole.value).split("Try ")[1]
 
 
 def test_explicit_setting_close_to_the_budget_gets_a_note(monkeypatch):
