@@ -1,6 +1,7 @@
 """scripts/bench_step.py's logic that runs without a GPU: the auto batch and the idle-gap report."""
 
 import importlib.util
+import json
 from types import SimpleNamespace
 
 import pytest
@@ -140,3 +141,12 @@ def test_auto_batch_is_measured_from_the_memory_models_guess(monkeypatch):
         assert len(probed) == len(set(probed)) <= abs(candidates.index(guess) - candidates.index(largest_that_runs)) + 2
     with pytest.raises(RuntimeError, match="not even a batch of 1 fits"):
         bench_step.measured_fitting_batch("m", "reference", [], 1.0, lambda batch: False)
+
+
+def test_a_probe_runs_a_step_the_memory_model_would_refuse(data_cache, monkeypatch, capsys):
+    """What fits is the allocator's call: the child's plan must not stop a batch its prediction is over."""
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)  # a CPU stands in for the GPU
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda: 12345)
+    bench_step.probe("tiny:reference:2", [f"data.cache_dir={data_cache}", "model.block_size=32", "trainer.device=cpu",
+                                          "trainer.compile=false", "trainer.memory_budget=1e-6"])  # 25 kB of this RAM
+    assert json.loads(capsys.readouterr().out.strip().splitlines()[-1]) == {"peak_reserved_bytes": 12345}
