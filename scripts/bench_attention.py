@@ -24,7 +24,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from minitrain.model import attention_flops_per_token  # noqa: E402
+from minitrain.tools.kernel_floors import causal_attention_flops  # noqa: E402
 
 BACKENDS = {"default": None, "cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
             "efficient": SDPBackend.EFFICIENT_ATTENTION}  # default: what the model gets, torch's own choice
@@ -34,8 +34,8 @@ TOLERANCE = 2e-2  # relative error of bf16 operands against the fp32 reference, 
 
 
 def causal_flops(batch: int, heads: int, seq_len: int, head_dim: int) -> float:
-    """Forward + backward FLOPs of one causal attention: the model's count per token, halved by the mask."""
-    return batch * seq_len * attention_flops_per_token(1, heads * head_dim, seq_len) / 2
+    """Forward + backward FLOPs of one causal attention layer, as the step's floor counts them."""
+    return causal_attention_flops(batch * seq_len, 1, heads * head_dim, seq_len)
 
 
 def forward_backward(q, k, v, grad_out, backend=None):

@@ -290,7 +290,7 @@ def profile_steps(trainer: Trainer, first: int, steps: int) -> dict:
     for e in prof.events():
         if e.name in SYNC_CALLS and any(a <= e.time_range.start <= b for a, b in step_ranges):
             syncs[e.name] += 1
-    top = [{"kernel": e.key[:90], "calls_per_step": e.count / steps,
+    top = [{"kernel": e.key[:kernel_floors.NAME_CHARS], "calls_per_step": e.count / steps,
             "ms_per_step": e.self_device_time_total / 1e3 / steps, "share": e.self_device_time_total / total}
            for e in kernels[:25]]
     plan = trainer.plan

@@ -4,8 +4,8 @@ The row kernel reads each row twice (log-sum-exp, then the gradient) and writes 
 holds the whole row, which it then reads once. When the rows in flight fit in L2 the second read is
 nearly free: the floor is then one read and one write. This prints, per grid size (rows streaming at
 once), block and warp count, the time and the bandwidth counted as one read + one write; each variant's
-log-sum-exp and gradient are checked against torch's before it is timed. Then the block kernel of `low_memory`'s pass B (one read, one write of
-an N x H block of logits) per tile shape and warp count.
+log-sum-exp and gradient are checked against torch's before it is timed. Then the block kernel of
+`low_memory`'s pass B (one read, one write of an N x H block of logits) per tile shape and warp count.
 
     python scripts/tune_cross_entropy_rows.py
 """

@@ -47,34 +47,27 @@ def _cross_entropy_row(row_ptr, row, cols, targets_ptr, loss_ptr, lse_ptr, grad_
             for start in range(0, V, BLOCK):
                 offs = start + cols
                 tl.store(row_ptr + offs, tl.zeros([BLOCK], row_ptr.dtype.element_ty), mask=offs < V)
-    elif ONE_BLOCK:
-        # The whole row in one block: read once, statistics and gradient from the same registers.
-        x = tl.load(row_ptr + cols, mask=cols < V, other=-float("inf")).to(tl.float32)
-        m = tl.max(x, axis=0)
-        lse = m + tl.log(tl.sum(tl.exp(x - m), axis=0))
-        x_sum = tl.sum(tl.where(cols < V, x, 0.0), axis=0)
-        x_target = tl.sum(tl.where(cols == target, x, 0.0), axis=0)
-        loss = lse - (1.0 - label_smoothing) * x_target - label_smoothing * x_sum / V + z_loss * lse * lse
-        tl.store(loss_ptr + row, loss)
-        tl.store(lse_ptr + row, lse)
-        if WRITE_GRAD:
-            scale = tl.load(grad_scale_ptr + row * scale_stride)
-            g = _logit_grad(x, cols, target, lse, scale, V, label_smoothing, z_loss, ROUND_BF16)
-            tl.store(row_ptr + cols, g.to(row_ptr.dtype.element_ty), mask=cols < V)
     else:
-        # Pass 1: online max / sum-exp (and the plain sum that label smoothing needs).
-        m = -float("inf")
-        s = 0.0
-        x_sum = 0.0
-        for start in range(0, V, BLOCK):
-            offs = start + cols
-            x = tl.load(row_ptr + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
-            m_new = tl.maximum(m, tl.max(x, axis=0))
-            s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
-            m = m_new
-            if label_smoothing > 0:
-                x_sum += tl.sum(tl.where(offs < V, x, 0.0), axis=0)
-        lse = m + tl.log(s)
+        if ONE_BLOCK:
+            # The whole row in one block: read once; the gradient below comes from the same registers.
+            x = tl.load(row_ptr + cols, mask=cols < V, other=-float("inf")).to(tl.float32)
+            m = tl.max(x, axis=0)
+            lse = m + tl.log(tl.sum(tl.exp(x - m), axis=0))
+            x_sum = tl.sum(tl.where(cols < V, x, 0.0), axis=0)
+        else:
+            # Pass 1: online max / sum-exp (and the plain sum that label smoothing needs).
+            m = -float("inf")
+            s = 0.0
+            x_sum = 0.0
+            for start in range(0, V, BLOCK):
+                offs = start + cols
+                x = tl.load(row_ptr + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
+                m_new = tl.maximum(m, tl.max(x, axis=0))
+                s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
+                m = m_new
+                if label_smoothing > 0:
+                    x_sum += tl.sum(tl.where(offs < V, x, 0.0), axis=0)
+            lse = m + tl.log(s)
         x_target = tl.load(row_ptr + target).to(tl.float32)
         loss = lse - (1.0 - label_smoothing) * x_target - label_smoothing * x_sum / V + z_loss * lse * lse
         tl.store(loss_ptr + row, loss)
@@ -82,11 +75,15 @@ def _cross_entropy_row(row_ptr, row, cols, targets_ptr, loss_ptr, lse_ptr, grad_
 
         if WRITE_GRAD:
             scale = tl.load(grad_scale_ptr + row * scale_stride)
-            for start in range(0, V, BLOCK):
-                offs = start + cols
-                x = tl.load(row_ptr + offs, mask=offs < V, other=0.0).to(tl.float32)
-                g = _logit_grad(x, offs, target, lse, scale, V, label_smoothing, z_loss, ROUND_BF16)
-                tl.store(row_ptr + offs, g.to(row_ptr.dtype.element_ty), mask=offs < V)
+            if ONE_BLOCK:
+                g = _logit_grad(x, cols, target, lse, scale, V, label_smoothing, z_loss, ROUND_BF16)
+                tl.store(row_ptr + cols, g.to(row_ptr.dtype.element_ty), mask=cols < V)
+            else:
+                for start in range(0, V, BLOCK):  # pass 2
+                    offs = start + cols
+                    x = tl.load(row_ptr + offs, mask=offs < V, other=0.0).to(tl.float32)
+                    g = _logit_grad(x, offs, target, lse, scale, V, label_smoothing, z_loss, ROUND_BF16)
+                    tl.store(row_ptr + offs, g.to(row_ptr.dtype.element_ty), mask=offs < V)
 
 
 @triton.jit

@@ -50,7 +50,7 @@ from typing import Callable, Iterable, Mapping, Optional
 
 import torch
 
-from minitrain.model import GPT
+from minitrain.model import GPT, attention_flops_per_token
 from minitrain.optim.adamw_triton import fused_bytes_per_param
 from minitrain.precision import Precision
 
@@ -80,7 +80,7 @@ KERNEL_CLASSES = (
              "*lpnorm_cleanup*")),
 )
 OTHER_NAMED = 5  # the "other" row names its largest kernels
-NAME_CHARS = 90  # as much of a kernel's name as the profile's top list keeps
+NAME_CHARS = 90  # as much of a kernel's name as a profile's lists keep (bench_step.py's top kernels too)
 
 
 @dataclass(frozen=True)
@@ -140,6 +140,12 @@ def classify(kernel: str) -> str:
     return next((cls for cls, patterns in KERNEL_CLASSES if any(fnmatchcase(name, p) for p in patterns)), OTHER)
 
 
+def causal_attention_flops(tokens: int, n_layer: int, n_embd: int, seq_len: int) -> float:
+    """Forward + backward FLOPs of causal attention over `tokens`: the MFU's count halved, since a causal
+    kernel computes half the T x T score and value products."""
+    return tokens * attention_flops_per_token(n_layer, n_embd, seq_len) / 2
+
+
 def step_work(model: GPT, precision: Precision, batch: int, seq_len: int,
               compiled: bool) -> dict[str, Optional[Work]]:
     """Each class's work in one optimizer step of `batch` sequences of `seq_len` tokens (the module docstring
@@ -149,7 +155,6 @@ def step_work(model: GPT, precision: Precision, batch: int, seq_len: int,
     tokens = batch * seq_len
     act, resid = precision.compute_dtype.itemsize, precision.param_dtype.itemsize
     matmul_flops = model.flops_per_token(0)
-    attention_flops = (model.flops_per_token(seq_len) - matmul_flops) / 2  # causal: half the T x T products
     # forward reads q, k, v, writes out; backward reads q, k, v, out, grad_out, writes grad_q, grad_k, grad_v
     attention_tensors = 4 + 8
     norm_elements = tokens * cfg.n_embd
@@ -160,7 +165,7 @@ def step_work(model: GPT, precision: Precision, batch: int, seq_len: int,
     return {
         GEMM: Work(flops=tokens * matmul_flops),
         ATTENTION: Work(bytes=attention_tensors * tokens * cfg.n_embd * act * cfg.n_layer,
-                        flops=tokens * attention_flops),
+                        flops=causal_attention_flops(tokens, cfg.n_layer, cfg.n_embd, seq_len)),
         CROSS_ENTROPY: Work(bytes=2 * tokens * cfg.vocab_size * act),
         GELU_FORWARD: Work(bytes=2 * gelu_elements * act),
         GELU_BACKWARD: Work(bytes=3 * gelu_elements * act),
