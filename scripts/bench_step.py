@@ -33,7 +33,7 @@ import traceback
 from collections import defaultdict
 from dataclasses import asdict
 from pathlib import Path
-from typing import Callable
+from typing import Callable, NamedTuple
 from unittest import mock
 
 import torch
@@ -195,15 +195,48 @@ PROFILE_WARMUP_STEPS = 2  # traced and discarded: they refill the queue the prof
 LONG_GAP_US = 20  # longer than a kernel launch's own latency: the device waited for the host (or a sync)
 
 
-def idle_gaps(prof, top: int = 8) -> tuple[float, float, list[dict]]:
-    """GPU idle time inside the profiled window: gaps between consecutive kernels (and copies), with the
-    kernels on either side and the innermost host-side events running at the gap's middle (what the CPU
-    was doing while the GPU waited). All of it, and the part in gaps over LONG_GAP_US (the short ones are
-    the device's launch latency between queued kernels, a cost of the kernel count)."""
-    events = prof.events()
-    spans = sorted((e.time_range.start, e.time_range.end, e.name) for e in events if is_gpu_work(e))
-    host = [(e.time_range.start, e.time_range.end, e.name) for e in events
-            if e.device_type == torch.autograd.DeviceType.CPU]
+class TraceEvent(NamedTuple):
+    """One record of the profiler's trace, times in us. Read from its kineto records: the FunctionEvents of
+    some torch versions do not carry `linked_correlation_id`, which ties a kernel to the op that launched it."""
+    name: str
+    device_type: torch.autograd.DeviceType
+    start: float
+    end: float
+    id: int
+    linked_correlation_id: int
+    is_user_annotation: bool
+
+
+def trace_events(prof) -> list[TraceEvent]:
+    return [TraceEvent(e.name(), e.device_type(), e.start_ns() / 1e3, e.end_ns() / 1e3, e.correlation_id(),
+                       e.linked_correlation_id(), e.is_user_annotation()) for e in prof.profiler.kineto_results.events()]
+
+
+def in_steps(events: list[TraceEvent]) -> Callable[[TraceEvent], bool]:
+    """Whether a host event started inside one of the traced steps' "bench.step" ranges (the host's, not
+    the label's copy on the GPU's timeline)."""
+    ranges = [(e.start, e.end) for e in events if e.name == "bench.step" and e.device_type == torch.autograd.DeviceType.CPU]
+    return lambda event: any(a <= event.start <= b for a, b in ranges)
+
+
+def launched_in_steps(events: list[TraceEvent]) -> list[TraceEvent]:
+    """The kernels and copies that the traced steps launched. The host runs ahead of the GPU, so the window
+    also holds the tail of the warm-up steps' queue: kernels whose op (the host event a kernel links to, as
+    the profiler's own op table links them; runtime calls link to ops too and are not ops) is not in any
+    "bench.step" range. Counting them would charge the window's steps with the steps before them."""
+    inside = in_steps(events)
+    ops = {e.id: e for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.linked_correlation_id == 0}
+    return [e for e in events if is_gpu_work(e) and e.linked_correlation_id in ops
+            and inside(ops[e.linked_correlation_id])]
+
+
+def idle_gaps(events: list[TraceEvent], top: int = 8) -> tuple[float, float, list[dict]]:
+    """GPU idle time between the traced steps' kernels (and copies), with the kernels on either side and the
+    innermost host-side events running at the gap's middle (what the CPU was doing while the GPU waited).
+    All of it, and the part in gaps over LONG_GAP_US (the short ones are the device's launch latency between
+    queued kernels, a cost of the kernel count)."""
+    spans = sorted((e.start, e.end, e.name) for e in launched_in_steps(events))
+    host = [(e.start, e.end, e.name) for e in events if e.device_type == torch.autograd.DeviceType.CPU]
     gaps, busy_until, before = [], spans[0][1], spans[0][2]
     for start, end, name in spans[1:]:
         if start > busy_until:
@@ -279,29 +312,28 @@ def profile_steps(trainer: Trainer, first: int, steps: int) -> dict:
     floor on this device (minitrain/tools/kernel_floors.py), GPU idle gaps, and the host syncs issued inside
     the steps."""
     ceilings = kernel_floors.measure_ceilings(trainer.device)  # before the trace, so none of its kernels is in it
-    prof = traced_steps(trainer, first, steps)
-    events = prof.key_averages()
-    kernels = sorted((e for e in events if is_gpu_work(e)),
-                     key=lambda e: e.self_device_time_total, reverse=True)
-    total = sum(e.self_device_time_total for e in kernels)
-    step_ranges = [(e.time_range.start, e.time_range.end) for e in prof.events()  # the host's, not the GPU's copy
-                   if e.name == "bench.step" and e.device_type == torch.autograd.DeviceType.CPU]
-    syncs = defaultdict(int)
-    for e in prof.events():
-        if e.name in SYNC_CALLS and any(a <= e.time_range.start <= b for a, b in step_ranges):
+    events = trace_events(traced_steps(trainer, first, steps))
+    calls, busy_us = defaultdict(int), defaultdict(float)
+    for e in launched_in_steps(events):
+        calls[e.name] += 1
+        busy_us[e.name] += e.end - e.start
+    kernels = sorted(busy_us, key=busy_us.get, reverse=True)
+    total = sum(busy_us.values())
+    inside, syncs = in_steps(events), defaultdict(int)
+    for e in events:
+        if e.name in SYNC_CALLS and inside(e):
             syncs[e.name] += 1
-    top = [{"kernel": e.key[:kernel_floors.NAME_CHARS], "calls_per_step": e.count / steps,
-            "ms_per_step": e.self_device_time_total / 1e3 / steps, "share": e.self_device_time_total / total}
-           for e in kernels[:25]]
+    top = [{"kernel": k[:kernel_floors.NAME_CHARS], "calls_per_step": calls[k] / steps,
+            "ms_per_step": busy_us[k] / 1e3 / steps, "share": busy_us[k] / total} for k in kernels[:25]]
     plan = trainer.plan
     work = kernel_floors.step_work(trainer.model, plan.precision, plan.batch_size, trainer.model_cfg.block_size,
                                    plan.compiled)
-    per_kernel = [(e.key, e.self_device_time_total / 1e3 / steps, e.count / steps) for e in kernels]  # all of them
+    per_kernel = [(k, busy_us[k] / 1e3 / steps, calls[k] / steps) for k in kernels]  # all of them
     rows = kernel_floors.floor_table(per_kernel, kernel_floors.floors_ms(work, ceilings))
-    idle_ms, long_idle_ms, gaps = idle_gaps(prof)
+    idle_ms, long_idle_ms, gaps = idle_gaps(events)
     return {"gpu_ms_per_step": total / 1e3 / steps, "idle_ms_per_step": idle_ms / steps,
             "long_idle_ms_per_step": long_idle_ms / steps, "largest_gaps": gaps, "top_kernels": top,
-            "kernels_per_step": sum(e.count for e in kernels) / steps,
+            "kernels_per_step": sum(calls.values()) / steps,
             "floors": {**asdict(ceilings), "rows": rows},
             "syncs_per_step": {k: v / steps for k, v in syncs.items()}}
 

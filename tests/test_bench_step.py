@@ -34,24 +34,47 @@ def test_auto_batch_is_the_largest_the_model_fits():
     assert bench_step.largest_fitting_batch("gpt2-1.5b", "reference", [], peak(96)) <= 16
 
 
-def _event(start, end, name, device, annotation=False):
-    return SimpleNamespace(time_range=SimpleNamespace(start=start, end=end), name=name, device_type=device,
-                           is_user_annotation=annotation)
+def _event(start, end, name, device, annotation=False, id=0, linked=0):
+    return bench_step.TraceEvent(name, device, start, end, id, linked, annotation)
+
+
+GPU, CPU = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+
+
+def _launched(start, end, name, launch_at, op):
+    """A kernel, the op that queued it and the runtime call in between (its own id is CUPTI's, not an op's)."""
+    return [_event(launch_at, launch_at + 1, f"aten::op{op}", CPU, id=op),
+            _event(launch_at, launch_at + 1, "cudaLaunchKernel", CPU, id=1000 + op, linked=op),
+            _event(start, end, name, GPU, linked=op)]
 
 
 def test_idle_gaps_between_overlapping_kernels_name_the_host_work():
-    gpu, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
-    events = [_event(0, 10, "a", gpu), _event(15, 20, "b", gpu), _event(18, 30, "c", gpu),  # c overlaps b
-              _event(12, 16, "d", gpu), _event(40, 41, "e", gpu), _event(41 + bench_step.LONG_GAP_US, 70, "f", gpu),
-              _event(0, 50, "minitrain.forward", gpu, annotation=True),  # a label on the GPU timeline, not work
-              _event(0, 100, "minitrain.optimizer", cpu), _event(31, 39, "aten::view", cpu)]
-    idle_ms, long_idle_ms, gaps = bench_step.idle_gaps(SimpleNamespace(events=lambda: events), top=1)
+    events = [_event(0, 101, "bench.step", CPU), _event(0, 100, "minitrain.optimizer", CPU),
+              _event(31, 39, "aten::view", CPU),
+              _event(0, 50, "minitrain.forward", GPU, annotation=True)]  # a label on the GPU timeline, not work
+    kernels = [(0, 10, "a"), (15, 20, "b"), (18, 30, "c"), (12, 16, "d"),  # c overlaps b
+               (40, 41, "e"), (41 + bench_step.LONG_GAP_US, 70, "f")]
+    for i, (start, end, name) in enumerate(kernels):
+        events += _launched(start, end, name, launch_at=i, op=i + 1)
+    idle_ms, long_idle_ms, gaps = bench_step.idle_gaps(events, top=1)
     # 10..12 and 30..40 (d, b and c together keep the GPU busy 12..30), then a gap of exactly LONG_GAP_US
     assert idle_ms == (2 + 10 + bench_step.LONG_GAP_US) / 1e3
     assert long_idle_ms == 0  # no gap is longer than a launch's latency
-    assert gaps == [{"us": bench_step.LONG_GAP_US, "after": "e", "before": "f", "host": "minitrain.optimizer"}]
-    events.append(_event(70 + bench_step.LONG_GAP_US + 1, 80, "g", gpu))
-    assert bench_step.idle_gaps(SimpleNamespace(events=lambda: events))[1] == (bench_step.LONG_GAP_US + 1) / 1e3
+    assert gaps == [{"us": bench_step.LONG_GAP_US, "after": "e", "before": "f", "host": "minitrain.optimizer < bench.step"}]
+    events += _launched(70 + bench_step.LONG_GAP_US + 1, 80, "g", launch_at=50, op=99)
+    assert bench_step.idle_gaps(events)[1] == (bench_step.LONG_GAP_US + 1) / 1e3
+
+
+def test_the_window_counts_only_the_kernels_its_steps_launched():
+    """The host runs ahead, so the window opens while the GPU still runs the warm-up steps' kernels: those
+    (their ops are not in the trace) and the gap before them are not the steps' work."""
+    events = [_event(100, 200, "bench.step", CPU)]
+    events += [_event(90, 150, "warm-up tail", GPU, linked=1)]  # op 1 ran in a warm-up step, not traced
+    events += [_event(150, 151, "warm-up tail", GPU, linked=1007)]  # its op's id is a runtime call's in the step
+    events += _launched(180, 190, "step kernel", launch_at=110, op=7)
+    events += [_event(50, 60, "aten::op2", CPU, id=2), _event(195, 199, "queued before", GPU, linked=2)]
+    assert [e.name for e in bench_step.launched_in_steps(events)] == ["step kernel"]
+    assert bench_step.idle_gaps(events) == (0, 0, [])  # the 150..180 wait was the warm-up's, not a step's
 
 
 def test_a_rows_mfu_and_hfu_come_from_the_trainers_meter(make_cfg):
@@ -89,6 +112,8 @@ def test_the_profile_window_holds_the_steps_after_its_warm_up_only(make_cfg, mon
     averages = {e.key: e.count for e in prof.key_averages()}
     assert averages["bench.step"] == 3
     assert averages["minitrain.optimizer"] == 3  # no op of a warm-up step is in the trace
+    steps = [e for e in bench_step.trace_events(prof) if e.name == "bench.step"]  # the kineto records read too
+    assert len(steps) == 3 and all(0 < e.start < e.end for e in steps)
 
 
 def test_the_profile_sets_every_kernel_of_the_step_beside_its_floor(make_cfg, monkeypatch):
@@ -101,23 +126,22 @@ def test_the_profile_sets_every_kernel_of_the_step_beside_its_floor(make_cfg, mo
     trainer.close()
     ceilings = kernel_floors.Ceilings(copy_bytes_per_s=1e12, gemm_flops_per_s=1e14)
     monkeypatch.setattr(kernel_floors, "measure_ceilings", lambda device: ceilings)
-    gpu = torch.autograd.DeviceType.CUDA
-
-    def average(key, calls, us):
-        return SimpleNamespace(key=key, count=calls, self_device_time_total=us, device_type=gpu,
-                               is_user_annotation=False)
-
     steps = 4
-    averages = [average(f"triton_poi_fused_add_{i}", 8, 1000.0 * (40 - i)) for i in range(29)]
-    averages.append(average("nvjet_sm90_tst_128x128_64x6_2x4_h_bz_NTT", 3 * steps, 400.0))  # 30th by time
-    prof = SimpleNamespace(key_averages=lambda: averages, events=lambda: [_event(0, 10, "nvjet", gpu)])
-    monkeypatch.setattr(bench_step, "traced_steps", lambda trainer, first, steps: prof)
+    events, at = [_event(0, 10**9, "bench.step", CPU)], 0
+    for name, calls, us in [*((f"triton_poi_fused_add_{i}", 8, 1000.0 * (40 - i)) for i in range(29)),
+                            ("nvjet_sm90_tst_128x128_64x6_2x4_h_bz_NTT", 3 * steps, 400.0)]:  # 30th by time
+        for _ in range(calls):
+            events += _launched(at, at + us / calls, name, launch_at=at, op=len(events) + 1)
+            at += us / calls
+    monkeypatch.setattr(bench_step, "traced_steps", lambda trainer, first, steps: None)
+    monkeypatch.setattr(bench_step, "trace_events", lambda prof: events)
     floors = bench_step.profile_steps(trainer, first=0, steps=steps)["floors"]
 
     assert (floors["copy_bytes_per_s"], floors["gemm_flops_per_s"]) == (1e12, 1e14)
     rows = {r["class"]: r for r in floors["rows"]}
     gemm = rows[kernel_floors.GEMM]
-    assert (gemm["kernels"], gemm["calls_per_step"], gemm["ms_per_step"]) == (1, 3, 0.1)  # 400 us over 4 steps
+    assert (gemm["kernels"], gemm["calls_per_step"]) == (1, 3)
+    assert gemm["ms_per_step"] == pytest.approx(0.1)  # 400 us over 4 steps
     work = kernel_floors.step_work(trainer.model, trainer.plan.precision, 8, 64, compiled=False)  # eager on a CPU
     assert gemm["floor_ms_per_step"] == work[kernel_floors.GEMM].seconds(ceilings) * 1e3
     assert rows[kernel_floors.ADAMW]["floor_ms_per_step"] == work[kernel_floors.ADAMW].seconds(ceilings) * 1e3
