@@ -2,7 +2,7 @@
 # The GPU tests and the measurements of docs/benchmarks.md, by section name, on a machine with an NVIDIA GPU.
 # Usage: scripts/gpu_suite.sh OUT_DIR [tests] [optimizer] [cross_entropy] [ce_rows] [ce_chunks] [gelu] [train]
 #        [step] [step_ablate] [step15b] [step_sizes] [curve] [sweep] [defaults] [defaults15b] [plan] [attention]
-#        [diverge15b]
+#        [diverge15b] [compile15b]
 # plan: PLAN_MODELS and PLAN_BATCHES (space-separated) pick the grid, default gpt2-124m at 16 64 512; it starts no
 #   point after PLAN_TIME_LIMIT_S and goes on from the JSON files in PLAN_MEASURED
 set -uo pipefail
@@ -54,13 +54,16 @@ for what in "$@"; do
     step15b)  # each recipe at the largest batch it runs (probed: a compile per try, so about 10 minutes),
       # no checkpointing (the plan grid's best for gpt2-1.5b)
       timeout 590 python3 scripts/bench_step.py --models gpt2-1.5b --batch auto --warmup 2 --steps 4 \
-        --big-checkpointing none --minitrain-extra trainer.compile_mode=default \
+        --big-checkpointing none --minitrain-extra trainer.compile_mode=default --reference-eager \
         --out "$out/bench_step_15b.json" 2>&1 | grep -v "^ .* ms .*x" | tail -12 ;;
-    diverge15b)  # where the reference's gpt2-1.5b loss runs away: both recipes at B=8, compiled, then eager
-      for flag in "" "--no-compile"; do
-        timeout 280 python3 scripts/bench_step.py --models gpt2-1.5b --batch 8 --warmup 2 --steps 10 --rounds 1 \
-          --big-checkpointing none $flag --out "$out/diverge15b${flag:+_eager}.json" 2>&1 | grep -E "^gpt2-1.5b" | tail -4
-      done ;;
+    diverge15b)  # the reference's gpt2-1.5b loss runs away compiled: both recipes at B=8, the reference also eager
+      timeout 400 python3 scripts/bench_step.py --models gpt2-1.5b --batch 8 --warmup 2 --steps 10 --rounds 1 \
+        --big-checkpointing none --reference-eager --out "$out/diverge15b.json" 2>&1 | grep -E "^gpt2-1.5b" | tail -8 ;;
+    compile15b)  # where torch.compile's first step leaves eager's: the reference at gpt2-1.5b's width, then narrower
+      timeout 500 python3 scripts/check_compile.py --model gpt2-1.5b --batch 8 --variants "" "model.n_layer=4" \
+        "model.n_layer=4 loss=fused" "model.n_layer=4 model.gelu=fused" "model.n_layer=4 precision=fp32" \
+        "model.n_layer=4 model.n_embd=1536 model.n_head=24" "model.n_layer=4 model.n_embd=1024 model.n_head=16" \
+        --out "$out/check_compile_15b.json" 2>&1 | grep -E "^gpt2" ;;
     gelu) timeout 60 python3 scripts/bench_gelu.py --out "$out/bench_gelu.json" 2>&1 | tail -6 ;;
     attention) timeout 120 python3 scripts/bench_attention.py --out "$out/bench_attention.json" 2>&1 | tail -24 ;;
     ce_rows) timeout 200 python3 scripts/tune_cross_entropy_rows.py --out "$out/tune_ce_rows.json" 2>&1 | tail -60 ;;
