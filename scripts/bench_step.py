@@ -7,7 +7,10 @@ minitrain: bf16 params + fp32 masters, fused GELU, fused linear cross-entropy, f
            replayed as graphs, so the step is not bound by the host's kernel launches).
 
 Both are `minitrain.trainer.Trainer`s built from configs (RECIPES below), so they see the same
-initialisation, the same data windows and the same step code; only the parts differ. The timed steps
+initialisation, the same data windows and the same step code; only the parts differ. Before a recipe is
+timed, its first loss is checked against its own eager forward on the same params and batch (a compiled
+baseline that computes another function is not the baseline); ratios are against the fastest reference
+row that passes, `--reference-eager` adds the uncompiled reference for where none does. The timed steps
 run in rounds that alternate the recipes (all resident), so a machine that drifts during the run
 (clocks, heat) slows all alike; each recipe's peak memory is measured net of the others' resident
 state. minitrain is built first, on an empty GPU: CUDA graphs allocate from a pool of their own that
