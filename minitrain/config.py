@@ -266,6 +266,10 @@ class TrainerConfig:
     # auto: reduce-overhead (CUDA graphs) in one process on CUDA, default under ddp/fsdp;
     # or default | reduce-overhead | max-autotune | max-autotune-no-cudagraphs
     compile_mode: str = "auto"
+    # The first compiled step's loss against the uncompiled forward's on the same batch; a run whose compiled
+    # code computes another function stops there (minitrain/compile_check.py). Not with dropout (the two
+    # forwards draw different masks).
+    compile_check: bool = True
     tf32: bool = True  # fp32 matmuls on TF32 tensor cores (CUDA only)
     memory_budget: float = 0.9  # fraction of the device's memory (a CPU: of available RAM) the plan may fill
     # A run stops after this many optimizer steps skipped in a row (inf/NaN gradients); None: 3 without

@@ -24,7 +24,7 @@ from typing import Any, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from . import checkpointing, distributed, memory, resume
+from . import checkpointing, compile_check, distributed, memory, resume
 from .config import Config, ConfigError, resolve
 from .data import DeviceBatches, TokenData, prepare_data
 from .logger import RunLogger
@@ -377,6 +377,9 @@ class Trainer:
             self.logger.print(f"compiling: the first {throughput.untimed_steps} steps build the compiled step"
                               f"{' and record its CUDA graphs' if self.plan.cuda_graphs else ''}; tokens/s "
                               "leaves them out")
+        checking = self.plan.compiled and t.compile_check and self.model_cfg.dropout == 0
+        expected = compile_check.eager_loss(self._forward_loss, self.train_batches, p.step, self.plan.grad_accum,
+                                            self.dist) if checking and p.step < t.max_steps else None
         bar = tqdm(total=t.max_steps, initial=p.step, desc="train", unit="step", disable=not self.show_progress,
                    dynamic_ncols=True)
         try:
@@ -384,6 +387,11 @@ class Trainer:
             with _Interrupts(self.logger.print, when) as interrupts:
                 while p.step < t.max_steps:
                     loss = self.train_step(p.step)
+                    if expected is not None:
+                        setting = f"{self.model_cfg.name}, precision={self.plan.precision.name}, " \
+                                  f"torch.compile mode={self.plan.compile_mode}"
+                        self.logger.print(compile_check.verify(loss, expected, self.dist, setting))
+                        expected = None
                     p.record(loss, self.optimizer.stats()["skipped_steps"])
                     throughput.step()
                     bar.update(1)

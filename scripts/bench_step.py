@@ -44,7 +44,7 @@ import torch
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from minitrain import memory  # noqa: E402
+from minitrain import compile_check, memory  # noqa: E402
 from minitrain import plan as planning  # noqa: E402
 from minitrain.config import compose_config, resolve  # noqa: E402
 from minitrain.metrics import is_gpu_work  # noqa: E402
@@ -65,7 +65,7 @@ RECIPES = {
 
 # Peak learning rates as in GPT-3's table for these sizes, but 1.5b's lower: its compiled reference diverged at 2e-4
 # with 32 sequences (GPT-3 used 2e-4 with 1M-token batches) and this 10-step warmup. That reference fails the
-# first-loss check at this width (scripts/check_compile.py), so the divergence is not the rate's alone.
+# first-loss check at this width (scripts/compile_vs_eager.py), so the divergence is not the rate's alone.
 LR = {"gpt2-124m": 6e-4, "gpt2-350m": 3e-4, "gpt2-774m": 2.5e-4, "gpt2-1.5b": 6e-5}
 
 
@@ -181,19 +181,9 @@ class Run:
                 "losses": [float(x) for x in torch.stack(self.losses).tolist()]}
 
 
-FIRST_LOSS_TOLERANCE = 0.01  # nats between a recipe's first loss and its eager forward's: far above bf16's noise
-
-
-def eager_first_loss(trainer: Trainer) -> float:
-    """The first step's loss from the uncompiled forward, on the same params and batch. A compiled recipe
-    must match it before its time counts: inductor's code for a graph can round differently from eager's
-    kernels, and a baseline that computes another function is not the baseline."""
-    with torch.no_grad():
-        return float(trainer._forward_loss(*trainer.train_batches.get(0)))
-
-
 def passes_check(row: dict) -> bool:
-    return abs(row["first_loss"] - row["first_loss_eager"]) <= FIRST_LOSS_TOLERANCE
+    """The recipe's first loss is its own eager forward's (the trainer's check, minitrain/compile_check.py)."""
+    return abs(row["first_loss"] - row["first_loss_eager"]) <= compile_check.TOLERANCE
 
 
 def baselines(references: list[dict]) -> tuple[dict | None, dict | None]:
@@ -213,7 +203,8 @@ def start_run(model: str, batch: int, recipe: str, extra: list[str], out_dir: st
     torch.cuda.empty_cache()
     base_allocated, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
     run = Run(build(model, batch, recipe, extra, out_dir), base_allocated, base_reserved)
-    eager = eager_first_loss(run.trainer)
+    t = run.trainer
+    eager = float(compile_check.eager_loss(t._forward_loss, t.train_batches, 0, t.plan.grad_accum, t.dist))
     run.steps(warmup)
     return run, {**run.memory_peaks(2), "first_loss": float(run.losses[0]), "first_loss_eager": eager}
 

@@ -60,10 +60,10 @@ for what in "$@"; do
       timeout 400 python3 scripts/bench_step.py --models gpt2-1.5b --batch 8 --warmup 2 --steps 10 --rounds 1 \
         --big-checkpointing none --reference-eager --out "$out/diverge15b.json" 2>&1 | grep -E "^gpt2-1.5b" | tail -8 ;;
     compile15b)  # where torch.compile's first step leaves eager's: the reference at gpt2-1.5b's width, then narrower
-      timeout 500 python3 scripts/check_compile.py --model gpt2-1.5b --batch 8 --variants "" "model.n_layer=4" \
+      timeout 500 python3 scripts/compile_vs_eager.py --model gpt2-1.5b --batch 8 --variants "" "model.n_layer=4" \
         "model.n_layer=4 loss=fused" "model.n_layer=4 model.gelu=fused" "model.n_layer=4 precision=fp32" \
         "model.n_layer=4 model.n_embd=1536 model.n_head=24" "model.n_layer=4 model.n_embd=1024 model.n_head=16" \
-        --out "$out/check_compile_15b.json" 2>&1 | grep -E "^gpt2" ;;
+        --out "$out/compile_vs_eager_15b.json" 2>&1 | grep -E "^gpt2" ;;
     gelu) timeout 60 python3 scripts/bench_gelu.py --out "$out/bench_gelu.json" 2>&1 | tail -6 ;;
     attention) timeout 120 python3 scripts/bench_attention.py --out "$out/bench_attention.json" 2>&1 | tail -24 ;;
     ce_rows) timeout 200 python3 scripts/tune_cross_entropy_rows.py --out "$out/tune_ce_rows.json" 2>&1 | tail -60 ;;

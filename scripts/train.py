@@ -7,6 +7,7 @@ import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
+from minitrain.compile_check import CompileMismatchError
 from minitrain.config import ConfigError, register_configs
 from minitrain.data import DataError
 from minitrain.resume import CheckpointError, RunDirBusyError
@@ -28,7 +29,7 @@ def main(cfg: DictConfig) -> None:
         if e.main:
             print(f"minitrain: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
-    except (ConfigError, DataError, CheckpointError, RunDirBusyError, NonFiniteLossError) as e:
+    except (ConfigError, DataError, CheckpointError, RunDirBusyError, NonFiniteLossError, CompileMismatchError) as e:
         # A user-facing problem: one clear line, not a traceback.
         print(f"error: {e}", file=sys.stderr)
         if run.group is not None:

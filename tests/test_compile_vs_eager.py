@@ -1,4 +1,4 @@
-"""scripts/check_compile.py compares a recipe's first step eager against compiled: its arithmetic, with a
+"""scripts/compile_vs_eager.py compares a recipe's first step eager against compiled: its arithmetic, with a
 stand-in for torch.compile that computes a known other function (a real compile is the GPU's business)."""
 
 import importlib.util
@@ -8,9 +8,9 @@ import torch
 
 from conftest import REPO
 
-_spec = importlib.util.spec_from_file_location("check_compile", REPO / "scripts" / "check_compile.py")
-check_compile = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(check_compile)
+_spec = importlib.util.spec_from_file_location("compile_vs_eager", REPO / "scripts" / "compile_vs_eager.py")
+compile_vs_eager = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(compile_vs_eager)
 
 
 @pytest.mark.parametrize("factor", [1.0, 2.0])
@@ -18,7 +18,7 @@ def test_a_compiled_step_that_computes_another_function_shows_in_loss_and_every_
         data_cache, monkeypatch, factor, tmp_path):
     monkeypatch.setattr(torch, "compile", lambda fn: lambda x, y: fn(x, y) * factor)
     overrides = [f"data.cache_dir={data_cache}", "model.block_size=32"]
-    row = check_compile.compare("tiny", 2, "reference", overrides, str(tmp_path))
+    row = compile_vs_eager.compare("tiny", 2, "reference", overrides, str(tmp_path))
     assert row["compiled_loss"] == pytest.approx(factor * row["eager_loss"], rel=1e-5)
     assert row["grad_rel_err_median"] == pytest.approx(factor - 1, abs=1e-5)  # |2g - g| / |g| for every param
     assert len(row["grad_rel_err_worst"]) == 4

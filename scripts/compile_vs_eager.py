@@ -3,7 +3,7 @@ one recipe (scripts/bench_step.py's RECIPES), eager against compiled, on the sam
 of model variants. A baseline whose compiled code computes another function is not the baseline; this finds
 the shapes and parts where that happens. Prints one line per variant and writes JSON to --out.
 
-    python scripts/check_compile.py --model gpt2-1.5b --batch 8 --variants "model.n_layer=4" \\
+    python scripts/compile_vs_eager.py --model gpt2-1.5b --batch 8 --variants "model.n_layer=4" \\
         "model.n_layer=4 model.n_embd=1024 model.n_head=16"
 """
 
@@ -61,7 +61,7 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--recipe", choices=sorted(bench_step.RECIPES), default="reference")
     ap.add_argument("--variants", nargs="+", default=[""], help="space-separated overrides per variant ('': the model)")
-    ap.add_argument("--out", default="check_compile.json")
+    ap.add_argument("--out", default="compile_vs_eager.json")
     args = ap.parse_args()
     rows = []
     for variant in args.variants:
