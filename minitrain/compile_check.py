@@ -27,7 +27,10 @@ def eager_loss(forward_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor
     with torch.no_grad():
         losses = [forward_loss(*batches.get(step, rank * grad_accum + m, world * grad_accum)).float()
                   for m in range(grad_accum)]
-    return torch.stack(losses).mean()
+    mean = torch.stack(losses).mean()
+    if mean.is_cuda:  # the forward's freed blocks would stay reserved beside the CUDA graphs' private pool
+        torch.cuda.empty_cache()
+    return mean
 
 
 def verify(compiled: torch.Tensor, eager: torch.Tensor, dist: distributed.Dist, setting: str) -> str:
