@@ -42,6 +42,6 @@ def verify(compiled: torch.Tensor, eager: torch.Tensor, dist: distributed.Dist, 
         raise CompileMismatchError(
             f"torch.compile's first step gave loss {got:.4f} where the uncompiled model gives "
             f"{expected:.4f} on the same params and batch ({setting}): the compiled code computes another "
-            f"function. Train with trainer.compile=false, or another precision (precision=bf16 keeps the params "
-            f"in bf16), or skip this check with trainer.compile_check=false")
+            f"function. Train with trainer.compile=false or another precision=..., or skip this check with "
+            f"trainer.compile_check=false")
     return f"compile check: first-step loss {got:.4f}, uncompiled {expected:.4f} (gap {gap:+.4f})"
