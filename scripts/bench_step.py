@@ -231,13 +231,15 @@ class TraceEvent(NamedTuple):
 
 def trace_events(prof) -> list[TraceEvent]:
     return [TraceEvent(e.name(), e.device_type(), e.start_ns() / 1e3, e.end_ns() / 1e3, e.correlation_id(),
-                       e.linked_correlation_id(), e.is_user_annotation()) for e in prof.profiler.kineto_results.events()]
+                       e.linked_correlation_id(), e.is_user_annotation())
+            for e in prof.profiler.kineto_results.events()]
 
 
 def in_steps(events: list[TraceEvent]) -> Callable[[TraceEvent], bool]:
     """Whether a host event started inside one of the traced steps' "bench.step" ranges (the host's, not
     the label's copy on the GPU's timeline)."""
-    ranges = [(e.start, e.end) for e in events if e.name == "bench.step" and e.device_type == torch.autograd.DeviceType.CPU]
+    cpu = torch.autograd.DeviceType.CPU
+    ranges = [(e.start, e.end) for e in events if e.name == "bench.step" and e.device_type == cpu]
     return lambda event: any(a <= event.start <= b for a, b in ranges)
 
 
@@ -389,7 +391,8 @@ def main() -> None:
                     help="also time minitrain with each of these override sets (e.g. 'model.gelu=torch'), "
                          "interleaved with the two recipes")
     ap.add_argument("--reference-eager", action="store_true",
-                    help="also time the reference uncompiled: the baseline where its compiled first loss fails the check")
+                    help="also time the reference uncompiled: the baseline where its compiled first loss fails "
+                         "the check")
     ap.add_argument("--reference-graphs", action="store_true",
                     help="also time the reference with CUDA graphs (compile_mode=reduce-overhead); ratios are then "
                          "against the faster of the two reference rows")
@@ -486,7 +489,8 @@ def main() -> None:
         memory = (f"{'(shared graph pool)':>20}" if r["peak_reserved_gb"] is None else
                   f"{r['peak_allocated_gb']:>8.2f}GB{'*' if r['cuda_graphs'] else ' '}{r['peak_reserved_gb']:>7.2f}GB")
         val = f"{r['val_loss']:>7.4f}" if "val_loss" in r else f"{'':>7}"
-        check = "" if passes_check(r) else f"  first loss {r['first_loss']:.4f}, eager {r['first_loss_eager']:.4f}: FAILED"
+        check = "" if passes_check(r) else \
+            f"  first loss {r['first_loss']:.4f}, eager {r['first_loss_eager']:.4f}: FAILED"
         print(f"{r['model']:<10} {r['batch']:>3} {r['recipe']:<28} {r['ms_per_step']:>8.2f} "
               f"{r['tokens_per_s']:>10,.0f} {r['mfu']:>6.1%} {r['hfu']:>6.1%} {memory} {r['losses'][-1]:>8.4f} {val}{check}")
     if any(r.get("cuda_graphs") for r in results):
@@ -498,10 +502,11 @@ def main() -> None:
         # memory against a reference row with peaks of its own (a graphed one built after ours shares our pool)
         mem_ref = next((r for r in references if r.get("peak_reserved_gb") is not None), None)
         if ref is not None and len(references) > 1:
-            print(f"{model}: ratios against the fastest reference row that passed the first-loss check, {ref['recipe']!r}")
+            print(f"{model}: ratios against the fastest reference row that passed the first-loss check, "
+                  f"{ref['recipe']!r}")
         if failed is not None:
-            print(f"{model}: {failed['recipe']!r} ran faster, {failed['tokens_per_s']:,.0f} tokens/s, but its first loss "
-                  f"{failed['first_loss']:.4f} is not its eager forward's {failed['first_loss_eager']:.4f}")
+            print(f"{model}: {failed['recipe']!r} ran faster, {failed['tokens_per_s']:,.0f} tokens/s, but its first "
+                  f"loss {failed['first_loss']:.4f} is not its eager forward's {failed['first_loss_eager']:.4f}")
         for ours in (r for r in ok if not passes_check(r) and not r["recipe"].startswith("reference")):
             print(f"{model} {ours['recipe']}: its first loss {ours['first_loss']:.4f} is not its eager forward's "
                   f"{ours['first_loss_eager']:.4f}")

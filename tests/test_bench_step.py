@@ -60,7 +60,8 @@ def test_idle_gaps_between_overlapping_kernels_name_the_host_work():
     # 10..12 and 30..40 (d, b and c together keep the GPU busy 12..30), then a gap of exactly LONG_GAP_US
     assert idle_ms == (2 + 10 + bench_step.LONG_GAP_US) / 1e3
     assert long_idle_ms == 0  # no gap is longer than a launch's latency
-    assert gaps == [{"us": bench_step.LONG_GAP_US, "after": "e", "before": "f", "host": "minitrain.optimizer < bench.step"}]
+    assert gaps == [{"us": bench_step.LONG_GAP_US, "after": "e", "before": "f",
+                     "host": "minitrain.optimizer < bench.step"}]
     events += _launched(70 + bench_step.LONG_GAP_US + 1, 80, "g", launch_at=50, op=99)
     assert bench_step.idle_gaps(events)[1] == (bench_step.LONG_GAP_US + 1) / 1e3
 
