@@ -58,3 +58,11 @@ def test_the_tolerance_is_inclusive_and_a_nan_fails():
         compile_check.verify(torch.tensor(3.0 - 2 * tol), torch.tensor(3.0), single, "tiny")
     with pytest.raises(CompileMismatchError):
         compile_check.verify(torch.tensor(float("nan")), torch.tensor(3.0), single, "tiny")
+
+
+def test_every_rank_decides_on_the_means_over_ranks(monkeypatch):
+    """A rank whose own losses differ decides as the others do: on the means (here the other ranks pull its
+    departure back within the tolerance), so no rank stops while its peers wait in a collective."""
+    monkeypatch.setattr(compile_check.distributed, "mean", lambda t, d: torch.tensor(3.0))
+    line = compile_check.verify(torch.tensor(5.0), torch.tensor(3.0), distributed.Dist(world_size=2), "tiny")
+    assert "gap +0.0000" in line
