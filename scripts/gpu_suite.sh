@@ -2,7 +2,7 @@
 # The GPU tests and the measurements of docs/benchmarks.md, by section name, on a machine with an NVIDIA GPU.
 # Usage: scripts/gpu_suite.sh OUT_DIR [tests] [optimizer] [cross_entropy] [ce_rows] [ce_chunks] [gelu] [train]
 #        [step] [step_ablate] [step15b] [step_sizes] [curve] [sweep] [defaults] [defaults15b] [plan] [attention]
-#        [diverge15b] [compile15b]
+#        [diverge15b] [compile15b] [compile_check]
 # plan: PLAN_MODELS and PLAN_BATCHES (space-separated) pick the grid, default gpt2-124m at 16 64 512; it starts no
 #   point after PLAN_TIME_LIMIT_S and goes on from the JSON files in PLAN_MEASURED
 set -uo pipefail
@@ -64,6 +64,13 @@ for what in "$@"; do
         "model.n_layer=4 loss=fused" "model.n_layer=4 model.gelu=fused" "model.n_layer=4 precision=fp32" \
         "model.n_layer=4 model.n_embd=1536 model.n_head=24" "model.n_layer=4 model.n_embd=1024 model.n_head=16" \
         --out "$out/compile_vs_eager_15b.json" 2>&1 | grep -E "^gpt2" ;;
+    compile_check)  # the trainer's first-step check: it passes on the default gpt2-124m run and stops the
+      # gpt2-1.5b one whose compiled autocast graph departs from eager
+      for args in "model=gpt2-124m" "model=gpt2-1.5b precision=amp_bf16 trainer.batch_size=8"; do
+        rm -rf /tmp/compile-check
+        timeout 280 python3 scripts/train.py $args trainer.max_steps=3 trainer.eval_every=1000 trainer.save_every=1000 \
+          trainer.sample_tokens=0 hydra.run.dir=/tmp/compile-check 2>&1 | grep -E "^(compile check|error)"
+      done ;;
     gelu) timeout 60 python3 scripts/bench_gelu.py --out "$out/bench_gelu.json" 2>&1 | tail -6 ;;
     attention) timeout 120 python3 scripts/bench_attention.py --out "$out/bench_attention.json" 2>&1 | tail -24 ;;
     ce_rows) timeout 200 python3 scripts/tune_cross_entropy_rows.py --out "$out/tune_ce_rows.json" 2>&1 | tail -60 ;;
