@@ -82,11 +82,16 @@ def init(cfg: Config, device: torch.device) -> tuple[Dist, torch.device]:
     return Dist(mode, rank, dist.get_world_size(), local_rank), device
 
 
-def teardown() -> None:
-    """Collect first: a collective's work objects can sit in reference cycles (checkpoint saves and
-    loads leave some), and gloo aborting the process when the interpreter frees them at exit would
-    turn a finished run into a failed rank."""
+def teardown(finished: bool = False) -> None:
+    """Leave the process group. `finished`: this rank ended normally, as every rank does then; a barrier
+    first, so no rank closes its connections while a peer still completes the last collective (gloo
+    aborts that peer's process). A failing rank leaves at once, so its peers fail instead of waiting.
+    Then collect: a collective's work objects can sit in reference cycles (checkpoint saves and loads
+    leave some), and gloo aborting the process when the interpreter frees them at exit would turn a
+    finished run into a failed rank."""
     if dist.is_initialized():
+        if finished:
+            dist.barrier()
         gc.collect()
         dist.destroy_process_group()
 

@@ -487,7 +487,9 @@ def train(cfg: Config | DictConfig, run: RunInfo = RunInfo(), progress: bool = T
     trainer = None
     try:
         trainer = Trainer(cfg, run, progress)
-        return trainer.fit()
+        record = trainer.fit()
+        distributed.teardown(finished=True)
+        return record
     except BaseException as e:
         if torch.distributed.is_initialized() and not isinstance(e, TrainingInterrupted):
             print(f"minitrain: rank {torch.distributed.get_rank()} failed: {type(e).__name__}: {e}",

@@ -61,7 +61,7 @@ def worker(args) -> None:
             "optimizer_state_pred_gb": (est.masters + est.adam_m + est.adam_v) / GB,
             "peak_pred_gb": est.peak / GB, "loss": record["train/loss"]}
     Path(f"{args.part}.rank{trainer.dist.rank}.json").write_text(json.dumps(part))
-    distributed.teardown()
+    distributed.teardown(finished=True)
 
 
 def launch(model: str, mode: str, world: int, args, part: Path, extra: str = "") -> dict:

@@ -86,7 +86,7 @@ def worker(rank, port, jobs, results_dir):
     for name, job in jobs.items():
         report = run_job(Trainer(compose_config(job["overrides"]), progress=False), job)
         torch.save(report, f"{results_dir}/{name}.rank{rank}.pt")
-    distributed.teardown()
+    distributed.teardown(finished=True)
 
 
 def free_port():

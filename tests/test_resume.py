@@ -245,6 +245,7 @@ def _two_rank_worker(rank, out_dir, store):
         resume.save_sharded(rank_state(2.0), out_dir, rank, mode="ddp")
         loaded = resume.load_checkpoint("auto", out_dir, CPU, template=rank_state(0.0), sharded=True, rank=rank)
         torch.save(loaded.state, out_dir / f"loaded.rank{rank}.pt")
+        distributed.teardown(finished=True)
     finally:
         distributed.teardown()
 
