@@ -33,15 +33,19 @@ def eager_loss(forward_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor
     return mean
 
 
+def agrees(compiled: float, eager: float) -> bool:
+    """Within TOLERANCE (a NaN on either side does not agree)."""
+    return abs(compiled - eager) <= TOLERANCE
+
+
 def verify(compiled: torch.Tensor, eager: torch.Tensor, dist: distributed.Dist, setting: str) -> str:
     """Raise if the two losses, averaged over ranks (every rank decides alike), are further apart than
     TOLERANCE; else the line to print. `setting` names what was compiled, for the message."""
     got, expected = float(distributed.mean(compiled, dist)), float(distributed.mean(eager, dist))
-    gap = got - expected
-    if not abs(gap) <= TOLERANCE:  # a NaN on either side fails too
+    if not agrees(got, expected):
         raise CompileMismatchError(
             f"torch.compile's first step gave loss {got:.4f} where the uncompiled model gives "
             f"{expected:.4f} on the same params and batch ({setting}): the compiled code computes another "
             f"function. Train with trainer.compile=false or another precision=..., or skip this check with "
             f"trainer.compile_check=false")
-    return f"compile check: first-step loss {got:.4f}, uncompiled {expected:.4f} (gap {gap:+.4f})"
+    return f"compile check: first-step loss {got:.4f}, uncompiled {expected:.4f} (gap {got - expected:+.4f})"

@@ -378,20 +378,21 @@ class Trainer:
                               f"{' and record its CUDA graphs' if self.plan.cuda_graphs else ''}; tokens/s "
                               "leaves them out")
         checking = self.plan.compiled and t.compile_check and self.model_cfg.dropout == 0
-        expected = compile_check.eager_loss(self._forward_loss, self.train_batches, p.step, self.plan.grad_accum,
-                                            self.dist) if checking and p.step < t.max_steps else None
         bar = tqdm(total=t.max_steps, initial=p.step, desc="train", unit="step", disable=not self.show_progress,
                    dynamic_ncols=True)
         try:
             when = "at the next log step (all ranks stop together)" if self.dist.enabled else "after this step"
             with _Interrupts(self.logger.print, when) as interrupts:
                 while p.step < t.max_steps:
+                    if checking:  # the first step of this process: eager first, on the same params and batch
+                        expected = compile_check.eager_loss(self._forward_loss, self.train_batches, p.step,
+                                                            self.plan.grad_accum, self.dist)
                     loss = self.train_step(p.step)
-                    if expected is not None:
+                    if checking:
                         setting = f"{self.model_cfg.name}, precision={self.plan.precision.name}, " \
                                   f"torch.compile mode={self.plan.compile_mode}"
                         self.logger.print(compile_check.verify(loss, expected, self.dist, setting))
-                        expected = None
+                        checking = False
                     p.record(loss, self.optimizer.stats()["skipped_steps"])
                     throughput.step()
                     bar.update(1)

@@ -183,7 +183,7 @@ class Run:
 
 def passes_check(row: dict) -> bool:
     """The recipe's first loss is its own eager forward's (the trainer's check, minitrain/compile_check.py)."""
-    return abs(row["first_loss"] - row["first_loss_eager"]) <= compile_check.TOLERANCE
+    return compile_check.agrees(row["first_loss"], row["first_loss_eager"])
 
 
 def baselines(references: list[dict]) -> tuple[dict | None, dict | None]:
