@@ -215,6 +215,7 @@ SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
 
 PROFILE_WARMUP_STEPS = 2  # traced and discarded: they refill the queue the profiler's start drained
 LONG_GAP_US = 20  # longer than a kernel launch's own latency: the device waited for the host (or a sync)
+COPY_PREFIXES = ("Memcpy", "Memset")  # the profiler's names for copies and fills
 
 
 class TraceEvent(NamedTuple):
@@ -244,35 +245,53 @@ def in_steps(events: list[TraceEvent]) -> Callable[[TraceEvent], bool]:
 
 
 def launched_in_steps(events: list[TraceEvent]) -> list[TraceEvent]:
-    """The kernels and copies that the traced steps launched. The host runs ahead of the GPU, so the window
-    also holds the tail of the warm-up steps' queue: kernels whose op (the host event a kernel links to, as
-    the profiler's own op table links them; runtime calls link to ops too and are not ops) is not in any
-    "bench.step" range. Counting them would charge the window's steps with the steps before them."""
+    """The kernels and copies whose op (the host event a kernel links to, as the profiler's own op table links
+    them; runtime calls link to ops too and are not ops) started inside a "bench.step" range."""
     inside = in_steps(events)
     ops = {e.id: e for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.linked_correlation_id == 0}
     return [e for e in events if is_gpu_work(e) and e.linked_correlation_id in ops
             and inside(ops[e.linked_correlation_id])]
 
 
+def step_window(events: list[TraceEvent]) -> tuple[float, float]:
+    """The traced steps' span on the GPU's timeline. The host runs ahead, so the trace opens while the GPU still
+    runs the warm-up steps' queued kernels: the span starts at the first kernel a traced step launched (one
+    stream runs in order, so all of the tail ran before it; copies are left out, the batch's prefetch runs on
+    a stream of its own) and ends with the last GPU work (the last step synchronises). Not every kernel links
+    to an op (the optimizer's Triton launches do not, on torch 2.11), so what the steps ran is what runs in
+    this span, not what links to them."""
+    first = min(e.start for e in launched_in_steps(events) if not e.name.startswith(COPY_PREFIXES))
+    return first, max(e.end for e in events if is_gpu_work(e))
+
+
+def step_work(events: list[TraceEvent]) -> list[TraceEvent]:
+    """The kernels and copies that start in the steps' span."""
+    start, end = step_window(events)
+    return [e for e in events if is_gpu_work(e) and start <= e.start <= end]
+
+
 def idle_gaps(events: list[TraceEvent], top: int = 8) -> tuple[float, float, list[dict]]:
-    """GPU idle time between the traced steps' kernels (and copies), with the kernels on either side and the
-    innermost host-side events running at the gap's middle (what the CPU was doing while the GPU waited).
-    All of it, and the part in gaps over LONG_GAP_US (the short ones are the device's launch latency between
-    queued kernels, a cost of the kernel count)."""
-    spans = sorted((e.start, e.end, e.name) for e in launched_in_steps(events))
+    """GPU idle time in the steps' span (no kernel or copy running, whichever step queued it), with the work on
+    either side and the innermost host-side events running at the gap's middle (what the CPU was doing while
+    the GPU waited). All of it, and the part in gaps over LONG_GAP_US (the short ones are the device's launch
+    latency between queued kernels, a cost of the kernel count)."""
+    start, end = step_window(events)
+    spans = sorted((max(e.start, start), e.end, e.name) for e in events
+                   if is_gpu_work(e) and e.end > start and e.start <= end)
     host = [(e.start, e.end, e.name) for e in events if e.device_type == torch.autograd.DeviceType.CPU]
     gaps, busy_until, before = [], spans[0][1], spans[0][2]
-    for start, end, name in spans[1:]:
-        if start > busy_until:
-            gaps.append({"us": start - busy_until, "after": before[:60], "before": name[:60], "at": busy_until})
-        if end > busy_until:
-            busy_until, before = end, name
+    for span_start, span_end, name in spans[1:]:
+        if span_start > busy_until:
+            gaps.append({"us": span_start - busy_until, "after": before[:60], "before": name[:60], "at": busy_until})
+        if span_end > busy_until:
+            busy_until, before = span_end, name
     idle_ms = sum(g["us"] for g in gaps) / 1e3
     long_idle_ms = sum(g["us"] for g in gaps if g["us"] > LONG_GAP_US) / 1e3
     gaps = sorted(gaps, key=lambda g: -g["us"])[:top]
     for g in gaps:
         middle = g.pop("at") + g["us"] / 2
-        running = sorted((end - start, name) for start, end, name in host if start <= middle <= end)
+        running = sorted((host_end - host_start, name) for host_start, host_end, name in host
+                         if host_start <= middle <= host_end)
         g["host"] = " < ".join(name[:50] for _, name in running[:3])
     return idle_ms, long_idle_ms, gaps
 
@@ -338,7 +357,7 @@ def profile_steps(trainer: Trainer, first: int, steps: int) -> dict:
     ceilings = kernel_floors.measure_ceilings(trainer.device)  # before the trace, so none of its kernels is in it
     events = trace_events(traced_steps(trainer, first, steps))
     calls, busy_us = defaultdict(int), defaultdict(float)
-    for e in launched_in_steps(events):
+    for e in step_work(events):
         calls[e.name] += 1
         busy_us[e.name] += e.end - e.start
     kernels = sorted(busy_us, key=busy_us.get, reverse=True)
@@ -355,7 +374,9 @@ def profile_steps(trainer: Trainer, first: int, steps: int) -> dict:
     per_kernel = [(k, busy_us[k] / 1e3 / steps, calls[k] / steps) for k in kernels]  # all of them
     rows = kernel_floors.floor_table(per_kernel, kernel_floors.floors_ms(work, ceilings))
     idle_ms, long_idle_ms, gaps = idle_gaps(events)
-    return {"gpu_ms_per_step": total / 1e3 / steps, "idle_ms_per_step": idle_ms / steps,
+    start, end = step_window(events)
+    return {"span_ms_per_step": (end - start) / 1e3 / steps,
+            "gpu_ms_per_step": total / 1e3 / steps, "idle_ms_per_step": idle_ms / steps,
             "long_idle_ms_per_step": long_idle_ms / steps, "largest_gaps": gaps, "top_kernels": top,
             "kernels_per_step": sum(calls.values()) / steps,
             "floors": {**asdict(ceilings), "rows": rows},
@@ -396,7 +417,7 @@ def main() -> None:
     ap.add_argument("--reference-graphs", action="store_true",
                     help="also time the reference with CUDA graphs (compile_mode=reduce-overhead); ratios are then "
                          "against the faster of the two reference rows")
-    ap.add_argument("--big-checkpointing", default="full", help="minitrain's policy for models > 1B params")
+    ap.add_argument("--big-checkpointing", default="full", help="minitrain's policy for gpt2-774m and gpt2-1.5b (full: their largest batches)")
     ap.add_argument("--profile", action="store_true",
                     help="also profile 4 steady-state steps of each recipe: kernels beside their floors, idle, host syncs")
     ap.add_argument("--val", action="store_true",
@@ -464,7 +485,8 @@ def main() -> None:
             print(json.dumps({k: v for k, v in row.items() if k not in ("losses", "profile")}), flush=True)
             if "profile" in row:
                 prof = row["profile"]
-                print(f"  GPU busy {prof['gpu_ms_per_step']:.2f} ms/step in {prof['kernels_per_step']:.0f} kernels, "
+                print(f"  GPU timeline {prof['span_ms_per_step']:.2f} ms/step: kernel time {prof['gpu_ms_per_step']:.2f} "
+                      f"in {prof['kernels_per_step']:.0f} kernels, "
                       f"idle between kernels {prof['idle_ms_per_step']:.2f} ms/step ({prof['long_idle_ms_per_step']:.2f} "
                       f"in gaps > {LONG_GAP_US} us); sync and copy calls/step inside the steps {prof['syncs_per_step']}")
                 print("  phases, ms/step (each from an idle GPU): " + ", ".join(

@@ -62,20 +62,25 @@ def test_idle_gaps_between_overlapping_kernels_name_the_host_work():
     assert long_idle_ms == 0  # no gap is longer than a launch's latency
     assert gaps == [{"us": bench_step.LONG_GAP_US, "after": "e", "before": "f",
                      "host": "minitrain.optimizer < bench.step"}]
-    events += _launched(70 + bench_step.LONG_GAP_US + 1, 80, "g", launch_at=50, op=99)
+    events += _launched(70 + bench_step.LONG_GAP_US + 1, 100, "g", launch_at=50, op=99)
     assert bench_step.idle_gaps(events)[1] == (bench_step.LONG_GAP_US + 1) / 1e3
 
 
-def test_the_window_counts_only_the_kernels_its_steps_launched():
-    """The host runs ahead, so the window opens while the GPU still runs the warm-up steps' kernels: those
-    (their ops are not in the trace) and the gap before them are not the steps' work."""
-    events = [_event(100, 200, "bench.step", CPU)]
+def test_the_window_opens_at_the_steps_first_kernel_and_holds_all_it_ran():
+    """The host runs ahead, so the trace opens while the GPU still runs the warm-up steps' kernels: those, and
+    the wait before the steps' first kernel, are not the steps' work. The batch's prefetch copy, launched in a
+    step, runs on its own stream at once and does not open the window; a kernel linked to no op (the
+    optimizer's Triton launches) is the steps' all the same."""
+    events = [_event(100, 300, "bench.step", CPU)]
     events += [_event(90, 150, "warm-up tail", GPU, linked=1)]  # op 1 ran in a warm-up step, not traced
-    events += [_event(150, 151, "warm-up tail", GPU, linked=1007)]  # its op's id is a runtime call's in the step
+    events += _launched(105, 106, "Memcpy HtoD (Pinned -> Device)", launch_at=104, op=8)
     events += _launched(180, 190, "step kernel", launch_at=110, op=7)
-    events += [_event(50, 60, "aten::op2", CPU, id=2), _event(195, 199, "queued before", GPU, linked=2)]
-    assert [e.name for e in bench_step.launched_in_steps(events)] == ["step kernel"]
-    assert bench_step.idle_gaps(events) == (0, 0, [])  # the 150..180 wait was the warm-up's, not a step's
+    events += [_event(200, 210, "_adamw_kernel", GPU, linked=5000)]  # links to no op in the trace
+    assert bench_step.step_window(events) == (180, 210)
+    assert [e.name for e in bench_step.step_work(events)] == ["step kernel", "_adamw_kernel"]
+    idle_ms, _, gaps = bench_step.idle_gaps(events)
+    assert idle_ms == 10 / 1e3  # 190..200; 150..180 was the warm-up tail's
+    assert [(g["after"], g["before"]) for g in gaps] == [("step kernel", "_adamw_kernel")]
 
 
 def test_a_rows_mfu_and_hfu_come_from_the_trainers_meter(make_cfg):
