@@ -23,9 +23,8 @@ from minitrain.triton_runtime import check_runnable, round_to_bf16_in_fp32, roun
 
 _BLOCK = 2048
 _NUM_WARPS = 4
-# The bias kernels' tiles (2048 elements, as the flat kernels' blocks): the forward one tile per program; the
-# backward a TILE_COLS-wide column block over ROWS_PER_PROGRAM rows, TILE_ROWS at a time. scripts/bench_gelu.py
-# measures the choice.
+# The bias backward's tiling: each program a TILE_COLS-wide column block over ROWS_PER_PROGRAM rows, TILE_ROWS
+# at a time (2048 elements a tile, as the flat kernels' blocks); scripts/bench_gelu.py measures the choice.
 ROWS_PER_PROGRAM = 256
 TILE_ROWS = 8
 TILE_COLS = 256
@@ -61,26 +60,14 @@ def _gelu_grad(grad_out, x, Z1: tl.constexpr, Z3: tl.constexpr, D0: tl.constexpr
 
 
 @triton.jit
-def _gelu_forward_kernel(x_ptr, y_ptr, n, Z1: tl.constexpr, Z3: tl.constexpr, ROUND_BF16: tl.constexpr,
-                         BLOCK: tl.constexpr):
+def _gelu_forward_kernel(x_ptr, bias_ptr, y_ptr, n, cols, HAS_BIAS: tl.constexpr, Z1: tl.constexpr,
+                         Z3: tl.constexpr, ROUND_BF16: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
-    y = _gelu(tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32), Z1, Z3)
-    if ROUND_BF16:
-        y = round_to_bf16_in_fp32(y)
-    tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def _gelu_bias_forward_kernel(x_ptr, bias_ptr, y_ptr, rows, cols, Z1: tl.constexpr, Z3: tl.constexpr,
-                              ROUND_BF16: tl.constexpr, TILE_ROWS: tl.constexpr, TILE_COLS: tl.constexpr):
-    """One tile: 2-D, so each element's column is known without a division."""
-    row = tl.program_id(0) * TILE_ROWS + tl.arange(0, TILE_ROWS)
-    col = tl.program_id(1) * TILE_COLS + tl.arange(0, TILE_COLS)
-    mask = (row < rows)[:, None] & (col < cols)[None, :]
-    offs = row.to(tl.int64)[:, None] * cols + col[None, :]
-    bias = tl.load(bias_ptr + col, mask=col < cols, other=0.0).to(tl.float32)
-    y = _gelu(tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32) + bias[None, :], Z1, Z3)
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        x += tl.load(bias_ptr + offs % cols, mask=mask, other=0.0).to(tl.float32)
+    y = _gelu(x, Z1, Z3)
     if ROUND_BF16:
         y = round_to_bf16_in_fp32(y)
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
@@ -139,16 +126,21 @@ def _gelu_bias_grad_sum_kernel(partial_ptr, out_ptr, groups, cols, ROUND_BF16: t
     tl.store(out_ptr + col, total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+def _gelu_forward(x: Tensor, bias: Tensor | None, y: Tensor) -> None:
+    n = x.numel()
+    _gelu_forward_kernel[(triton.cdiv(n, _BLOCK),)](
+        x, x if bias is None else bias, y, n, x.shape[-1], HAS_BIAS=bias is not None, Z1=_Z1, Z3=_Z3,
+        ROUND_BF16=rounds_bf16(x.dtype), BLOCK=_BLOCK, num_warps=_NUM_WARPS,
+    )
+
+
 @torch.library.custom_op("minitrain::gelu_tanh", mutates_args=())
 def _gelu_tanh(x: Tensor) -> Tensor:
     """Returns a contiguous tensor of x's shape and dtype."""
     x = x.contiguous()
     y = torch.empty_like(x)
     n = x.numel()
-    n = x.numel()
-    _gelu_forward_kernel[(triton.cdiv(n, _BLOCK),)](
-        x, y, n, Z1=_Z1, Z3=_Z3, ROUND_BF16=rounds_bf16(x.dtype), BLOCK=_BLOCK, num_warps=_NUM_WARPS,
-    )
+    _gelu_forward(x, None, y)
     return y
 
 
@@ -206,12 +198,7 @@ def _gelu_tanh_bias(x: Tensor, bias: Tensor) -> Tensor:
     """gelu_tanh(x + bias), bias (C,) over x's last dimension; contiguous, in x's dtype."""
     x = x.contiguous()
     y = torch.empty_like(x)
-    cols = x.shape[-1]
-    rows = x.numel() // cols
-    _gelu_bias_forward_kernel[(triton.cdiv(rows, TILE_ROWS), triton.cdiv(cols, TILE_COLS))](
-        x, bias.contiguous(), y, rows, cols, Z1=_Z1, Z3=_Z3, ROUND_BF16=rounds_bf16(x.dtype), TILE_ROWS=TILE_ROWS,
-        TILE_COLS=TILE_COLS, num_warps=_NUM_WARPS,
-    )
+    _gelu_forward(x, bias.contiguous(), y)
     return y
 
 
