@@ -51,9 +51,8 @@ class MLP(nn.Module):
         self.gelu_impl = cfg.gelu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fused_gelu(x):  # the kernel adds c_fc's bias and sums its gradient in the pass writing grad_in
-            return self.c_proj(gelu_tanh(F.linear(x, self.c_fc.weight), self.c_fc.bias))
-        return self.c_proj(tanh_gelu(self.c_fc(x), fused=False))
+        h = self.c_fc(x)
+        return self.c_proj(tanh_gelu(h, self.fused_gelu(h)))
 
     def fused_gelu(self, h: torch.Tensor) -> bool:
         return self.gelu_impl.fused_on(h.device.type)

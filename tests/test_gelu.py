@@ -9,7 +9,6 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from minitrain.ops import gelu_tanh  # noqa: E402
-from minitrain.ops import gelu as gelu_module  # noqa: E402
 
 # The interpreter's numpy warns where exp2 overflows to inf (x < -11) and where tl.where drops the inf * 0 it
 # computed beside it; the kernels rely on both, and the tests below check that no NaN comes out.
@@ -129,78 +128,6 @@ def test_opcheck():
     for args in samples:
         torch.library.opcheck(torch.ops.minitrain.gelu_tanh.default, args)
     torch.library.opcheck(torch.ops.minitrain.gelu_tanh_backward.default, (grad_out.transpose(0, 1), x.transpose(0, 1)))
-
-
-# The bias backward's tiling: fewer rows than one program's and columns narrower than one tile; then several
-# row groups (a last one partly filled) and column blocks (a last one partly masked).
-BIAS_SHAPES = [(3, 37, 41), (2 * gelu_module.ROWS_PER_PROGRAM + 7, gelu_module.TILE_COLS + 44)]
-
-
-def bias_input(seed, shape, scale, dtype=torch.float32):
-    x, grad_out = make_input(seed, shape, scale, dtype)
-    g = torch.Generator(torch.get_default_device()).manual_seed(seed + 1)
-    return x, (torch.randn(shape[-1], generator=g) * scale).to(dtype), grad_out
-
-
-def values_and_grads(fn, x, bias, grad_out):
-    x, bias = (t.detach().clone().requires_grad_() for t in (x, bias))
-    y = fn(x, bias)
-    y.backward(grad_out)
-    return y.detach(), x.grad, bias.grad
-
-
-def naive_bias(x, bias):
-    return F.gelu(x + bias, approximate="tanh")
-
-
-@pytest.mark.parametrize("scale", [1.0, 3.0])
-@pytest.mark.parametrize("shape", BIAS_SHAPES)
-def test_with_bias_fp32_matches_truth(shape, scale):
-    """gelu_tanh(x, bias): the output, the input's gradient and the bias's (every row's sum) against fp64."""
-    x, bias, grad_out = bias_input(60 + int(scale), shape, scale)
-    got = values_and_grads(gelu_tanh, x, bias, grad_out)
-    want = values_and_grads(naive_bias, x.double(), bias.double(), grad_out.double())
-    for name, a, b in zip(("out", "grad", "bias grad"), got, want):
-        assert a.dtype == torch.float32 and a.shape == b.shape, name
-        assert rel_err(a, b) < 1e-5, (name, rel_err(a, b))
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_with_bias_low_precision_no_worse_than_naive(dtype):
-    """x + bias in fp32 (no rounding of the sum); the bias gradient sums grad_in as stored, in fp32."""
-    x, bias, grad_out = bias_input(70, BIAS_SHAPES[1], 3.0, dtype)
-    want = values_and_grads(naive_bias, x.double(), bias.double(), grad_out.double())
-    for name, f, p, t in zip(("out", "grad", "bias grad"), values_and_grads(gelu_tanh, x, bias, grad_out),
-                             values_and_grads(naive_bias, x, bias, grad_out), want):
-        assert f.dtype == p.dtype == dtype, name
-        err_fused, err_naive = rel_err(f, t), rel_err(p, t)
-        assert err_fused <= 1.05 * err_naive + 1e-7, (name, err_fused, err_naive)
-
-
-def test_with_bias_saves_only_x_and_bias():
-    x, bias, _ = bias_input(80, (5, 7), 1.0)
-    x.requires_grad_(), bias.requires_grad_()
-    saved = []
-    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        gelu_tanh(x, bias)
-    assert [t.data_ptr() for t in saved] == [x.data_ptr(), bias.data_ptr()]
-
-
-def test_with_bias_opcheck_and_compile():
-    x, bias, grad_out = bias_input(90, (3, 37, 41), 3.0)
-    for args in [(x, bias), (x.transpose(0, 1).requires_grad_(), bias.clone().requires_grad_()),
-                 (x[:, ::2].bfloat16().requires_grad_(), bias.bfloat16().requires_grad_())]:
-        torch.library.opcheck(torch.ops.minitrain.gelu_tanh_bias.default, args)
-    torch.library.opcheck(torch.ops.minitrain.gelu_tanh_bias_backward.default, (grad_out.transpose(0, 1),
-                                                                                x.transpose(0, 1), bias))
-    backend = "inductor" if x.is_cuda else "aot_eager"
-
-    def step(x, bias):
-        return gelu_tanh(x, bias).square().sum()
-
-    for a, b in zip(values_and_grads(torch.compile(step, backend=backend, fullgraph=True), x, bias, torch.tensor(1.0)),
-                    values_and_grads(step, x, bias, torch.tensor(1.0))):
-        torch.testing.assert_close(a, b)
 
 
 def test_cpu_without_interpreter_raises(monkeypatch):

@@ -94,8 +94,6 @@ PROFILED_KERNELS = {
     "_gelu_forward_kernel": kf.GELU_FORWARD,
     "triton_poi_fused_gelu_view_9": kf.GELU_FORWARD,
     "_gelu_backward_kernel": kf.GELU_BACKWARD,
-    "_gelu_bias_backward_kernel": kf.GELU_BACKWARD,
-    "_gelu_bias_grad_sum_kernel": kf.GELU_BACKWARD,
     "triton_poi_fused_gelu_gelu_backward_view_6": kf.GELU_BACKWARD,
     "triton_red_fused_gelu_gelu_backward_sum_view_7": kf.GELU_BACKWARD,
     "triton_per_fused_add_native_layer_norm_view_3": kf.LAYER_NORM_FORWARD,

@@ -22,10 +22,7 @@ each output written once:
   cross-entropy  the fused loss's row kernel, or torch's log-softmax and NLL kernels: the logits read once and
                  their gradient written once (A each, vocab per token); the matmuls on either side are GEMMs.
   GELU           forward reads its input, writes its output; backward reads the output's gradient and the
-                 input, writes the input's gradient (A each, MLP width per token per layer). c_fc's bias
-                 gradient (the input gradient's column sum) belongs to the backward where a kernel sums it
-                 on the way (ours with the bias, inductor's fused reduction); bias and its gradient are
-                 tokens times smaller, not counted.
+                 input, writes the input's gradient (A each, MLP width per token per layer).
   LayerNorm      the 2L + 1 norms, each fused with the residual add before it (inductor's fusion; eager runs
                  the adds as kernels of their own, so no floor there): forward reads the residual and the
                  branch and writes their sum (R each) and the normalised output (A), the first norm reads
@@ -75,7 +72,7 @@ KERNEL_CLASSES = (
     (GEMM, ("nvjet_*", "*gemm*", "*gemv*", "*cutlass*", "*cublas*")),
     (CROSS_ENTROPY, ("_cross_entropy_rows_kernel", "_logit_grad_block_kernel", "*log_softmax*", "*logsoftmax*",
                      "*nll_loss*")),
-    (GELU_BACKWARD, ("*gelu_backward*", "*gelubackward*", "*gelu_bias_backward*", "*gelu_bias_grad*")),
+    (GELU_BACKWARD, ("*gelu_backward*", "*gelubackward*")),
     (GELU_FORWARD, ("*gelu*",)),
     (LAYER_NORM_BACKWARD, ("*layer_norm_backward*", "*layer_norm_grad*", "*gammabetabackward*")),
     (LAYER_NORM_FORWARD, ("*layer_norm*",)),
