@@ -215,7 +215,6 @@ SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchr
 
 PROFILE_WARMUP_STEPS = 2  # traced and discarded: they refill the queue the profiler's start drained
 LONG_GAP_US = 20  # longer than a kernel launch's own latency: the device waited for the host (or a sync)
-COPY_PREFIXES = ("Memcpy", "Memset")  # the profiler's names for copies and fills
 
 
 class TraceEvent(NamedTuple):
@@ -228,11 +227,12 @@ class TraceEvent(NamedTuple):
     id: int
     linked_correlation_id: int
     is_user_annotation: bool
+    stream: int  # a GPU event's stream (a host event's thread)
 
 
 def trace_events(prof) -> list[TraceEvent]:
     return [TraceEvent(e.name(), e.device_type(), e.start_ns() / 1e3, e.end_ns() / 1e3, e.correlation_id(),
-                       e.linked_correlation_id(), e.is_user_annotation())
+                       e.linked_correlation_id(), e.is_user_annotation(), e.device_resource_id())
             for e in prof.profiler.kineto_results.events()]
 
 
@@ -255,12 +255,16 @@ def launched_in_steps(events: list[TraceEvent]) -> list[TraceEvent]:
 
 def step_window(events: list[TraceEvent]) -> tuple[float, float]:
     """The traced steps' span on the GPU's timeline. The host runs ahead, so the trace opens while the GPU still
-    runs the warm-up steps' queued kernels: the span starts at the first kernel a traced step launched (one
-    stream runs in order, so all of the tail ran before it; copies are left out, the batch's prefetch runs on
-    a stream of its own) and ends with the last GPU work (the last step synchronises). Not every kernel links
-    to an op (the optimizer's Triton launches do not, on torch 2.11), so what the steps ran is what runs in
-    this span, not what links to them."""
-    first = min(e.start for e in launched_in_steps(events) if not e.name.startswith(COPY_PREFIXES))
+    runs the warm-up steps' queued kernels: the span starts at the first kernel a traced step launched on the
+    stream that ran most of the steps' work (a stream runs in order, so the tail on it ran before; the batch's
+    prefetch, copies and a kernel, runs on a stream of its own, at once) and ends with the last GPU work (the
+    last step synchronises). Not every kernel links to an op (the optimizer's Triton launches do not, on torch
+    2.11), so what the steps ran is what runs in this span, not what links to them."""
+    launched, per_stream = launched_in_steps(events), defaultdict(float)
+    for e in launched:
+        per_stream[e.stream] += e.end - e.start
+    main = max(per_stream, key=per_stream.get)
+    first = min(e.start for e in launched if e.stream == main)
     return first, max(e.end for e in events if is_gpu_work(e))
 
 

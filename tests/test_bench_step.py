@@ -34,18 +34,18 @@ def test_auto_batch_is_the_largest_the_model_fits():
     assert bench_step.largest_fitting_batch("gpt2-1.5b", "reference", [], peak(96)) <= 16
 
 
-def _event(start, end, name, device, annotation=False, id=0, linked=0):
-    return bench_step.TraceEvent(name, device, start, end, id, linked, annotation)
+def _event(start, end, name, device, annotation=False, id=0, linked=0, stream=7):
+    return bench_step.TraceEvent(name, device, start, end, id, linked, annotation, stream)
 
 
 GPU, CPU = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
 
 
-def _launched(start, end, name, launch_at, op):
+def _launched(start, end, name, launch_at, op, stream=7):
     """A kernel, the op that queued it and the runtime call in between (its own id is CUPTI's, not an op's)."""
     return [_event(launch_at, launch_at + 1, f"aten::op{op}", CPU, id=op),
             _event(launch_at, launch_at + 1, "cudaLaunchKernel", CPU, id=1000 + op, linked=op),
-            _event(start, end, name, GPU, linked=op)]
+            _event(start, end, name, GPU, linked=op, stream=stream)]
 
 
 def test_idle_gaps_between_overlapping_kernels_name_the_host_work():
@@ -68,12 +68,13 @@ def test_idle_gaps_between_overlapping_kernels_name_the_host_work():
 
 def test_the_window_opens_at_the_steps_first_kernel_and_holds_all_it_ran():
     """The host runs ahead, so the trace opens while the GPU still runs the warm-up steps' kernels: those, and
-    the wait before the steps' first kernel, are not the steps' work. The batch's prefetch copy, launched in a
-    step, runs on its own stream at once and does not open the window; a kernel linked to no op (the
-    optimizer's Triton launches) is the steps' all the same."""
+    the wait before the steps' first kernel, are not the steps' work. The batch's prefetch (a copy and a
+    kernel), launched in a step, runs on a stream of its own at once and does not open the window; a kernel
+    linked to no op (the optimizer's Triton launches) is the steps' all the same."""
     events = [_event(100, 300, "bench.step", CPU)]
     events += [_event(90, 150, "warm-up tail", GPU, linked=1)]  # op 1 ran in a warm-up step, not traced
-    events += _launched(105, 106, "Memcpy HtoD (Pinned -> Device)", launch_at=104, op=8)
+    events += _launched(105, 106, "Memcpy HtoD (Pinned -> Device)", launch_at=104, op=8, stream=9)
+    events += _launched(107, 108, "elementwise_kernel", launch_at=104, op=9, stream=9)
     events += _launched(180, 190, "step kernel", launch_at=110, op=7)
     events += [_event(200, 210, "_adamw_kernel", GPU, linked=5000)]  # links to no op in the trace
     assert bench_step.step_window(events) == (180, 210)
