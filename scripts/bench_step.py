@@ -421,7 +421,8 @@ def main() -> None:
     ap.add_argument("--reference-graphs", action="store_true",
                     help="also time the reference with CUDA graphs (compile_mode=reduce-overhead); ratios are then "
                          "against the faster of the two reference rows")
-    ap.add_argument("--big-checkpointing", default="full", help="minitrain's policy for gpt2-774m and gpt2-1.5b (full: their largest batches)")
+    ap.add_argument("--big-checkpointing", default="none",
+                    help="minitrain's policy for gpt2-774m and gpt2-1.5b (full: their largest batches with --batch auto)")
     ap.add_argument("--profile", action="store_true",
                     help="also profile 4 steady-state steps of each recipe: kernels beside their floors, idle, host syncs")
     ap.add_argument("--val", action="store_true",
