@@ -11,17 +11,15 @@ from minitrain.compile_check import CompileMismatchError
 from minitrain.config import ConfigError, register_configs
 from minitrain.data import DataError
 from minitrain.resume import CheckpointError, RunDirBusyError
+from minitrain.sweep import FAILED_CELL_EXIT_CODE
 from minitrain.trainer import NonFiniteLossError, RunInfo, TrainingInterrupted, train
 
 register_configs()
 
 
-class SweepCellFailed(Exception):
-    """One cell of a -m sweep could not run; the others still do, and the sweep ends non-zero."""
-
-
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
-def main(cfg: DictConfig) -> None:
+def main(cfg: DictConfig) -> str | None:
+    """None, or in a -m sweep the message of a cell that could not run (minitrain/sweep.py reports it)."""
     run = RunInfo.from_hydra()
     try:
         train(cfg, run)
@@ -35,8 +33,9 @@ def main(cfg: DictConfig) -> None:
         if run.group is not None:
             if not isinstance(e, RunDirBusyError):  # a busy dir is another run's: its record stays as it is
                 run.write_failure(Path(HydraConfig.get().runtime.output_dir), str(e))
-            raise SweepCellFailed(str(e)) from None  # Hydra records the cell as failed and runs the next
-        sys.exit(2)
+            return str(e)  # the next cells still run; the sweep's end names this one and exits non-zero
+        sys.exit(FAILED_CELL_EXIT_CODE)
+    return None
 
 
 if __name__ == "__main__":

@@ -117,7 +117,8 @@ def test_multirun_sweep_gives_one_run_per_cell(data_cache, tmp_path):
            "checkpointing=none,full", "trainer.max_steps=2", "trainer.log_every=1", "trainer.batch_size=4",
            "model.block_size=32", "trainer.warmup_steps=1", "trainer.eval_batches=1", "trainer.sample_tokens=0",
            f"data.cache_dir={data_cache}", "logger.mode=disabled", f"hydra.sweep.dir={sweep}"]
-    subprocess.run(cmd, check=True, cwd=tmp_path, capture_output=True, timeout=600)
+    out = subprocess.run(cmd, check=True, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert f"sweep {sweep}: 4 cells, 4 ran\ncompare them: python scripts/report.py {sweep}" in out.stderr
     runs = sorted(sweep.glob("*/metrics.jsonl"))
     assert len(runs) == 4, runs
     cells = {tuple(sorted((run.parent / ".hydra" / "overrides.yaml").read_text().split("\n")[:2])) for run in runs}
@@ -150,8 +151,14 @@ def test_a_sweep_cell_that_cannot_run_leaves_the_others_running(data_cache, tmp_
                           "trainer.warmup_steps=1", "trainer.eval_batches=1", "trainer.sample_tokens=0",
                           f"data.cache_dir={data_cache}", "logger.mode=disabled", f"hydra.sweep.dir={sweep}"],
                          cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert out.returncode != 0
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert "error: model.n_embd: 128 is not divisible by model.n_head=5" in out.stderr
+    # the sweep's end names every cell that could not run (Hydra itself would re-raise the first one's error)
+    assert (f"sweep {sweep}: 2 cells, 1 ran, 1 could not:\n  0 (model.n_head=5 trainer.max_steps=2 "
+            "trainer.log_every=1 trainer.batch_size=4 model.block_size=32 trainer.warmup_steps=1 "
+            f"trainer.eval_batches=1 trainer.sample_tokens=0 data.cache_dir={data_cache} logger.mode=disabled): "
+            "model.n_embd: 128 is not divisible by model.n_head=5\n"
+            f"compare them: python scripts/report.py {sweep}") in out.stderr
     assert [r["step"] for r in read_jsonl(sweep / "1" / "metrics.jsonl") if "train/loss" in r] == [1, 2]
     from minitrain.tools.report import load_sweep
 
