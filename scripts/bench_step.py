@@ -268,6 +268,15 @@ def step_window(events: list[TraceEvent]) -> tuple[float, float]:
     return first, max(e.end for e in events if is_gpu_work(e))
 
 
+SPAN_TOLERANCE = 0.15  # the profiler's own overhead lengthens a GPU-bound traced step a little, not by this much
+
+
+def span_matches_step(span_ms: float, timed_ms: float) -> bool:
+    """Whether the profile's span per step is one timed step: a check on what the span took in, and on how
+    far tracing slowed the step."""
+    return abs(span_ms / timed_ms - 1.0) <= SPAN_TOLERANCE
+
+
 def step_work(events: list[TraceEvent]) -> list[TraceEvent]:
     """The kernels and copies that start in the steps' span."""
     start, end = step_window(events)
@@ -494,6 +503,10 @@ def main() -> None:
                       f"in {prof['kernels_per_step']:.0f} kernels, "
                       f"idle between kernels {prof['idle_ms_per_step']:.2f} ms/step ({prof['long_idle_ms_per_step']:.2f} "
                       f"in gaps > {LONG_GAP_US} us); sync and copy calls/step inside the steps {prof['syncs_per_step']}")
+                if not span_matches_step(prof["span_ms_per_step"], row["ms_per_step"]):
+                    print(f"  warning: the profile's GPU timeline is {prof['span_ms_per_step']:.2f} ms/step against "
+                          f"{row['ms_per_step']:.2f} timed: its per-step figures are not a timed step's (the "
+                          "profiler slowed a host-bound step, or the span took in other steps' work)")
                 print("  phases, ms/step (each from an idle GPU): " + ", ".join(
                     f"{k} host {v['host_ms']:.2f} / wall {v['wall_ms']:.2f}" for k, v in prof["phases"].items()))
                 for g in prof["largest_gaps"]:

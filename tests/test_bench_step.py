@@ -84,6 +84,12 @@ def test_the_window_opens_at_the_steps_first_kernel_and_holds_all_it_ran():
     assert [(g["after"], g["before"]) for g in gaps] == [("step kernel", "_adamw_kernel")]
 
 
+def test_a_profile_whose_span_is_not_one_step_is_flagged():
+    """The graphed runs' span of 2026-12-01 held 1.3 steps of work per step (40.6 ms against 30.9 timed)."""
+    assert bench_step.span_matches_step(31.5, 30.9) and bench_step.span_matches_step(28.0, 30.9)
+    assert not bench_step.span_matches_step(40.6, 30.9) and not bench_step.span_matches_step(24.0, 30.9)
+
+
 def test_a_rows_mfu_and_hfu_come_from_the_trainers_meter(make_cfg):
     """HFU counts the recomputed forward; both over the peak the trainer would log against."""
     from minitrain.trainer import Trainer
