@@ -21,9 +21,15 @@ FAILED_CELL_EXIT_CODE = 2  # as a single run that cannot run
 
 class SweepSummary(Callback):
     def __init__(self) -> None:
-        self.cells: list[tuple[int, str, str | None]] = []  # (job number, overrides, the failure's message or None)
+        self.cells: list[tuple[int, str, str | None]] | None = None  # in a sweep: (job number, overrides,
+        # the failure's message or None) per cell that ended
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self.cells = []
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
+        if self.cells is None:  # a single run: it speaks for itself
+            return
         failure = job_return.return_value if job_return.status is JobStatus.COMPLETED else None
         self.cells.append((config.hydra.job.num, " ".join(job_return.overrides or []), failure))
 

@@ -197,6 +197,7 @@ def test_torchrun_launch(data_cache, tmp_path):
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert out.returncode == 0, out.stderr[-3000:]
     assert (out.stdout + out.stderr).count("plan: tiny on 2 x cpu (ddp)") == 1  # resolved on every rank, printed once
+    assert "Callback" not in out.stderr  # the sweep's callback has nothing to say about a single run
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "train/loss" in r] == [1, 2]
     assert {"mem/rank0/rss_gb", "mem/rank1/rss_gb"} <= records[-1].keys()
