@@ -277,18 +277,18 @@ def span_matches_step(span_ms: float, timed_ms: float) -> bool:
     return abs(span_ms / timed_ms - 1.0) <= SPAN_TOLERANCE
 
 
-def step_work(events: list[TraceEvent]) -> list[TraceEvent]:
-    """The kernels and copies that start in the steps' span."""
-    start, end = step_window(events)
+def work_in_window(events: list[TraceEvent], window: tuple[float, float]) -> list[TraceEvent]:
+    """The kernels and copies that start in the steps' span (`step_window`)."""
+    start, end = window
     return [e for e in events if is_gpu_work(e) and start <= e.start <= end]
 
 
-def idle_gaps(events: list[TraceEvent], top: int = 8) -> tuple[float, float, list[dict]]:
+def idle_gaps(events: list[TraceEvent], window: tuple[float, float], top: int = 8) -> tuple[float, float, list[dict]]:
     """GPU idle time in the steps' span (no kernel or copy running, whichever step queued it), with the work on
     either side and the innermost host-side events running at the gap's middle (what the CPU was doing while
     the GPU waited). All of it, and the part in gaps over LONG_GAP_US (the short ones are the device's launch
     latency between queued kernels, a cost of the kernel count)."""
-    start, end = step_window(events)
+    start, end = window
     spans = sorted((max(e.start, start), e.end, e.name) for e in events
                    if is_gpu_work(e) and e.end > start and e.start <= end)
     host = [(e.start, e.end, e.name) for e in events if e.device_type == torch.autograd.DeviceType.CPU]
@@ -370,7 +370,8 @@ def profile_steps(trainer: Trainer, first: int, steps: int) -> dict:
     ceilings = kernel_floors.measure_ceilings(trainer.device)  # before the trace, so none of its kernels is in it
     events = trace_events(traced_steps(trainer, first, steps))
     calls, busy_us = defaultdict(int), defaultdict(float)
-    for e in step_work(events):
+    window = step_window(events)
+    for e in work_in_window(events, window):
         calls[e.name] += 1
         busy_us[e.name] += e.end - e.start
     kernels = sorted(busy_us, key=busy_us.get, reverse=True)
@@ -386,9 +387,8 @@ def profile_steps(trainer: Trainer, first: int, steps: int) -> dict:
                                    plan.compiled)
     per_kernel = [(k, busy_us[k] / 1e3 / steps, calls[k] / steps) for k in kernels]  # all of them
     rows = kernel_floors.floor_table(per_kernel, kernel_floors.floors_ms(work, ceilings))
-    idle_ms, long_idle_ms, gaps = idle_gaps(events)
-    start, end = step_window(events)
-    return {"span_ms_per_step": (end - start) / 1e3 / steps,
+    idle_ms, long_idle_ms, gaps = idle_gaps(events, window)
+    return {"span_ms_per_step": (window[1] - window[0]) / 1e3 / steps,
             "gpu_ms_per_step": total / 1e3 / steps, "idle_ms_per_step": idle_ms / steps,
             "long_idle_ms_per_step": long_idle_ms / steps, "largest_gaps": gaps, "top_kernels": top,
             "kernels_per_step": sum(calls.values()) / steps,

@@ -56,14 +56,14 @@ def test_idle_gaps_between_overlapping_kernels_name_the_host_work():
                (40, 41, "e"), (41 + bench_step.LONG_GAP_US, 70, "f")]
     for i, (start, end, name) in enumerate(kernels):
         events += _launched(start, end, name, launch_at=i, op=i + 1)
-    idle_ms, long_idle_ms, gaps = bench_step.idle_gaps(events, top=1)
+    idle_ms, long_idle_ms, gaps = bench_step.idle_gaps(events, bench_step.step_window(events), top=1)
     # 10..12 and 30..40 (d, b and c together keep the GPU busy 12..30), then a gap of exactly LONG_GAP_US
     assert idle_ms == (2 + 10 + bench_step.LONG_GAP_US) / 1e3
     assert long_idle_ms == 0  # no gap is longer than a launch's latency
     assert gaps == [{"us": bench_step.LONG_GAP_US, "after": "e", "before": "f",
                      "host": "minitrain.optimizer < bench.step"}]
     events += _launched(70 + bench_step.LONG_GAP_US + 1, 100, "g", launch_at=50, op=99)
-    assert bench_step.idle_gaps(events)[1] == (bench_step.LONG_GAP_US + 1) / 1e3
+    assert bench_step.idle_gaps(events, bench_step.step_window(events))[1] == (bench_step.LONG_GAP_US + 1) / 1e3
 
 
 def test_the_window_opens_at_the_steps_first_kernel_and_holds_all_it_ran():
@@ -77,9 +77,10 @@ def test_the_window_opens_at_the_steps_first_kernel_and_holds_all_it_ran():
     events += _launched(107, 108, "elementwise_kernel", launch_at=104, op=9, stream=9)
     events += _launched(180, 190, "step kernel", launch_at=110, op=7)
     events += [_event(200, 210, "_adamw_kernel", GPU, linked=5000)]  # links to no op in the trace
-    assert bench_step.step_window(events) == (180, 210)
-    assert [e.name for e in bench_step.step_work(events)] == ["step kernel", "_adamw_kernel"]
-    idle_ms, _, gaps = bench_step.idle_gaps(events)
+    window = bench_step.step_window(events)
+    assert window == (180, 210)
+    assert [e.name for e in bench_step.work_in_window(events, window)] == ["step kernel", "_adamw_kernel"]
+    idle_ms, _, gaps = bench_step.idle_gaps(events, window)
     assert idle_ms == 10 / 1e3  # 190..200; 150..180 was the warm-up tail's
     assert [(g["after"], g["before"]) for g in gaps] == [("step kernel", "_adamw_kernel")]
 
