@@ -283,11 +283,12 @@ def work_in_window(events: list[TraceEvent], window: tuple[float, float]) -> lis
     return [e for e in events if is_gpu_work(e) and start <= e.start <= end]
 
 
-def idle_gaps(events: list[TraceEvent], window: tuple[float, float], top: int = 8) -> tuple[float, float, list[dict]]:
+def idle_gaps(events: list[TraceEvent], window: tuple[float, float], top: int = 8) -> dict:
     """GPU idle time in the steps' span (no kernel or copy running, whichever step queued it), with the work on
     either side and the innermost host-side events running at the gap's middle (what the CPU was doing while
-    the GPU waited). All of it, and the part in gaps over LONG_GAP_US (the short ones are the device's launch
-    latency between queued kernels, a cost of the kernel count)."""
+    the GPU waited). All of it (`idle_ms`), the part in gaps over LONG_GAP_US (`long_idle_ms`; the short ones are
+    the device's launch latency between queued kernels, a cost of the kernel count), and by the kind of work
+    each gap follows (`after_ms`: a memset's gap is longer than a kernel's, so memsets are worth counting)."""
     start, end = window
     spans = sorted((max(e.start, start), e.end, e.name) for e in events
                    if is_gpu_work(e) and e.end > start and e.start <= end)
@@ -298,15 +299,23 @@ def idle_gaps(events: list[TraceEvent], window: tuple[float, float], top: int = 
             gaps.append({"us": span_start - busy_until, "after": before[:60], "before": name[:60], "at": busy_until})
         if span_end > busy_until:
             busy_until, before = span_end, name
-    idle_ms = sum(g["us"] for g in gaps) / 1e3
-    long_idle_ms = sum(g["us"] for g in gaps if g["us"] > LONG_GAP_US) / 1e3
-    gaps = sorted(gaps, key=lambda g: -g["us"])[:top]
+    after_ms = defaultdict(float)
     for g in gaps:
+        after_ms[work_kind(g["after"])] += g["us"] / 1e3
+    largest = sorted(gaps, key=lambda g: -g["us"])[:top]
+    for g in largest:
         middle = g.pop("at") + g["us"] / 2
         running = sorted((host_end - host_start, name) for host_start, host_end, name in host
                          if host_start <= middle <= host_end)
         g["host"] = " < ".join(name[:50] for _, name in running[:3])
-    return idle_ms, long_idle_ms, gaps
+    return {"idle_ms": sum(g["us"] for g in gaps) / 1e3,
+            "long_idle_ms": sum(g["us"] for g in gaps if g["us"] > LONG_GAP_US) / 1e3,
+            "after_ms": dict(after_ms), "largest": largest}
+
+
+def work_kind(name: str) -> str:
+    """"memset", "copy" or "kernel", by the profiler's name for a piece of GPU work."""
+    return "memset" if name.startswith("Memset") else "copy" if name.startswith("Memcpy") else "kernel"
 
 
 class PhaseClock:
@@ -387,10 +396,13 @@ def profile_steps(trainer: Trainer, first: int, steps: int) -> dict:
                                    plan.compiled)
     per_kernel = [(k, busy_us[k] / 1e3 / steps, calls[k] / steps) for k in kernels]  # all of them
     rows = kernel_floors.floor_table(per_kernel, kernel_floors.floors_ms(work, ceilings))
-    idle_ms, long_idle_ms, gaps = idle_gaps(events, window)
+    idle = idle_gaps(events, window)
     return {"span_ms_per_step": (window[1] - window[0]) / 1e3 / steps,
-            "gpu_ms_per_step": total / 1e3 / steps, "idle_ms_per_step": idle_ms / steps,
-            "long_idle_ms_per_step": long_idle_ms / steps, "largest_gaps": gaps, "top_kernels": top,
+            "gpu_ms_per_step": total / 1e3 / steps, "idle_ms_per_step": idle["idle_ms"] / steps,
+            "long_idle_ms_per_step": idle["long_idle_ms"] / steps,
+            "idle_ms_per_step_after": {k: v / steps for k, v in idle["after_ms"].items()},
+            "memsets_per_step": sum(n for k, n in calls.items() if work_kind(k) == "memset") / steps,
+            "largest_gaps": idle["largest"], "top_kernels": top,
             "kernels_per_step": sum(calls.values()) / steps,
             "floors": {**asdict(ceilings), "rows": rows},
             "syncs_per_step": {k: v / steps for k, v in syncs.items()}}
@@ -503,6 +515,9 @@ def main() -> None:
                       f"in {prof['kernels_per_step']:.0f} kernels, "
                       f"idle between kernels {prof['idle_ms_per_step']:.2f} ms/step ({prof['long_idle_ms_per_step']:.2f} "
                       f"in gaps > {LONG_GAP_US} us); sync and copy calls/step inside the steps {prof['syncs_per_step']}")
+                print(f"  idle ms/step by the work before the gap: " + ", ".join(
+                    f"{k} {v:.2f}" for k, v in sorted(prof["idle_ms_per_step_after"].items()))
+                      + f" ({prof['memsets_per_step']:.0f} memsets/step)")
                 if not span_matches_step(prof["span_ms_per_step"], row["ms_per_step"]):
                     print(f"  warning: the profile's GPU timeline is {prof['span_ms_per_step']:.2f} ms/step against "
                           f"{row['ms_per_step']:.2f} timed: its per-step figures are not a timed step's (the "

@@ -56,14 +56,28 @@ def test_idle_gaps_between_overlapping_kernels_name_the_host_work():
                (40, 41, "e"), (41 + bench_step.LONG_GAP_US, 70, "f")]
     for i, (start, end, name) in enumerate(kernels):
         events += _launched(start, end, name, launch_at=i, op=i + 1)
-    idle_ms, long_idle_ms, gaps = bench_step.idle_gaps(events, bench_step.step_window(events), top=1)
+    idle = bench_step.idle_gaps(events, bench_step.step_window(events), top=1)
     # 10..12 and 30..40 (d, b and c together keep the GPU busy 12..30), then a gap of exactly LONG_GAP_US
-    assert idle_ms == (2 + 10 + bench_step.LONG_GAP_US) / 1e3
-    assert long_idle_ms == 0  # no gap is longer than a launch's latency
-    assert gaps == [{"us": bench_step.LONG_GAP_US, "after": "e", "before": "f",
-                     "host": "minitrain.optimizer < bench.step"}]
+    assert idle["idle_ms"] == (2 + 10 + bench_step.LONG_GAP_US) / 1e3
+    assert idle["long_idle_ms"] == 0  # no gap is longer than a launch's latency
+    assert idle["largest"] == [{"us": bench_step.LONG_GAP_US, "after": "e", "before": "f",
+                                "host": "minitrain.optimizer < bench.step"}]
     events += _launched(70 + bench_step.LONG_GAP_US + 1, 100, "g", launch_at=50, op=99)
-    assert bench_step.idle_gaps(events, bench_step.step_window(events))[1] == (bench_step.LONG_GAP_US + 1) / 1e3
+    assert bench_step.idle_gaps(events, bench_step.step_window(events))["long_idle_ms"] == (
+        (bench_step.LONG_GAP_US + 1) / 1e3)
+
+
+def test_idle_is_split_by_the_work_the_gap_follows():
+    """A memset before a cuBLAS or cuDNN kernel leaves a longer gap than a kernel does: the split says how much
+    of the idle the memsets cost."""
+    events = [_event(0, 100, "bench.step", CPU)]
+    work = [(0, 10, "gemm"), (12, 13, "Memset (Unknown)"), (17, 20, "gemm"), (21, 22, "Memcpy DtoD"),
+            (25, 30, "Memset (Unknown)"), (36, 40, "sdpa")]
+    for i, (start, end, name) in enumerate(work):
+        events += _launched(start, end, name, launch_at=i, op=i + 1)
+    idle = bench_step.idle_gaps(events, bench_step.step_window(events))
+    assert idle["after_ms"] == {"kernel": 3 / 1e3, "memset": 10 / 1e3, "copy": 3 / 1e3}
+    assert idle["idle_ms"] == 16 / 1e3
 
 
 def test_the_window_opens_at_the_steps_first_kernel_and_holds_all_it_ran():
@@ -80,9 +94,9 @@ def test_the_window_opens_at_the_steps_first_kernel_and_holds_all_it_ran():
     window = bench_step.step_window(events)
     assert window == (180, 210)
     assert [e.name for e in bench_step.work_in_window(events, window)] == ["step kernel", "_adamw_kernel"]
-    idle_ms, _, gaps = bench_step.idle_gaps(events, window)
-    assert idle_ms == 10 / 1e3  # 190..200; 150..180 was the warm-up tail's
-    assert [(g["after"], g["before"]) for g in gaps] == [("step kernel", "_adamw_kernel")]
+    idle = bench_step.idle_gaps(events, window)
+    assert idle["idle_ms"] == 10 / 1e3  # 190..200; 150..180 was the warm-up tail's
+    assert [(g["after"], g["before"]) for g in idle["largest"]] == [("step kernel", "_adamw_kernel")]
 
 
 def test_a_profile_whose_span_is_not_one_step_is_flagged():
