@@ -236,36 +236,31 @@ def trace_events(prof) -> list[TraceEvent]:
             for e in prof.profiler.kineto_results.events()]
 
 
-def in_steps(events: list[TraceEvent]) -> Callable[[TraceEvent], bool]:
-    """Whether a host event started inside one of the traced steps' "bench.step" ranges (the host's, not
-    the label's copy on the GPU's timeline)."""
+def started_in(events: list[TraceEvent], label: str) -> Callable[[TraceEvent], bool]:
+    """Whether a host event started inside one of the `label` ranges (the host's, not the label's copy on the
+    GPU's timeline)."""
     cpu = torch.autograd.DeviceType.CPU
-    ranges = [(e.start, e.end) for e in events if e.name == "bench.step" and e.device_type == cpu]
+    ranges = [(e.start, e.end) for e in events if e.name == label and e.device_type == cpu]
     return lambda event: any(a <= event.start <= b for a, b in ranges)
 
 
-def launched_in_steps(events: list[TraceEvent]) -> list[TraceEvent]:
-    """The kernels and copies whose op (the host event a kernel links to, as the profiler's own op table links
-    them; runtime calls link to ops too and are not ops) started inside a "bench.step" range."""
-    inside = in_steps(events)
-    ops = {e.id: e for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.linked_correlation_id == 0}
-    return [e for e in events if is_gpu_work(e) and e.linked_correlation_id in ops
-            and inside(ops[e.linked_correlation_id])]
+WINDOW_MARK = "bench.window"  # the range of the one-element kernel queued before the traced steps and after them
 
 
 def step_window(events: list[TraceEvent]) -> tuple[float, float]:
-    """The traced steps' span on the GPU's timeline. The host runs ahead, so the trace opens while the GPU still
-    runs the warm-up steps' queued kernels: the span starts at the first kernel a traced step launched on the
-    stream that ran most of the steps' work (a stream runs in order, so the tail on it ran before; the batch's
-    prefetch, copies and a kernel, runs on a stream of its own, at once) and ends with the last GPU work (the
-    last step synchronises). Not every kernel links to an op (the optimizer's Triton launches do not, on torch
-    2.11), so what the steps ran is what runs in this span, not what links to them."""
-    launched, per_stream = launched_in_steps(events), defaultdict(float)
-    for e in launched:
-        per_stream[e.stream] += e.end - e.start
-    main = max(per_stream, key=per_stream.get)
-    first = min(e.start for e in launched if e.stream == main)
-    return first, max(e.end for e in events if is_gpu_work(e))
+    """The traced steps' span on the GPU's timeline: from the end of the kernel queued just before the first
+    traced step to the start of the one queued just after the last, both on the steps' stream (a stream runs
+    in order). The host runs ahead, so the trace opens while the GPU still runs the warm-up steps' queued
+    kernels; those ran before the first mark. Linking each kernel to the op that queued it cannot say this:
+    a CUDA graph's kernels link to its launch, whichever step it ran for, and the optimizer's Triton launches
+    link to no op on torch 2.11."""
+    inside = started_in(events, WINDOW_MARK)
+    ops = {e.id for e in events if e.device_type == torch.autograd.DeviceType.CPU and e.linked_correlation_id == 0
+           and e.name != WINDOW_MARK and inside(e)}
+    marks = sorted((e.start, e.end) for e in events if is_gpu_work(e) and e.linked_correlation_id in ops)
+    if len(marks) != 2:
+        raise RuntimeError(f"expected the two {WINDOW_MARK} kernels in the trace, found {len(marks)}")
+    return marks[0][1], marks[1][0]
 
 
 SPAN_TOLERANCE = 0.15  # the profiler's own overhead lengthens a GPU-bound traced step a little, not by this much
@@ -278,9 +273,9 @@ def span_matches_step(span_ms: float, timed_ms: float) -> bool:
 
 
 def work_in_window(events: list[TraceEvent], window: tuple[float, float]) -> list[TraceEvent]:
-    """The kernels and copies that start in the steps' span (`step_window`)."""
+    """The kernels and copies that start in the steps' span (`step_window`; the closing mark is not theirs)."""
     start, end = window
-    return [e for e in events if is_gpu_work(e) and start <= e.start <= end]
+    return [e for e in events if is_gpu_work(e) and start <= e.start < end]
 
 
 def idle_gaps(events: list[TraceEvent], window: tuple[float, float], top: int = 8) -> dict:
@@ -291,7 +286,7 @@ def idle_gaps(events: list[TraceEvent], window: tuple[float, float], top: int = 
     each gap follows (`after_ms`: a memset's gap is longer than a kernel's, so memsets are worth counting)."""
     start, end = window
     spans = sorted((max(e.start, start), e.end, e.name) for e in events
-                   if is_gpu_work(e) and e.end > start and e.start <= end)
+                   if is_gpu_work(e) and e.end >= start and e.start <= end)  # the marks too: the gaps next to them
     host = [(e.start, e.end, e.name) for e in events if e.device_type == torch.autograd.DeviceType.CPU]
     gaps, busy_until, before = [], spans[0][1], spans[0][2]
     for span_start, span_end, name in spans[1:]:
@@ -357,16 +352,24 @@ def traced_steps(trainer: Trainer, first: int, steps: int):
     its first step's host enqueue latency as idle, which training pays after log steps only)."""
     from torch.profiler import ProfilerActivity, profile, record_function, schedule
 
+    marker = torch.zeros(1, device=trainer.device)
+
+    def mark():
+        with record_function(WINDOW_MARK):
+            marker.add_(1)
+
     window = schedule(wait=0, warmup=PROFILE_WARMUP_STEPS, active=steps, repeat=1)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], schedule=window) as prof:
         for s in range(first, first + PROFILE_WARMUP_STEPS):
             trainer.train_step(s)
             prof.step()
         last = first + PROFILE_WARMUP_STEPS + steps - 1
+        mark()
         for s in range(first + PROFILE_WARMUP_STEPS, last + 1):
             with record_function("bench.step"):
                 trainer.train_step(s)
             if s == last:
+                mark()
                 torch.cuda.synchronize()  # every kernel in the window; outside the steps, not counted as theirs
             prof.step()
     return prof
@@ -385,7 +388,7 @@ def profile_steps(trainer: Trainer, first: int, steps: int) -> dict:
         busy_us[e.name] += e.end - e.start
     kernels = sorted(busy_us, key=busy_us.get, reverse=True)
     total = sum(busy_us.values())
-    inside, syncs = in_steps(events), defaultdict(int)
+    inside, syncs = started_in(events, "bench.step"), defaultdict(int)
     for e in events:
         if e.name in SYNC_CALLS and inside(e):
             syncs[e.name] += 1

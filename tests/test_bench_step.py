@@ -48,6 +48,17 @@ def _launched(start, end, name, launch_at, op, stream=7):
             _event(start, end, name, GPU, linked=op, stream=stream)]
 
 
+def _marks(open_end, close_start):
+    """The two one-element kernels of the "bench.window" ranges around the traced steps (their ops queued
+    long before they run: the host is ahead of the GPU)."""
+    events = []
+    for i, (start, end) in enumerate([(open_end - 1, open_end), (close_start, close_start + 1)]):
+        op = 10**9 + i  # no other op's id
+        events += [_event(-10 + i, -9 + i, bench_step.WINDOW_MARK, CPU)]
+        events += _launched(start, end, "vectorized_elementwise_kernel", launch_at=-10 + i, op=op)
+    return events
+
+
 def test_idle_gaps_between_overlapping_kernels_name_the_host_work():
     events = [_event(0, 101, "bench.step", CPU), _event(0, 100, "minitrain.optimizer", CPU),
               _event(31, 39, "aten::view", CPU),
@@ -56,14 +67,15 @@ def test_idle_gaps_between_overlapping_kernels_name_the_host_work():
                (40, 41, "e"), (41 + bench_step.LONG_GAP_US, 70, "f")]
     for i, (start, end, name) in enumerate(kernels):
         events += _launched(start, end, name, launch_at=i, op=i + 1)
-    idle = bench_step.idle_gaps(events, bench_step.step_window(events), top=1)
+    marked = events + _marks(0, 70)
+    idle = bench_step.idle_gaps(marked, bench_step.step_window(marked), top=1)
     # 10..12 and 30..40 (d, b and c together keep the GPU busy 12..30), then a gap of exactly LONG_GAP_US
     assert idle["idle_ms"] == (2 + 10 + bench_step.LONG_GAP_US) / 1e3
     assert idle["long_idle_ms"] == 0  # no gap is longer than a launch's latency
     assert idle["largest"] == [{"us": bench_step.LONG_GAP_US, "after": "e", "before": "f",
                                 "host": "minitrain.optimizer < bench.step"}]
-    events += _launched(70 + bench_step.LONG_GAP_US + 1, 100, "g", launch_at=50, op=99)
-    assert bench_step.idle_gaps(events, bench_step.step_window(events))["long_idle_ms"] == (
+    marked = events + _launched(70 + bench_step.LONG_GAP_US + 1, 100, "g", launch_at=50, op=99) + _marks(0, 100)
+    assert bench_step.idle_gaps(marked, bench_step.step_window(marked))["long_idle_ms"] == (
         (bench_step.LONG_GAP_US + 1) / 1e3)
 
 
@@ -75,28 +87,33 @@ def test_idle_is_split_by_the_work_the_gap_follows():
             (25, 30, "Memset (Unknown)"), (36, 40, "sdpa")]
     for i, (start, end, name) in enumerate(work):
         events += _launched(start, end, name, launch_at=i, op=i + 1)
+    events += _marks(0, 40)
     idle = bench_step.idle_gaps(events, bench_step.step_window(events))
     assert idle["after_ms"] == {"kernel": 3 / 1e3, "memset": 10 / 1e3, "copy": 3 / 1e3}
     assert idle["idle_ms"] == 16 / 1e3
 
 
-def test_the_window_opens_at_the_steps_first_kernel_and_holds_all_it_ran():
-    """The host runs ahead, so the trace opens while the GPU still runs the warm-up steps' kernels: those, and
-    the wait before the steps' first kernel, are not the steps' work. The batch's prefetch (a copy and a
-    kernel), launched in a step, runs on a stream of its own at once and does not open the window; a kernel
-    linked to no op (the optimizer's Triton launches) is the steps' all the same."""
+def test_the_window_holds_what_ran_between_the_marks():
+    """The host runs ahead, so the trace opens while the GPU still runs the warm-up steps' kernels (the opening
+    mark runs after them, on the same stream). A kernel's link to the op that queued it cannot place it: a CUDA
+    graph's kernels link to its launch, the optimizer's Triton launches to no op at all."""
     events = [_event(100, 300, "bench.step", CPU)]
-    events += [_event(90, 150, "warm-up tail", GPU, linked=1)]  # op 1 ran in a warm-up step, not traced
-    events += _launched(105, 106, "Memcpy HtoD (Pinned -> Device)", launch_at=104, op=8, stream=9)
-    events += _launched(107, 108, "elementwise_kernel", launch_at=104, op=9, stream=9)
-    events += _launched(180, 190, "step kernel", launch_at=110, op=7)
+    events += [_event(90, 150, "warm-up tail", GPU, linked=1)]  # a warm-up step's kernel, still queued
+    events += _launched(152, 190, "graph kernel", launch_at=110, op=7)
     events += [_event(200, 210, "_adamw_kernel", GPU, linked=5000)]  # links to no op in the trace
+    events += _marks(151, 215)
     window = bench_step.step_window(events)
-    assert window == (180, 210)
-    assert [e.name for e in bench_step.work_in_window(events, window)] == ["step kernel", "_adamw_kernel"]
+    assert window == (151, 215)
+    assert [e.name for e in bench_step.work_in_window(events, window)] == ["graph kernel", "_adamw_kernel"]
     idle = bench_step.idle_gaps(events, window)
-    assert idle["idle_ms"] == 10 / 1e3  # 190..200; 150..180 was the warm-up tail's
-    assert [(g["after"], g["before"]) for g in idle["largest"]] == [("step kernel", "_adamw_kernel")]
+    assert idle["idle_ms"] == (1 + 10 + 5) / 1e3  # after the opening mark, 190..200, before the closing one
+    assert [(g["after"], g["before"]) for g in idle["largest"][:1]] == [("graph kernel", "_adamw_kernel")]
+
+
+def test_a_trace_without_both_marks_is_refused():
+    events = _marks(151, 215)[:-1]  # the closing mark's kernel did not make it into the trace
+    with pytest.raises(RuntimeError, match="two bench.window kernels"):
+        bench_step.step_window(events)
 
 
 def test_a_profile_whose_span_is_not_one_step_is_flagged():
@@ -161,6 +178,7 @@ def test_the_profile_sets_every_kernel_of_the_step_beside_its_floor(make_cfg, mo
         for _ in range(calls):
             events += _launched(at, at + us / calls, name, launch_at=at, op=len(events) + 1)
             at += us / calls
+    events += _marks(0, at)
     monkeypatch.setattr(bench_step, "traced_steps", lambda trainer, first, steps: None)
     monkeypatch.setattr(bench_step, "trace_events", lambda prof: events)
     floors = bench_step.profile_steps(trainer, first=0, steps=steps)["floors"]
