@@ -36,6 +36,7 @@ import traceback
 from collections import defaultdict
 from dataclasses import asdict
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Callable, NamedTuple
 from unittest import mock
 
@@ -207,6 +208,54 @@ def start_run(model: str, batch: int, recipe: str, extra: list[str], out_dir: st
     eager = float(compile_check.eager_loss(t._forward_loss, t.train_batches, 0, t.plan.grad_accum, t.dist))
     run.steps(warmup)
     return run, {**run.memory_peaks(2), "first_loss": float(run.losses[0]), "first_loss_eager": eager}
+
+
+CLOCK_QUERY = "clocks.sm,clocks.max.sm,power.draw,power.limit,clocks_throttle_reasons.active"
+CLOCK_SAMPLE_MS = 250
+SW_POWER_CAP = 0x4  # the throttle-reasons bit nvidia-smi sets while the driver holds the board at its power limit
+
+
+def clock_summary(samples: str) -> dict | None:
+    """The SM clock and board power over nvidia-smi's samples (`CLOCK_QUERY`, csv without header or units):
+    under a GEMM-heavy step an H200 sits at its power limit, and the clock the driver then allows, not idle
+    gaps between kernels, sets the step's time. None without samples."""
+    rows = []
+    for line in samples.strip().splitlines():
+        try:
+            sm, sm_limit, power, power_limit, reasons = line.split(", ")
+            rows.append((int(sm), int(sm_limit), float(power), float(power_limit), int(reasons, 16)))
+        except ValueError:  # a field this GPU does not report ("[N/A]"), or a line cut short at the end
+            continue
+    if not rows:
+        return None
+    sm = sorted(r[0] for r in rows)
+    power = sorted(r[2] for r in rows)
+    return {"samples": len(rows), "sm_mhz_median": sm[len(sm) // 2], "sm_mhz_min": sm[0], "sm_mhz_max": sm[-1],
+            "sm_mhz_limit": rows[0][1], "power_w_median": power[len(power) // 2], "power_w_limit": rows[0][3],
+            "power_capped_share": sum(bool(r[4] & SW_POWER_CAP) for r in rows) / len(rows)}
+
+
+@contextlib.contextmanager
+def clock_log():
+    """nvidia-smi sampling the GPU every CLOCK_SAMPLE_MS while the block runs; the block's `summary` holds
+    clock_summary's figures after it (None where nvidia-smi is missing)."""
+    log = SimpleNamespace(summary=None)
+    gpu = f"GPU-{torch.cuda.get_device_properties(torch.cuda.current_device()).uuid}"  # CUDA's index is not nvidia-smi's
+    with tempfile.TemporaryFile("w+") as out:
+        try:
+            sampler = subprocess.Popen(["nvidia-smi", f"--query-gpu={CLOCK_QUERY}", "--format=csv,noheader,nounits",
+                                        "-lms", str(CLOCK_SAMPLE_MS), "-i", gpu], stdout=out,
+                                       stderr=subprocess.DEVNULL)
+        except FileNotFoundError:
+            yield log
+            return
+        try:
+            yield log
+        finally:
+            sampler.terminate()
+            sampler.wait()
+            out.seek(0)
+            log.summary = clock_summary(out.read())
 
 
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
@@ -498,9 +547,12 @@ def main() -> None:
                     row["error"] = f"{type(e).__name__}: {e}"[:300]
                     runs.pop(name, None)
                 run = None
-            for r in range(rounds if len(runs) > 1 else 0):
-                for recipe in list(runs)[:: 1 if r % 2 == 0 else -1]:
-                    runs[recipe].timed(args.steps // rounds)
+            with clock_log() as clocks:
+                for r in range(rounds if len(runs) > 1 else 0):
+                    for recipe in list(runs)[:: 1 if r % 2 == 0 else -1]:
+                        runs[recipe].timed(args.steps // rounds)
+            for row in rows.values():
+                row["gpu_clocks"] = clocks.summary if len(runs) > 1 else None  # alone, a run was timed before
             for name, run in runs.items():
                 if not run.round_ms:  # the other recipes failed: time this one alone
                     run.timed(args.steps)
@@ -588,6 +640,12 @@ def main() -> None:
             print(f"{model} {ours['recipe']}: {ours['tokens_per_s'] / ref['tokens_per_s']:.3f}x the reference's "
                   f"tokens/s{batches} (rounds {min(per_round):.3f}-{max(per_round):.3f}), {peak}; "
                   f"max |loss gap| over {len(ref['losses'])} steps {gap:.3f}{val_gap}")
+        clocks = next((r["gpu_clocks"] for r in ok if r.get("gpu_clocks")), None)
+        if clocks:
+            print(f"{model}: the GPU in the timed rounds: SM clock {clocks['sm_mhz_median']} MHz median "
+                  f"({clocks['sm_mhz_min']}-{clocks['sm_mhz_max']}, at most {clocks['sm_mhz_limit']}), "
+                  f"{clocks['power_w_median']:.0f} W of {clocks['power_w_limit']:.0f}, at the power cap in "
+                  f"{clocks['power_capped_share']:.0%} of {clocks['samples']} samples")
 
 
 if __name__ == "__main__":

@@ -116,6 +116,19 @@ def test_a_trace_without_both_marks_is_refused():
         bench_step.step_window(events)
 
 
+def test_the_clock_summary_reads_nvidia_smis_samples():
+    """Under the step an H200 sits at its power limit: the summary says at what clock, and how often capped."""
+    samples = ("1695, 1980, 692.64, 700.00, 0x0000000000000004\n"
+               "1980, 1980, 467.84, 700.00, 0x0000000000000001\n"  # idle, not capped
+               "[N/A], 1980, 500.00, 700.00, 0x0000000000000000\n"
+               "1470, 1980, 699.10, 700.00, 0x0000000000000005\n"
+               "1700, 19")  # cut short when the sampler stopped
+    assert bench_step.clock_summary(samples) == {
+        "samples": 3, "sm_mhz_median": 1695, "sm_mhz_min": 1470, "sm_mhz_max": 1980, "sm_mhz_limit": 1980,
+        "power_w_median": 692.64, "power_w_limit": 700.0, "power_capped_share": 2 / 3}
+    assert bench_step.clock_summary("") is None
+
+
 def test_a_profile_whose_span_is_not_one_step_is_flagged():
     """The graphed runs' span of 2026-12-01 held 1.3 steps of work per step (40.6 ms against 30.9 timed)."""
     assert bench_step.span_matches_step(31.5, 30.9) and bench_step.span_matches_step(28.0, 30.9)
