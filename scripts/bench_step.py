@@ -570,7 +570,7 @@ def main() -> None:
                       f"in {prof['kernels_per_step']:.0f} kernels, "
                       f"idle between kernels {prof['idle_ms_per_step']:.2f} ms/step ({prof['long_idle_ms_per_step']:.2f} "
                       f"in gaps > {LONG_GAP_US} us); sync and copy calls/step inside the steps {prof['syncs_per_step']}")
-                print(f"  idle ms/step by the work before the gap: " + ", ".join(
+                print("  idle ms/step by the work before the gap: " + ", ".join(
                     f"{k} {v:.2f}" for k, v in sorted(prof["idle_ms_per_step_after"].items()))
                       + f" ({prof['memsets_per_step']:.0f} memsets/step)")
                 if not span_matches_step(prof["span_ms_per_step"], row["ms_per_step"]):
