@@ -288,8 +288,11 @@ class TrainerConfig:
         if self.micro_batch != "auto":
             _require(self.batch_size % int(self.micro_batch) == 0, "trainer.micro_batch",
                      f"{self.micro_batch} does not divide trainer.batch_size={self.batch_size}")
-        _require(self.lr > 0 and 0 <= self.min_lr <= self.lr, "trainer.min_lr",
-                 f"need 0 <= min_lr <= lr and lr > 0, got lr={self.lr}, min_lr={self.min_lr}")
+        _require(self.lr > 0, "trainer.lr", f"must be > 0, got {self.lr}")
+        _require(0 <= self.min_lr <= self.lr, "trainer.min_lr",
+                 f"need 0 <= min_lr <= trainer.lr={self.lr}, got {self.min_lr}")
+        # The batches' windows are drawn from NumPy generators seeded with (seed, step), which take no negative seed.
+        _require(self.seed >= 0, "trainer.seed", f"must be >= 0, got {self.seed}")
         _require(self.warmup_steps is None or 0 <= self.warmup_steps <= self.max_steps, "trainer.warmup_steps",
                  f"must be in [0, trainer.max_steps={self.max_steps}], got {self.warmup_steps}")
         _require(self.sample_tokens >= 0, "trainer.sample_tokens", f"must be >= 0, got {self.sample_tokens}")
