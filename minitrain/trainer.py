@@ -13,6 +13,7 @@ a checkpoint after the current step, a second Ctrl-C aborts.
 from __future__ import annotations
 
 import json
+import shlex
 import signal
 import sys
 import threading
@@ -122,6 +123,16 @@ class RunInfo:
         (folder / "overrides.yaml").write_text(OmegaConf.to_yaml(self.overrides))
         return folder
 
+    def continue_command(self, out_dir: Path, torchrun: bool = False) -> str:
+        """The command line that resumes this run in `out_dir`: its own overrides with trainer.resume=auto (a
+        resume without them would be refused as another config). A run built in code has no command line."""
+        where = f"hydra.run.dir={shlex.quote(str(out_dir))}"
+        if self.overrides is None:
+            return f"trainer.resume=auto {where} and this run's other settings"
+        kept = [shlex.quote(o) for o in self.overrides if not o.startswith("trainer.resume=")]
+        launcher = "torchrun <its arguments> scripts/train.py" if torchrun else "python scripts/train.py"
+        return " ".join([launcher, *kept, "trainer.resume=auto", where])
+
 
 @dataclass
 class Progress:
@@ -216,6 +227,7 @@ class Trainer:
         if self.device.type == "cuda":  # each job of a multirun reports its own peaks
             torch.cuda.reset_peak_memory_stats(self.device)
         self.show_progress = progress and self.dist.is_main
+        self.run = run
         self.out_dir = Path(cfg.trainer.out_dir).expanduser()
         self.out_dir.mkdir(parents=True, exist_ok=True)
         self.lock = resume.RunDirLock(self.out_dir) if self.dist.is_main else None
@@ -368,6 +380,8 @@ class Trainer:
         from tqdm.auto import tqdm
 
         t, p = self.cfg.trainer, self.progress
+        if p.step >= t.max_steps:  # a finished run started again: its record (memory.json, sample) stays as it is
+            return self._nothing_to_train()
         self.logger.print(f"minitrain: {self.model_cfg.name} ({self.model.num_params() / 1e6:.2f}M params) | "
                           f"run dir {self.out_dir}")
         self.logger.print(self.plan.memory.table())
@@ -419,7 +433,8 @@ class Trainer:
                     if stop:
                         raise TrainingInterrupted(
                             f"stopped at step {p.step} of {t.max_steps}; checkpoint saved to {path} — continue "
-                            f"with trainer.resume=auto hydra.run.dir={self.out_dir}", main=self.dist.is_main,
+                            f"with: {self.run.continue_command(self.out_dir, self.dist.enabled)}",
+                            main=self.dist.is_main,
                             exit_code=interrupts.exit_code)
                     if logging or evaluating or saving:
                         throughput.restart()  # eval and saving are not training time
@@ -427,6 +442,7 @@ class Trainer:
             if self.dist.is_main:
                 self._write_memory_json(record)
             record["sample"] = self.sample()
+            self.logger.print(self._finished_line(record, path))
             self.logger.summary({k: v for k, v in record.items() if k != "step"})
             self.logger.finish()
         except BaseException as e:
@@ -437,6 +453,23 @@ class Trainer:
         finally:
             self.close()  # the run dir is free for the next run (a resume in this process included)
         return record
+
+    def _nothing_to_train(self) -> dict[str, Any]:
+        """A resumed run already at (or past) trainer.max_steps: say so instead of running no step in silence."""
+        step, max_steps = self.progress.step, self.cfg.trainer.max_steps
+        self.logger.print(f"nothing to train: the checkpoint is at step {step} and trainer.max_steps={max_steps}; "
+                          f"raise trainer.max_steps to train further (this run's files in {self.out_dir} are "
+                          "left as they were)")
+        self.logger.finish()
+        self.close()
+        return {"step": step}
+
+    def _finished_line(self, record: dict[str, Any], checkpoint: Path) -> str:
+        """The run's last console line: where it ended and where its results are."""
+        losses = ", ".join(f"{label} {record[key]:.4f}" for key, label in (("train/loss", "loss"), ("val/loss", "val"))
+                           if record.get(key) is not None)
+        return (f"finished: step {self.progress.step} of {self.cfg.trainer.max_steps}, {losses} | checkpoint "
+                f"{checkpoint} | metrics {self.out_dir / 'metrics.jsonl'}")
 
     def _interrupt_agreed(self, interrupts: _Interrupts, logging: bool) -> bool:
         """One process stops at once; under torchrun every rank must stop at the same step, so the ranks

@@ -4,6 +4,7 @@ import re
 import signal
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -320,6 +321,31 @@ def test_resume_refuses_a_different_run_and_accepts_a_longer_one(make_cfg, tmp_p
     assert "trainer.max_steps" in log and "resumed from" in log
 
 
+def test_a_run_ends_with_where_its_results_are_and_a_finished_run_started_again_trains_nothing(make_cfg, tmp_path):
+    run = tmp_path / "run"
+    record = train(make_cfg("trainer.max_steps=4", "trainer.save_every=4"), progress=False)
+    last = (run / "train.log").read_text().splitlines()[-1]
+    assert last == (f"finished: step 4 of 4, loss {record['train/loss']:.4f}, val {record['val/loss']:.4f} | "
+                    f"checkpoint {run / 'checkpoints' / 'latest.pt'} | metrics {run / 'metrics.jsonl'}")
+    memory_json, sample = (run / "memory.json").read_text(), (run / "sample.txt").read_text()
+    assert "mem/rss_gb" in memory_json
+    again = train(make_cfg("trainer.max_steps=4", "trainer.resume=auto"), progress=False)
+    assert again == {"step": 4}
+    assert "nothing to train: the checkpoint is at step 4 and trainer.max_steps=4" in (run / "train.log").read_text()
+    assert (run / "memory.json").read_text() == memory_json and (run / "sample.txt").read_text() == sample
+
+
+def test_the_continue_command_repeats_the_runs_overrides():
+    from minitrain.trainer import RunInfo
+
+    run = RunInfo(name="r", overrides=["model.n_layer=2", "data.paths=my corpus/*.txt", "trainer.resume=none"])
+    assert run.continue_command(Path("/runs/r")) == (
+        "python scripts/train.py model.n_layer=2 'data.paths=my corpus/*.txt' trainer.resume=auto hydra.run.dir=/runs/r")
+    assert run.continue_command(Path("/runs/r"), torchrun=True).startswith("torchrun <its arguments> scripts/train.py ")
+    assert RunInfo().continue_command(Path("/runs/r")) == \
+        "trainer.resume=auto hydra.run.dir=/runs/r and this run's other settings"
+
+
 def test_a_diverged_run_stops_with_a_clear_message_and_valid_json(data_cache, tmp_path):
     """lr=1e4: the gradients are inf/NaN from the second step and every step after is skipped."""
     run = tmp_path / "diverged"
@@ -341,7 +367,10 @@ def test_ctrl_c_saves_a_checkpoint_after_the_step_and_the_run_continues_from_it(
 
     from minitrain.trainer import TrainingInterrupted
 
-    t = Trainer(make_cfg("trainer.max_steps=10"), progress=False)
+    from minitrain.trainer import RunInfo
+
+    t = Trainer(make_cfg("trainer.max_steps=10"), RunInfo(name="run", overrides=["trainer.max_steps=10"]),
+                progress=False)
     real_step = t.train_step
 
     def interrupted_at_3(step):
@@ -350,7 +379,8 @@ def test_ctrl_c_saves_a_checkpoint_after_the_step_and_the_run_continues_from_it(
         return real_step(step)
 
     monkeypatch.setattr(t, "train_step", interrupted_at_3)
-    with pytest.raises(TrainingInterrupted, match="trainer.resume=auto"):
+    with pytest.raises(TrainingInterrupted, match=re.escape(
+            f"continue with: python scripts/train.py trainer.max_steps=10 trainer.resume=auto hydra.run.dir={t.out_dir}")):
         t.fit()
     resumed = Trainer(make_cfg("trainer.max_steps=10", "trainer.resume=auto"), progress=False)
     assert resumed.step == 4
