@@ -1,4 +1,4 @@
-"""Turn a sweep into a report: `python scripts/report.py <sweep dir> [--out DIR] [--wandb offline|online]`.
+"""Turn a sweep into a report: `python scripts/report.py <sweep dir or run dir> [--out DIR] [--wandb offline|online]`.
 
 Writes report.md (tokens/s, MFU, HFU, predicted and measured peak memory, final loss per cell) and two
 PNGs, and prints report.md; the logic is minitrain/tools/report.py.
@@ -12,7 +12,7 @@ from minitrain.tools.report import PLOTS_SKIPPED, ReportError, plotting_availabl
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("sweep_dir", help="a Hydra multirun dir: <sweep>/<job_num>/metrics.jsonl")
+    ap.add_argument("sweep_dir", help="a Hydra multirun dir (<sweep>/<job_num>/metrics.jsonl), or one run's dir")
     ap.add_argument("--out", default=None, help="where to write (default: the sweep dir)")
     ap.add_argument("--wandb", choices=["offline", "online"], default=None,
                     help="log the plots to wandb (default: offline if the jobs have wandb dirs, else not)")

@@ -79,6 +79,24 @@ def test_report_script_names_a_dir_without_a_sweep(tmp_path):
     assert "Traceback" not in out.stderr
 
 
+def test_a_run_dir_is_reported_as_one_cell(tmp_path):
+    fabricate_sweep(tmp_path)
+    run = tmp_path / "1_precision=bf16,checkpointing=full"
+    cells, failed = load_sweep(run)
+    assert [c.name for c in cells] == [run.name] and failed == []
+    md = write_report(run, out_dir=tmp_path / "out", wandb_mode=None)["report"].read_text()
+    assert md.startswith(f"# Run report: {run}\n")
+    assert f"| {run.name} | 2,500 |" in md
+
+
+def test_report_script_refuses_a_missing_dir_without_creating_it(tmp_path):
+    missing = tmp_path / "runs" / "multirun" / "typo"
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "report.py"), str(missing)],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and f"error: {missing} is not a directory" in out.stderr
+    assert not (tmp_path / "runs").exists()
+
+
 def test_report_logs_plots_to_wandb_offline(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_SILENT", "true")
     fabricate_sweep(tmp_path)

@@ -1,6 +1,6 @@
 """A Hydra sweep as one table and two pictures: what each cell bought in memory and paid in speed.
 
-Reads each job dir of `<sweep>/<job_num>/`: `.hydra/overrides.yaml` (the cell's name),
+Reads each job dir of `<sweep>/<job_num>/` (or one run's dir, as a table of one row): `.hydra/overrides.yaml` (the cell's name),
 `metrics.jsonl` (one record per log step) and `memory.json` (predicted terms + measured peaks).
 Throughput is the median over the log intervals (the trainer leaves its warm-up steps out of them).
 matplotlib is an optional install that only the plots import: without it the report is the table alone.
@@ -68,14 +68,24 @@ class Cell:
         return self._last("train/loss")
 
 
+def is_run_dir(path: Path) -> bool:
+    """A single run's dir (its own metrics.jsonl), not a sweep of job dirs."""
+    return (Path(path) / "metrics.jsonl").is_file()
+
+
 def load_sweep(sweep_dir: Path) -> tuple[list[Cell], list[tuple[str, str]]]:
     """Every job dir with a metrics.jsonl, in job order, named by the overrides that vary across the sweep;
-    and (name, error) of each cell that did not run (its error.txt, written by scripts/train.py)."""
-    jobs = sorted({p.parent for pattern in ("*/metrics.jsonl", "*/error.txt") for p in Path(sweep_dir).glob(pattern)},
-                  key=_job_order)
-    overrides = [_overrides(job) for job in jobs]
-    shared = set.intersection(*map(set, overrides)) if len(jobs) > 1 else set()
-    names = [",".join(o for o in ov if o not in shared) or job.name for job, ov in zip(jobs, overrides)]
+    and (name, error) of each cell that did not run (its error.txt, written by scripts/train.py). A run dir
+    is its own one cell, named by the dir (all of a run's overrides would make a name too long to plot)."""
+    if is_run_dir(sweep_dir):
+        jobs = [Path(sweep_dir)]
+        names = [jobs[0].name]
+    else:
+        jobs = sorted({p.parent for pattern in ("*/metrics.jsonl", "*/error.txt")
+                       for p in Path(sweep_dir).glob(pattern)}, key=_job_order)
+        overrides = [_overrides(job) for job in jobs]
+        shared = set.intersection(*map(set, overrides)) if len(jobs) > 1 else set()
+        names = [",".join(o for o in ov if o not in shared) or job.name for job, ov in zip(jobs, overrides)]
     cells = [Cell(name=name, records=read_step_records(job / "metrics.jsonl"),
                   memory=json.loads((job / "memory.json").read_text()) if (job / "memory.json").exists() else {})
              for job, name in zip(jobs, names) if (job / "metrics.jsonl").exists()]
@@ -193,14 +203,17 @@ def write_report(sweep_dir: Path, out_dir: Optional[Path] = None, wandb_mode: Op
                  project: str = "minitrain") -> dict[str, Path]:
     """report.md + throughput_vs_memory.png + memory_breakdown.png in `out_dir` (default: the sweep dir);
     the PNGs only where matplotlib is installed. wandb_mode (offline | online): also log the table and
-    plots to wandb; None: only if the jobs logged to wandb."""
+    plots to wandb; None: only if the jobs of a sweep logged to wandb."""
     sweep_dir = Path(sweep_dir)
+    if not sweep_dir.is_dir():
+        raise ReportError(f"{sweep_dir} is not a directory: give the directory of a sweep "
+                          "(runs/multirun/<date>/<time>) or of a run (runs/<date>/<time>)")
     out_dir = Path(out_dir or sweep_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     cells, failed = load_sweep(sweep_dir)
     if not cells:
         raise ReportError(f"no <job>/metrics.jsonl under {sweep_dir}: give the directory of a sweep "
-                          "(`train.py -m ...` writes runs/multirun/<date>/<time>/<job>/)")
+                          "(`train.py -m ...` writes runs/multirun/<date>/<time>/<job>/) or of a run")
     table = markdown_table(cells)
     if failed:
         table += "\n\nDid not run:\n" + "".join(f"- {name}: {error}\n" for name, error in failed)
@@ -209,9 +222,10 @@ def write_report(sweep_dir: Path, out_dir: Optional[Path] = None, wandb_mode: Op
         plots = {"throughput_vs_memory": plot_throughput_vs_memory(cells, out_dir / "throughput_vs_memory.png"),
                  "memory_breakdown": plot_memory_breakdown(cells, out_dir / "memory_breakdown.png")}
     report = out_dir / "report.md"
-    report.write_text(f"# Sweep report: {sweep_dir}\n\n{table}\n\n"
+    kind = "Run" if is_run_dir(sweep_dir) else "Sweep"
+    report.write_text(f"# {kind} report: {sweep_dir}\n\n{table}\n\n"
                       + "".join(f"![{name}]({path.name})\n" for name, path in plots.items()))
-    if wandb_mode is None and any(sweep_dir.rglob("wandb")):
+    if wandb_mode is None and kind == "Sweep" and any(sweep_dir.rglob("wandb")):
         wandb_mode = "offline"
     if wandb_mode:
         log_to_wandb(sweep_dir, plots, table, wandb_mode, project)
