@@ -24,7 +24,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
-from .config import DataConfig, DataSource
+from .config import DataConfig, DataSource, error_reason
 
 EOT = "<|endoftext|>"
 _FORMAT_VERSION = 1  # bump when the cached layout or tokenizer recipe changes
@@ -269,8 +269,13 @@ def _build_cache(cfg: DataConfig, final: Path, progress: bool, notify: Callable[
     """Builds the cache at `final` under an exclusive lock on `<final>.lock`, so that concurrent ranks or sweep
     jobs build it once. It is published by renaming a complete `<final>.tmp` (a crash mid-build leaves only that),
     an unusable cache moved aside first: a reader sees a whole cache or none, never a half-replaced one."""
-    final.parent.mkdir(parents=True, exist_ok=True)
-    with open(final.with_name(final.name + ".lock"), "a") as lock:
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+        lock = open(final.with_name(final.name + ".lock"), "a")
+    except OSError as e:  # a path through a file, a directory this user cannot write
+        raise DataError(f"data.cache_dir={cfg.cache_dir!r}: cannot keep the token cache there ({error_reason(e)}); "
+                        "point data.cache_dir at a writable directory") from None
+    with lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when its holder dies
         try:
             return _open_cache(final)  # another process built it while this one waited

@@ -64,6 +64,21 @@ def checkpoint_dir(out_dir: Path) -> Path:
     return Path(out_dir) / "checkpoints"
 
 
+def make_run_dir(out_dir: Path) -> Path:
+    """`out_dir`, created if absent; a path through a file or a directory this user cannot write is named with
+    what to change, not left to fail as an OSError traceback at the first file the run writes."""
+    try:
+        out_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise RunDirError(_unusable_run_dir(out_dir, e)) from None
+    return out_dir
+
+
+def _unusable_run_dir(out_dir: Path, e: OSError) -> str:
+    return (f"trainer.out_dir: cannot use {out_dir} as the run dir ({error_reason(e)}); give the run a writable "
+            "directory (hydra.run.dir=... or trainer.out_dir=...)")
+
+
 class RandomState:
     """The process's random generators (Python, NumPy, torch CPU and CUDA) as a checkpoint part: dropout
     masks and anything else drawn after a resume continue the sequence of an unbroken run."""
@@ -100,8 +115,11 @@ class RunDirLock:
         self._fd: Optional[int] = None
 
     def acquire(self) -> None:
-        self.out_dir.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        make_run_dir(self.out_dir)
+        try:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as e:  # a read-only run dir
+            raise RunDirError(_unusable_run_dir(self.out_dir, e)) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

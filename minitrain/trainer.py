@@ -228,8 +228,7 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.device)
         self.show_progress = progress and self.dist.is_main
         self.run = run
-        self.out_dir = Path(cfg.trainer.out_dir).expanduser()
-        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.out_dir = resume.make_run_dir(Path(cfg.trainer.out_dir).expanduser())
         self.lock = resume.RunDirLock(self.out_dir) if self.dist.is_main else None
         if self.lock is not None:
             self.lock.acquire()

@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 from minitrain.compile_check import CompileMismatchError
 from minitrain.config import ConfigError, register_configs
 from minitrain.data import DataError
-from minitrain.resume import CheckpointError, RunDirBusyError
+from minitrain.resume import RunDirBusyError, RunDirError
 from minitrain.sweep import FAILED_CELL_EXIT_CODE
 from minitrain.trainer import NonFiniteLossError, RunInfo, TrainingInterrupted, train
 
@@ -27,7 +27,7 @@ def main(cfg: DictConfig) -> str | None:
         if e.main:
             print(f"minitrain: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
-    except (ConfigError, DataError, CheckpointError, RunDirBusyError, NonFiniteLossError, CompileMismatchError) as e:
+    except (ConfigError, DataError, RunDirError, NonFiniteLossError, CompileMismatchError) as e:
         # A user-facing problem: one clear line, not a traceback.
         print(f"error: {e}", file=sys.stderr)
         if run.group is not None:

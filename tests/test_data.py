@@ -59,14 +59,18 @@ def test_local_files_and_uint32_not_needed(tmp_path):
     ("missing", "matched no files"),
     ("empty", "files are empty"),
     ("short", "too short"),
+    ("cache under a file", "data.cache_dir=.*: cannot keep the token cache there"),
 ])
 def test_bad_corpus_errors_name_the_problem(tmp_path, setup, message):
     if setup == "empty":
         (tmp_path / "a.txt").write_text("")
-    if setup == "short":
+    if setup in ("short", "cache under a file"):
         (tmp_path / "a.txt").write_text("just a few words of text")
+    if setup == "cache under a file":
+        (tmp_path / "cache").write_text("")
     cfg = DataConfig(name="files", source="files", paths=str(tmp_path / "*.txt"), vocab_size=300,
-                     cache_dir=str(tmp_path / "cache"), num_proc=1)
+                     cache_dir=str(tmp_path / "cache" / "minitrain" if setup == "cache under a file" else
+                                   tmp_path / "cache"), num_proc=1)
     with pytest.raises(DataError, match=message):
         prepare_data(cfg, block_size=64, progress=False)
 

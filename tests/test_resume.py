@@ -75,6 +75,15 @@ def test_the_lock_is_released_on_exit_and_excludes_a_second_holder_meanwhile(tmp
     assert (tmp_path / resume.LOCK).read_text() == ""  # no pid of a finished holder left to mislead
 
 
+def test_a_run_dir_that_cannot_be_made_or_written_names_trainer_out_dir(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    with pytest.raises(RunDirError, match=r"trainer\.out_dir: cannot use .*a-file/run as the run dir"):
+        resume.RunDirLock(tmp_path / "a-file" / "run").acquire()
+    (tmp_path / "run" / resume.LOCK).mkdir(parents=True)  # the lock file cannot be opened for writing
+    with pytest.raises(RunDirError, match=r"trainer\.out_dir: cannot use .*run as the run dir"):
+        resume.RunDirLock(tmp_path / "run").acquire()
+
+
 def test_taking_the_lock_removes_the_temporaries_of_dead_runs(tmp_path):
     resume.save_checkpoint(state_at(1), tmp_path)
     ckpts = resume.checkpoint_dir(tmp_path)

@@ -184,6 +184,15 @@ def test_a_sweep_cell_refused_by_anothers_lock_leaves_that_runs_record_alone(dat
     assert not (cell / "error.txt").exists()
 
 
+def test_a_run_dir_through_a_file_fails_at_start_in_one_line(tmp_path):
+    (tmp_path / "a-file").write_text("")
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "train.py"), f"trainer.out_dir={tmp_path}/a-file/run",
+                          "logger.mode=disabled", f"hydra.run.dir={tmp_path / 'hydra'}"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    assert f"error: trainer.out_dir: cannot use {tmp_path}/a-file/run as the run dir" in out.stderr
+
+
 def test_bad_config_fails_at_start_with_the_key(tmp_path):
     out = subprocess.run([sys.executable, str(REPO / "scripts" / "train.py"), "model.n_head=5",
                           f"hydra.run.dir={tmp_path}"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
