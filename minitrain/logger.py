@@ -56,22 +56,26 @@ def _json_line(record: dict[str, Any]) -> str:
 class RunLogger:
     """Console + metrics.jsonl + train.log + wandb for one run (one job of a sweep).
 
-    resume_step: the step this run continues from (None: a fresh run, the file is left as it is). The
-    records past it were logged by the run that crashed after its last checkpoint and will be logged
-    again, so they are dropped (a line torn by the crash too): the file then continues exactly.
+    resume_step: the step this run continues from (0: a fresh start). The records past it were logged by
+    the run that crashed after its last checkpoint (at a fresh start: by one that died before its first)
+    and will be logged again, so they are dropped (a line torn by the crash too): the file then continues
+    exactly. `dropped_records` counts them.
     """
 
     def __init__(self, cfg: LoggerConfig, out_dir: Path, config: dict, run_id: Optional[str],
                  group: Optional[str], name: Optional[str], enabled: bool = True,
-                 resume_step: Optional[int] = None):
+                 resume_step: int = 0):
         self.enabled = enabled  # False on ranks other than 0
         self.jsonl = out_dir / "metrics.jsonl"
         self.log_file = out_dir / "train.log"
         self.wandb_run = None
+        self.dropped_records = 0
         if not enabled:
             return
-        if resume_step is not None:
-            self._rewrite([r for r in self._records() if r.get("step", 0) <= resume_step])
+        records = self._records()
+        kept = [r for r in records if r.get("step", 0) <= resume_step]
+        self.dropped_records = sum("step" in r for r in records) - sum("step" in r for r in kept)
+        self._rewrite(kept)
         if cfg.mode == LoggerMode.disabled:
             return
         import wandb

@@ -274,9 +274,11 @@ class Trainer:
             raise resume.CheckpointError(
                 f"{self.out_dir} already holds the checkpoints of a run; trainer.resume=none would overwrite them. "
                 "Continue it with trainer.resume=auto, or start in a new run dir (hydra.run.dir=...)")
+        # A fresh start resumes from step 0: the records of a run that died here before its first checkpoint
+        # are dropped, not continued by this run's own steps.
         self.logger = RunLogger(cfg.logger, self.out_dir, self.config_dict, run_id=self.progress.wandb_id,
                                 group=run.group, name=run.name, enabled=self.dist.is_main,
-                                resume_step=self.progress.step if t.resume != "none" else None)
+                                resume_step=self.progress.step)
         self.progress.wandb_id = self.logger.run_id
         if self.dist.is_main:
             run.write(self.out_dir, self.config_dict)
@@ -286,6 +288,9 @@ class Trainer:
             for note in loaded.notes:
                 self.logger.print(note)
             self.logger.print(f"resumed from {loaded.path} at step {self.progress.step}")
+        elif self.logger.dropped_records:
+            self.logger.print(f"metrics.jsonl: dropped {self.logger.dropped_records} log record(s) of an earlier run "
+                              "here that saved no checkpoint; this run starts the file again from step 0")
 
     @property
     def step(self) -> int:

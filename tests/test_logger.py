@@ -52,13 +52,12 @@ def test_a_resumed_run_drops_the_records_after_its_checkpoint(tmp_path):
     assert strict_records(jsonl)[0] == {"plan": {"micro_batch": 4}}
 
 
-def test_a_fresh_run_leaves_the_file_as_it_is_and_a_resume_from_step_0_empties_it(tmp_path):
+def test_a_fresh_start_drops_the_records_of_a_run_that_saved_no_checkpoint_and_counts_them(tmp_path):
     jsonl = tmp_path / "metrics.jsonl"
-    write_lines(jsonl, [json.dumps({"step": s}) for s in (1, 2)])
-    run_logger(tmp_path)
-    assert steps(tmp_path) == [1, 2]
-    run_logger(tmp_path, resume_step=0)  # resume=auto with no checkpoint yet: the crashed attempt's records go
-    assert jsonl.read_text() == ""
+    write_lines(jsonl, [json.dumps({"plan": {"micro_batch": 4}})] + [json.dumps({"step": s}) for s in (1, 2)])
+    log = run_logger(tmp_path)  # a fresh start is a resume from step 0: the dead run's records would be continued
+    assert steps(tmp_path) == [None] and log.dropped_records == 2
+    assert run_logger(tmp_path).dropped_records == 0
 
 
 def test_a_failed_rewrite_leaves_the_old_file_whole(tmp_path, monkeypatch):

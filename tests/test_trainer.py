@@ -344,6 +344,16 @@ def test_a_run_ends_with_where_its_results_are_and_a_finished_run_started_again_
     assert (run / "memory.json").read_text() == memory_json and (run / "sample.txt").read_text() == sample
 
 
+def test_a_fresh_run_in_a_dir_whose_run_saved_no_checkpoint_starts_the_metrics_again(make_cfg, tmp_path):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text('{"plan": {}}\n{"step": 5, "train/loss": 9.0}\n{"step": 10, "train/lo')
+    train(make_cfg("trainer.max_steps=4", "trainer.save_every=4"), progress=False)
+    assert [r.get("step") for r in read_jsonl(run / "metrics.jsonl")] == [None, 4]
+    assert "metrics.jsonl: dropped 1 log record(s) of an earlier run here that saved no checkpoint" in \
+        (run / "train.log").read_text()
+
+
 def test_the_continue_command_repeats_the_runs_overrides():
     from minitrain.trainer import RunInfo
 
