@@ -63,7 +63,9 @@ def _local_files(cfg: DataConfig) -> list[str]:
         files = sorted(f for f in glob.glob(pattern, recursive=True) if os.path.isfile(f))
         where = f"data.paths={cfg.paths!r}"
     if not files:
-        raise DataError(f"{where} matched no files")
+        hint = (f"; it names a directory: give a glob of its files, e.g. data.paths='{cfg.paths.rstrip('/')}/**/*.txt'"
+                if cfg.source == DataSource.files and os.path.isdir(os.path.expanduser(cfg.paths)) else "")
+        raise DataError(f"{where} matched no files{hint}")
     empty = [f for f in files if os.path.getsize(f) == 0]
     if empty:
         raise DataError(f"{where}: {len(empty)} of {len(files)} files are empty: {_some(empty)}")

@@ -57,20 +57,24 @@ def test_local_files_and_uint32_not_needed(tmp_path):
 
 @pytest.mark.parametrize("setup, message", [
     ("missing", "matched no files"),
+    ("a directory", r"matched no files; it names a directory: give a glob of its files, e\.g\. data\.paths='.*/\*\*/\*\.txt'"),
     ("empty", "files are empty"),
     ("short", "too short"),
     ("cache under a file", "data.cache_dir=.*: cannot keep the token cache there"),
 ])
 def test_bad_corpus_errors_name_the_problem(tmp_path, setup, message):
+    paths, cache_dir = tmp_path / "*.txt", tmp_path / "cache"
+    if setup == "a directory":
+        paths = tmp_path
     if setup == "empty":
         (tmp_path / "a.txt").write_text("")
     if setup in ("short", "cache under a file"):
         (tmp_path / "a.txt").write_text("just a few words of text")
     if setup == "cache under a file":
-        (tmp_path / "cache").write_text("")
-    cfg = DataConfig(name="files", source="files", paths=str(tmp_path / "*.txt"), vocab_size=300,
-                     cache_dir=str(tmp_path / "cache" / "minitrain" if setup == "cache under a file" else
-                                   tmp_path / "cache"), num_proc=1)
+        cache_dir.write_text("")
+        cache_dir = cache_dir / "minitrain"
+    cfg = DataConfig(name="files", source="files", paths=str(paths), vocab_size=300, cache_dir=str(cache_dir),
+                     num_proc=1)
     with pytest.raises(DataError, match=message):
         prepare_data(cfg, block_size=64, progress=False)
 
