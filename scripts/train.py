@@ -16,6 +16,8 @@ from minitrain.trainer import NonFiniteLossError, RunInfo, TrainingInterrupted, 
 
 register_configs()
 
+ABORTED_EXIT_CODE = 130  # 128 + SIGINT, as a shell reports a process that Ctrl-C ended
+
 
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
 def main(cfg: DictConfig) -> str | None:
@@ -27,6 +29,10 @@ def main(cfg: DictConfig) -> str | None:
         if e.main:
             print(f"minitrain: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
+    except KeyboardInterrupt:  # Ctrl-C before fit's own handler is on (data, tokenizer, compile), or a second one
+        print(f"minitrain: aborted (Ctrl-C) without saving a checkpoint; any saved before in "
+              f"{HydraConfig.get().runtime.output_dir} are kept", file=sys.stderr)
+        sys.exit(ABORTED_EXIT_CODE)
     except (ConfigError, DataError, RunDirError, NonFiniteLossError, CompileMismatchError) as e:
         # A user-facing problem: one clear line, not a traceback.
         print(f"error: {e}", file=sys.stderr)

@@ -474,6 +474,21 @@ def test_a_copy_of_the_interrupt_within_a_moment_is_the_same_interrupt_a_later_o
         interrupts._handle(signal.SIGINT, None)  # the user's second Ctrl-C
 
 
+def test_ctrl_c_before_training_or_a_second_one_ends_in_one_line(tmp_path):
+    """Ctrl-C while the data, tokenizer or compiled step are being made (before fit's own handler is on), or a
+    second Ctrl-C that aborts the checkpoint: one line and exit 130, not KeyboardInterrupt's traceback."""
+    stopped = ("import runpy, sys\nimport minitrain.trainer\n"
+               "def interrupted(cfg, run):\n    raise KeyboardInterrupt\n"
+               "minitrain.trainer.train = interrupted\n"
+               f"sys.argv = ['train.py', 'hydra.run.dir={tmp_path / 'run'}']\n"
+               f"runpy.run_path({str(REPO / 'scripts' / 'train.py')!r}, run_name='__main__')\n")
+    out = subprocess.run([sys.executable, "-c", stopped], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 130, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines()[-1] == (
+        f"minitrain: aborted (Ctrl-C) without saving a checkpoint; any saved before in {tmp_path / 'run'} are kept")
+    assert "Traceback" not in out.stderr
+
+
 def test_sigterm_saves_a_checkpoint_after_the_step_and_exits_143(data_cache, tmp_path):
     """A scheduler's stop (SIGTERM, then SIGKILL after a grace period) loses no step."""
     import signal
