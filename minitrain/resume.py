@@ -461,7 +461,6 @@ ALLOWED_CHANGES: dict[str, str] = {
     "trainer.save_every": "how often checkpoints are written",
     "trainer.sample_tokens": "the end-of-run sample only",
     "trainer.out_dir": "a run dir moved or copied elsewhere",
-    "trainer.resume": "how this start finds its checkpoint",
     "trainer.device": "where the same arithmetic runs (kernel rounding aside)",
     "trainer.compile": "the same graph, compiled or not",
     "trainer.compile_mode": "the same graph, compiled differently",
@@ -477,6 +476,8 @@ ALLOWED_CHANGES: dict[str, str] = {
     "distributed.timeout_s": "how long a rank waits for a stalled peer",
     "loss.chunk_bytes": "the fused loss's workspace tile; the same loss",
 }
+
+UNCOMPARED = ("trainer.resume",)  # how a start finds its checkpoint: every resume changes it, none is news
 
 _ABSENT = object()
 
@@ -522,7 +523,7 @@ def config_changes(saved: dict, current: dict) -> ConfigChanges:
     lacks newer keys). Allowed: the keys ALLOWED_CHANGES matches; breaking: every other difference."""
     saved_flat, current_flat = _flatten(saved), _flatten(current)
     changes = ConfigChanges()
-    for key in sorted(saved_flat.keys() | current_flat.keys()):
+    for key in sorted((saved_flat.keys() | current_flat.keys()) - set(UNCOMPARED)):
         before, now = saved_flat.get(key, _ABSENT), current_flat.get(key, _ABSENT)
         if before is _ABSENT or now is _ABSENT or before != now:
             allowed = any(fnmatch.fnmatchcase(key, pattern) for pattern in ALLOWED_CHANGES)

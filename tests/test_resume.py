@@ -448,6 +448,9 @@ def test_deliberate_changes_are_allowed_and_the_rest_break_the_run(make_cfg):
 def test_the_same_config_has_no_changes(make_cfg):
     changes = resume.config_changes(config_dict(make_cfg), config_dict(make_cfg))
     assert changes.allowed == {} and changes.breaking == {}
+    # the resume itself is no change of config worth a note at every resume
+    changes = resume.config_changes(config_dict(make_cfg), config_dict(make_cfg, "trainer.resume=auto"))
+    assert changes.allowed == {} and changes.breaking == {}
 
 
 def test_a_key_on_one_side_only_is_a_change(make_cfg):
