@@ -286,6 +286,8 @@ class TrainerConfig:
         _require(self.micro_batch == "auto" or (self.micro_batch.isdigit() and int(self.micro_batch) >= 1),
                  "trainer.micro_batch", f"auto or a positive number of sequences, got {self.micro_batch!r}")
         if self.micro_batch != "auto":
+            _require(int(self.micro_batch) <= self.batch_size, "trainer.micro_batch",
+                     f"{self.micro_batch} is larger than the global batch, trainer.batch_size={self.batch_size}")
             _require(self.batch_size % int(self.micro_batch) == 0, "trainer.micro_batch",
                      f"{self.micro_batch} does not divide trainer.batch_size={self.batch_size}")
         _require(self.lr > 0, "trainer.lr", f"must be > 0, got {self.lr}")

@@ -43,7 +43,8 @@ def test_bad_type_fails_naming_key(make_cfg, override, names):
 
 @pytest.mark.parametrize("overrides, names", [
     (["model.n_head=5"], "model.n_embd"),
-    (["trainer.batch_size=10", "trainer.micro_batch=3"], "trainer.micro_batch"),
+    (["trainer.batch_size=10", "trainer.micro_batch=3"], "trainer.micro_batch: 3 does not divide"),
+    (["trainer.batch_size=8", "trainer.micro_batch=16"], "trainer.micro_batch: 16 is larger than"),
     (["trainer.micro_batch=many"], "trainer.micro_batch"),
     (["trainer.compile=sometimes"], "trainer.compile"),
     (["trainer.memory_budget=1.5"], "trainer.memory_budget"),
