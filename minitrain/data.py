@@ -72,22 +72,28 @@ def _local_files(cfg: DataConfig) -> list[str]:
     return files
 
 
-def _is_text(path: str) -> bool:
-    """Whether the file's head reads as UTF-8 text; a few stray bytes pass (they become replacement characters)."""
+def _undecodable_share(path: str) -> float:
+    """The share of the file's head that is not UTF-8 (1 for a head holding a NUL byte: binary)."""
     with open(path, "rb") as f:
         head = f.read(_SNIFF_BYTES)
     if b"\0" in head:
-        return False
-    undecodable = len(head) - len(head.decode("utf-8", errors="ignore").encode("utf-8"))
-    return undecodable <= _MAX_UNDECODABLE_SHARE * len(head)
+        return 1.0
+    return (len(head) - len(head.decode("utf-8", errors="ignore").encode("utf-8"))) / max(len(head), 1)
 
 
-def _require_text(files: list[str], cfg: DataConfig) -> None:
-    """A binary file matched by the glob would otherwise be tokenised as noise without a word."""
-    binary = [f for f in files if not _is_text(f)]
+def _require_text(files: list[str], cfg: DataConfig, notify: Callable[[str], None]) -> None:
+    """A binary file matched by the glob would otherwise be tokenised as noise without a word; text with stray
+    bytes is read, each as a replacement character, and said so (a file in another encoding looks like that)."""
+    shares = {f: _undecodable_share(f) for f in files}
+    binary = [f for f, share in shares.items() if share > _MAX_UNDECODABLE_SHARE]
     if binary:
         raise DataError(f"data.paths={cfg.paths!r}: {len(binary)} of {len(files)} files are not UTF-8 text: "
                         f"{_some(binary)} (narrow data.paths to text files)")
+    stray = [f for f, share in shares.items() if share > 0]
+    if stray:
+        notify(f"data.paths={cfg.paths!r}: {len(stray)} of {len(files)} files hold bytes that are not UTF-8, read "
+               f"as U+FFFD: {_some(stray)} (a file in another encoding: convert it, e.g. "
+               "iconv -f latin1 -t utf-8)")
 
 
 def _digest(*parts) -> str:
@@ -107,15 +113,16 @@ def _hf_cache_dir(cfg: DataConfig) -> Path:
     return Path(os.path.expanduser(cfg.cache_dir)) / "hf-datasets"
 
 
-def load_corpus(cfg: DataConfig):
-    """The corpus as a `datasets.Dataset` with one document per row in column `text`."""
+def load_corpus(cfg: DataConfig, notify: Optional[Callable[[str], None]] = None):
+    """The corpus as a `datasets.Dataset` with one document per row in column `text`; `notify` receives the line
+    naming files with bytes that are not UTF-8."""
     import datasets
 
     cache_dir = str(_hf_cache_dir(cfg))
     if cfg.source != DataSource.hub:
         files = _local_files(cfg)
         if cfg.source == DataSource.files:  # the stdlib is known text, with other encodings in its test data
-            _require_text(files, cfg)
+            _require_text(files, cfg, notify or _print_to_stderr)
         return datasets.load_dataset("text", data_files=files, sample_by="document", split="train",
                                      encoding_errors="replace", cache_dir=cache_dir)
     try:
@@ -284,7 +291,7 @@ def _build_cache(cfg: DataConfig, final: Path, progress: bool, notify: Callable[
         except _UnusableCache as why:
             if final.exists():
                 notify(f"data cache {final} is unusable ({why}); rebuilding it")
-        ds = load_corpus(cfg)  # the corpus is read only to build the cache
+        ds = load_corpus(cfg, notify)  # the corpus is read only to build the cache
         if len(ds) == 0:
             raise DataError(f"the {cfg.name} corpus has no documents")
         tmp, aside = final.with_name(final.name + ".tmp"), final.with_name(final.name + ".old")
@@ -312,7 +319,8 @@ def _print_to_stderr(message: str) -> None:
 def prepare_data(cfg: DataConfig, block_size: int, progress: bool = True,
                  notify: Optional[Callable[[str], None]] = None) -> TokenData:
     """Tokenizer and token file for `cfg`, built once and cached; checks the corpus fits `block_size`.
-    `notify` receives the line saying that an unusable cache is being rebuilt (default: stderr)."""
+    `notify` receives the build's notes (default: stderr): an unusable cache rebuilt, files that are not clean
+    UTF-8."""
     key = _digest(_FORMAT_VERSION, corpus_identity(cfg), cfg.vocab_size, cfg.val_fraction)
     final = Path(os.path.expanduser(cfg.cache_dir)) / f"{cfg.name}-{key}"
     try:

@@ -265,8 +265,12 @@ def test_non_text_files_are_refused_naming_them(tmp_path, binary):
 def test_text_with_a_few_stray_bytes_is_text(tmp_path):
     latin1 = PROSE.encode() + "café, naïve, déjà vu ".encode("latin-1") + PROSE.encode()
     cfg = _write_corpus(tmp_path, a_txt=latin1, b_txt=PROSE.encode(), c_py=open(data_mod.__file__, "rb").read())
-    data = prepare_data(cfg, block_size=16, progress=False)
+    notes = []
+    data = prepare_data(cfg, block_size=16, progress=False, notify=notes.append)
     assert "caf\ufffd" in data.decode(data.tokens[:len(data.tokens)])
+    # ... and said so, naming the file and what to do (a file in another encoding reads like this)
+    assert len(notes) == 1 and "1 of 3 files hold bytes that are not UTF-8" in notes[0]
+    assert "a.txt" in notes[0] and "b.txt" not in notes[0] and "iconv" in notes[0]
 
 
 
