@@ -240,7 +240,8 @@ def clock_log():
     """nvidia-smi sampling the GPU every CLOCK_SAMPLE_MS while the block runs; the block's `summary` holds
     clock_summary's figures after it (None where nvidia-smi is missing)."""
     log = SimpleNamespace(summary=None)
-    gpu = f"GPU-{torch.cuda.get_device_properties(torch.cuda.current_device()).uuid}"  # CUDA's index is not nvidia-smi's
+    # by UUID: CUDA's device index is not nvidia-smi's
+    gpu = f"GPU-{torch.cuda.get_device_properties(torch.cuda.current_device()).uuid}"
     with tempfile.TemporaryFile("w+") as out:
         try:
             sampler = subprocess.Popen(["nvidia-smi", f"--query-gpu={CLOCK_QUERY}", "--format=csv,noheader,nounits",

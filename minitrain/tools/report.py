@@ -1,7 +1,8 @@
 """A Hydra sweep as one table and two pictures: what each cell bought in memory and paid in speed.
 
-Reads each job dir of `<sweep>/<job_num>/` (or one run's dir, as a table of one row): `.hydra/overrides.yaml` (the cell's name),
-`metrics.jsonl` (one record per log step) and `memory.json` (predicted terms + measured peaks).
+Reads each job dir of `<sweep>/<job_num>/` (or one run's dir, as a table of one row): `.hydra/overrides.yaml`
+(the cell's name), `metrics.jsonl` (one record per log step) and `memory.json` (predicted terms + measured
+peaks).
 Throughput is the median over the log intervals (the trainer leaves its warm-up steps out of them).
 matplotlib is an optional install that only the plots import: without it the report is the table alone.
 """
