@@ -16,6 +16,11 @@ implementation must produce them). bf16 throughout; 1/7 of the targets are the
 ignore index, as in a packed batch. The naive loss is compiled for each shape's
 static shapes, as a training step compiles it.
 
+Beside the losses, each shape times the floor of a fused loss's two schedules: the bare matmuls of a
+3-GEMM schedule (logits, grad_hidden, grad_weight) and of a 4-GEMM one (the logits twice), each GEMM
+whole over all rows and columns, bf16 in and out, no softmax: what no chunked loss can beat. The table's
+last lines set them beside 0.8x the compiled naive loss.
+
     python scripts/bench_cross_entropy.py [--out bench_cross_entropy.json] [--chunk-mib 32 64 256]
                                           [--shapes 16384x768x50304 8192x2048x128256]
 """
@@ -72,6 +77,24 @@ def make_inputs(n, h, v, device, dtype=torch.bfloat16, seed=0):
     targets = torch.randint(0, v, (n,), device=device, generator=gen)
     targets[::IGNORED_EVERY] = IGNORE_INDEX
     return hidden, weight, targets
+
+
+def schedule_matmuls(hidden, weight, n_gemms):
+    """The matmuls of a fused loss's schedule with nothing else: the logits (twice for n_gemms=4, where
+    they are recomputed for the weight gradient), then grad_hidden and grad_weight from them."""
+    with torch.no_grad():
+        logits = hidden @ weight.T
+        if n_gemms == 4:
+            logits = hidden @ weight.T
+        return logits @ weight, logits.T @ hidden
+
+
+def measure_matmul_floor(hidden, weight, n_gemms):
+    ms = triton.testing.do_bench(lambda: schedule_matmuls(hidden, weight, n_gemms), return_mode="median")
+    n, h = hidden.shape
+    v = weight.shape[0]
+    return {"impl": f"{n_gemms} GEMMs only", "N": n, "H": h, "V": v, "floor": True, "ms": ms,
+            "tflops": 2 * n_gemms * n * h * v / ms / 1e9}
 
 
 def loss_and_grads(loss_fn, hidden, weight, targets):
@@ -202,6 +225,9 @@ def main():
                     torch.cuda.empty_cache()
             results.append(row)
             print(json.dumps(row), flush=True)
+        for n_gemms in (3, 4):
+            results.append(measure_matmul_floor(hidden, weight, n_gemms))
+            print(json.dumps(results[-1]), flush=True)
         del hidden, weight, targets, reference
         torch.cuda.empty_cache()
 
@@ -222,10 +248,18 @@ def print_table(results):
         if "skipped" in r:
             print(f"{shape} {r['skipped']:>35} {errors}")
             continue
+        if r.get("floor"):
+            print(f"{shape} {r['ms']:8.2f} {'':>8} {r['tflops']:8.0f}")
+            continue
         ours = (by_key[(k, r["N"], r["H"], r["V"])] for k in ("ours", "ours-lowmem"))
         ratio = "  ".join(f"{o['ms'] / r['ms']:.2f}x {o['gpu_ms'] / r['gpu_ms']:.2f}x "
                           f"{o['extra_gb'] / r['extra_gb']:.2f}x" for o in ours if "ms" in o)
         print(f"{shape} {r['ms']:8.2f} {r['gpu_ms']:8.2f} {r['tflops']:8.0f} {r['extra_gb']:8.3f} {errors}  {ratio}")
+    for (impl, n, h, v), r in by_key.items():
+        floors = [by_key.get((f"{k} GEMMs only", n, h, v)) for k in (3, 4)]
+        if impl == "naive+compile" and "ms" in r and all(floors):
+            print(f"{n}x{h}x{v}: 0.8x naive+compile {0.8 * r['ms']:.2f} ms; the matmuls alone, whole: "
+                  f"3 GEMMs {floors[0]['ms']:.2f} ms, 4 GEMMs {floors[1]['ms']:.2f} ms")
 
 
 if __name__ == "__main__":

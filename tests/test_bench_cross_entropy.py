@@ -81,3 +81,31 @@ def test_wrong_losses_fail_on_what_is_wrong(inputs, wrong_loss, failed):
 def test_relative_error_is_measured_against_the_reference():
     ref = torch.tensor([3.0, 4.0])
     assert bench.relative_error(2 * ref.bfloat16(), ref) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("n_gemms", [3, 4])
+def test_matmul_floor_does_the_schedules_whole_work(n_gemms):
+    """The floor is only a floor if it does every FLOP of the schedule: 2*N*H*V per GEMM, and the products
+    a loss's gradients come from."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    hidden, weight, _ = bench.make_inputs(64, 16, 96, "cpu", dtype=torch.float32)
+    with FlopCounterMode(display=False) as counter:
+        grad_hidden, grad_weight = bench.schedule_matmuls(hidden, weight, n_gemms)
+    assert counter.get_total_flops() == 2 * n_gemms * 64 * 16 * 96
+    logits = hidden.detach() @ weight.detach().T
+    torch.testing.assert_close(grad_hidden, logits @ weight.detach())
+    torch.testing.assert_close(grad_weight, logits.T @ hidden.detach())
+
+
+def test_table_sets_the_floors_beside_the_target(capsys):
+    shape = {"N": 8, "H": 4, "V": 16}
+    timed = {"gpu_ms": 9.0, "tflops": 1.0, "extra_gb": 1.0, "loss_err": 0.0, "grad_hidden_err": 0.0,
+             "grad_weight_err": 0.0, "loss_off": False}
+    results = [{"impl": "naive+compile", **shape, "ms": 10.0, **timed}, {"impl": "ours", **shape, "ms": 11.0, **timed},
+               {"impl": "ours-lowmem", **shape, "ms": 12.0, **timed},
+               {"impl": "3 GEMMs only", **shape, "floor": True, "ms": 6.5, "tflops": 2.0},
+               {"impl": "4 GEMMs only", **shape, "floor": True, "ms": 8.25, "tflops": 2.0}]
+    bench.print_table(results)
+    assert "8x4x16: 0.8x naive+compile 8.00 ms; the matmuls alone, whole: 3 GEMMs 6.50 ms, 4 GEMMs 8.25 ms" in \
+        capsys.readouterr().out
