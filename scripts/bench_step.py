@@ -93,9 +93,14 @@ def largest_fitting_batch(model: str, recipe: str, extra: list[str], budget_byte
 
 def probe_fits(model: str, recipe: str, extra: list[str], batch: int, budget_bytes: float) -> bool:
     """Whether `recipe`'s step at `batch` runs within the budget, measured: PROBE_STEPS steps (compilation
-    included) in a process of its own, so its peak reserved memory is its own and an OOM ends only it."""
+    included) in a process of its own, so its peak reserved memory is its own and an OOM ends only it. A
+    step that fails for another reason raises, naming it."""
     cmd = [sys.executable, __file__, "--probe", f"{model}:{recipe}:{batch}", "--probe-extra", *extra]
     done = subprocess.run(cmd, capture_output=True, text=True)
+    if done.returncode != 0 and "OutOfMemoryError" not in done.stderr:
+        # Not memory (the first-loss check, a mode that cannot run): a smaller batch would fail alike.
+        reason = (done.stderr.strip().splitlines() or [f"exit code {done.returncode}"])[-1]
+        raise RuntimeError(f"{model} {recipe} at B={batch} failed, not for memory: {reason}"[:300])
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     fits = done.returncode == 0 and bool(lines) and json.loads(lines[-1])["peak_reserved_bytes"] <= budget_bytes
     print(f"  {model} {recipe} at B={batch}: {'fits' if fits else 'does not fit'}", flush=True)
@@ -527,12 +532,12 @@ def main() -> None:
                 variants.append((f"minitrain {ablation}", "minitrain", ours_extra + ablation.split()))
             for i, (name, recipe, recipe_extra) in enumerate(variants):
                 extra = compile_flag + recipe_extra
-                recipe_batch = int(batch) if batch != "auto" else measured_fitting_batch(
-                    model, recipe, extra, budget,
-                    functools.partial(probe_fits, model, recipe, extra, budget_bytes=budget))
-                row = rows[name] = {"model": model, "batch": recipe_batch, "recipe": name, "overrides": extra}
+                row = rows[name] = {"model": model, "batch": batch, "recipe": name, "overrides": extra}
                 graphed_before = any(r.trainer.plan.cuda_graphs for r in runs.values())
                 try:
+                    recipe_batch = row["batch"] = int(batch) if batch != "auto" else measured_fitting_batch(
+                        model, recipe, extra, budget,
+                        functools.partial(probe_fits, model, recipe, extra, budget_bytes=budget))
                     run, memory_peaks = start_run(model, recipe_batch, recipe, extra, f"{tmp}/{i}", args.warmup)
                     if memory_peaks["cuda_graphs"] and graphed_before:
                         # One CUDA-graph pool serves every graphed recipe of the process: this one's graphs

@@ -2,6 +2,7 @@
 
 import importlib.util
 import json
+import subprocess
 from types import SimpleNamespace
 
 import pytest
@@ -224,6 +225,25 @@ def test_auto_batch_is_measured_from_the_memory_models_guess(monkeypatch):
         assert len(probed) == len(set(probed)) <= abs(candidates.index(guess) - candidates.index(largest_that_runs)) + 2
     with pytest.raises(RuntimeError, match="not even a batch of 1 fits"):
         bench_step.measured_fitting_batch("m", "reference", [], 1.0, lambda batch: False)
+
+
+@pytest.mark.parametrize("returncode, stdout, stderr, expected", [
+    (0, '{"peak_reserved_bytes": 90}\n', "", True),
+    (0, '{"peak_reserved_bytes": 110}\n', "", False),
+    (1, "", "Traceback ...\ntorch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB", False),
+    (1, "", "Traceback ...\nminitrain.compile_check.CompileMismatchError: torch.compile's first step gave loss 11.1",
+     "failed, not for memory: minitrain.compile_check.CompileMismatchError: torch.compile's first step"),
+], ids=["fits", "over-budget", "oom", "another-failure"])
+def test_a_probe_that_fails_for_another_reason_than_memory_says_so(monkeypatch, returncode, stdout, stderr, expected):
+    """A recipe whose step fails for a reason a smaller batch keeps (the first-loss check) is no 'does not fit':
+    probing down from it would compile every smaller candidate in turn, and report the wrong reason."""
+    monkeypatch.setattr(bench_step.subprocess, "run",
+                        lambda *a, **k: subprocess.CompletedProcess(a, returncode, stdout, stderr))
+    if isinstance(expected, bool):
+        assert bench_step.probe_fits("m", "reference", [], 32, budget_bytes=100) is expected
+    else:
+        with pytest.raises(RuntimeError, match=expected):
+            bench_step.probe_fits("m", "reference", [], 32, budget_bytes=100)
 
 
 def test_a_probe_runs_a_step_the_memory_model_would_refuse(data_cache, monkeypatch, capsys):
