@@ -1,17 +1,19 @@
 """Typed configuration: one dataclass per Hydra config group.
 
 The dataclasses are registered in Hydra's ConfigStore as the schema of `configs/config.yaml`, so an
-unknown key or a value of the wrong type fails while Hydra composes the config, naming the key.
+unknown key or a value of the wrong type fails while Hydra composes the config, naming the key; the
+command line's keys are checked before that (`check_override_keys`), to name the closest settings.
 Checks that need more than a type (ranges, combinations) live in `__post_init__`, which runs when
 `resolve()` turns the composed config into these objects, before any work starts.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import difflib
+from dataclasses import dataclass, field, is_dataclass
 from enum import Enum
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, get_args, get_origin, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
@@ -350,6 +352,79 @@ CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 def register_configs() -> None:
     """Make the dataclasses the schema Hydra validates `configs/` against."""
     ConfigStore.instance().store(name="config_schema", node=Config)
+
+
+def _is_list(hint) -> bool:
+    return get_origin(hint) in (list, List) or any(_is_list(a) for a in get_args(hint))
+
+
+def _schema_keys(schema: type = Config, prefix: str = "") -> list[str]:
+    """Every setting of the typed config as a dotted key (model.n_layer, ...), depth first."""
+    keys = []
+    for name, hint in get_type_hints(schema).items():
+        keys.append(prefix + name)
+        if is_dataclass(hint):
+            keys += _schema_keys(hint, f"{prefix}{name}.")
+    return keys
+
+
+def _closest(word: str, candidates: list[str], cutoff: float) -> list[str]:
+    """The candidates nearest `word` (difflib's ratio), ties included; none below `cutoff`."""
+    scores = {c: difflib.SequenceMatcher(None, word, c).ratio() for c in candidates}
+    best = max(scores.values(), default=0.0)
+    return [c for c, r in scores.items() if r >= max(cutoff, best - 0.02)]
+
+
+def _did_you_mean(key: str, siblings: list[str]) -> str:
+    """What the unknown `key` probably meant: its last part as a setting of another group (trainer.n_layer:
+    model.n_layer), else the nearest names among its siblings, else any setting whose last part is near;
+    with none near, the siblings' list."""
+    parent, _, leaf = key.rpartition(".")
+    by_leaf: dict[str, list[str]] = {}
+    for k in _schema_keys():
+        by_leaf.setdefault(k.rpartition(".")[2], []).append(k)
+    near = (by_leaf.get(leaf) or [f"{parent}.{n}" if parent else n for n in _closest(leaf, siblings, 0.6)]
+            or [k for n in _closest(leaf, list(by_leaf), 0.8) for k in by_leaf[n]])
+    if near:
+        return f"did you mean {' or '.join(near)}?"
+    return f"{'its settings' if parent else 'the settings are grouped under'}: {', '.join(siblings)}"
+
+
+def check_override_keys(overrides: list[str]) -> None:
+    """Each `key=value` of the command line must name a setting of the typed config: an unknown one raises
+    ConfigError naming the closest settings (Hydra's own message, written for untyped configs, advises a `+`
+    that the schema would refuse as well). Only the key, the part before the first `=`, is read, so sweeps,
+    quoting and interpolations in values pass untouched; group options (`model=gpt2-124m`), `hydra.*`, group
+    paths (`hydra/launcher=...`), packages (`@`) and deletions (`~key`) are left to Hydra."""
+    for override in overrides:
+        if override.startswith(("-", "~")) or "=" not in override:
+            continue
+        key = override.split("=", 1)[0].lstrip("+")
+        parts = key.split(".")
+        if not key or "/" in key or "@" in key or parts[0] == "hydra":
+            continue
+        schema = Config
+        for i, part in enumerate(parts):
+            hints = get_type_hints(schema)
+            where = ".".join(parts[:i])
+            if part not in hints:
+                what = f"a setting of {where}" if where else "a setting or config group"
+                raise ConfigError(f"{'.'.join(parts[:i + 1])} is not {what}; "
+                                  f"{_did_you_mean('.'.join(parts[:i + 1]), list(hints))}")
+            if is_dataclass(hints[part]):
+                schema = hints[part]
+                continue
+            if i + 1 < len(parts) and not _is_list(hints[part]):  # a list takes an index: optimizer.betas.0=0.9
+                raise ConfigError(f"{key} is not a setting: {'.'.join(parts[:i + 1])} takes a value, not settings "
+                                  "under it")
+            break
+
+
+def command_line(argv: list[str]) -> list[str]:
+    """scripts/train.py's arguments, checked before Hydra reads them: an unknown key raises ConfigError
+    (check_override_keys)."""
+    check_override_keys(argv)
+    return list(argv)
 
 
 def compose_config(overrides: list[str]) -> DictConfig:
