@@ -10,6 +10,7 @@ Checks that need more than a type (ranges, combinations) live in `__post_init__`
 from __future__ import annotations
 
 import difflib
+import os
 from dataclasses import dataclass, field, is_dataclass
 from enum import Enum
 from pathlib import Path
@@ -421,10 +422,32 @@ def check_override_keys(overrides: list[str]) -> None:
 
 
 def command_line(argv: list[str]) -> list[str]:
-    """scripts/train.py's arguments, checked before Hydra reads them: an unknown key raises ConfigError
-    (check_override_keys)."""
+    """scripts/train.py's arguments, checked and completed before Hydra reads them: an unknown key raises
+    ConfigError (check_override_keys). A single run given trainer.out_dir=X (and no hydra.run.dir) gets
+    hydra.run.dir=X too: Hydra makes its run dir before any code of ours runs, so the default
+    runs/<date>/<time>/ would be left behind empty, and the Ctrl-C message and the wandb run's name, which
+    read Hydra's run dir, would name it."""
     check_override_keys(argv)
-    return list(argv)
+    if any(a in ("-m", "--multirun") or a.startswith("hydra.mode=") for a in argv):
+        return list(argv)  # a sweep's cells have dirs of their own under hydra.sweep.dir
+    keys = {a.split("=", 1)[0].lstrip("+"): a for a in argv if "=" in a and not a.startswith(("-", "~"))}
+    out_dir = keys.get("trainer.out_dir")
+    if out_dir is None or "hydra.run.dir" in keys:
+        return list(argv)
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_override(out_dir)
+    except HydraException:  # Hydra reports a malformed override itself
+        return list(argv)
+    value, path = out_dir.split("=", 1)[1], parsed.value()
+    if parsed.is_sweep_override() or path is None or "hydra:" in value:  # hydra:runtime.output_dir: itself
+        return list(argv)
+    if isinstance(path, str) and path.startswith("~"):  # trainer.out_dir is expanded; Hydra's run dir is not
+        home = path.split("/", 1)[0]
+        value = value.replace(home, os.path.expanduser(home), 1)
+    return [*argv, f"hydra.run.dir={value}"]
 
 
 def compose_config(overrides: list[str]) -> DictConfig:

@@ -1,10 +1,12 @@
+from pathlib import Path
+
 import pytest
 from conftest import REPO
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from minitrain.config import ConfigError, _schema_keys, check_override_keys, compose_config, resolve
+from minitrain.config import ConfigError, _schema_keys, check_override_keys, command_line, compose_config, resolve
 
 
 def test_defaults_resolve():
@@ -106,3 +108,19 @@ def test_every_setting_and_every_option_s_key_passes_the_command_line_check():
         "hydra/job_logging=default", "trainer.lr=1e-3,2e-3", "trainer.seed=choice(1,2)", "trainer.max_steps=range(1,3)",
         "data.paths='a=b,c'", "~trainer.seed", "optimizer.betas=[0.9,0.99]", "optimizer.betas.0=0.8",
         "logger.tags=[a,b]", "trainer.out_dir=${hydra:runtime.output_dir}"])
+
+
+@pytest.mark.parametrize("argv, run_dir", [
+    (["trainer.max_steps=1", "trainer.out_dir=myrun"], "myrun"),  # Hydra's run dir follows: no empty runs/<date>/<time>
+    (["trainer.out_dir='my run'"], "'my run'"),
+    (["trainer.out_dir='~/runs/a'"], f"'{Path.home()}/runs/a'"),  # trainer.out_dir is expanded, Hydra's is not
+    (["trainer.out_dir=a", "hydra.run.dir=b"], "b"),  # the user named both
+    (["-m", "trainer.out_dir=a"], None),  # a sweep's cells have their own dirs
+    (["trainer.out_dir=a,b"], None),  # Hydra says a sweep needs -m
+    (["trainer.out_dir=${hydra:runtime.output_dir}"], None),
+    (["trainer.max_steps=1"], None),
+])
+def test_a_single_run_s_hydra_run_dir_follows_trainer_out_dir(argv, run_dir):
+    out = command_line(argv)
+    dirs = [a.split("=", 1)[1] for a in out if a.startswith("hydra.run.dir=")]
+    assert out[:len(argv)] == argv and dirs == ([run_dir] if run_dir else [])

@@ -201,6 +201,17 @@ def test_an_unknown_key_fails_before_hydra_in_one_line_naming_the_closest(tmp_pa
     assert list(tmp_path.iterdir()) == []  # before Hydra made a run dir
 
 
+def test_trainer_out_dir_is_the_only_dir_a_run_makes(data_cache, tmp_path):
+    """Hydra makes its run dir (runs/<date>/<time>/ by default) before the trainer reads trainer.out_dir."""
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "train.py"), "trainer.out_dir=myrun",
+                          "trainer.max_steps=1", "trainer.batch_size=2", "model.n_layer=1", "model.block_size=32",
+                          "trainer.eval_batches=1", "trainer.sample_tokens=0", f"data.cache_dir={data_cache}",
+                          "logger.mode=disabled"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert [p.name for p in tmp_path.iterdir()] == ["myrun"]
+    assert (tmp_path / "myrun" / "metrics.jsonl").exists() and (tmp_path / "myrun" / "checkpoints").is_dir()
+
+
 def test_bad_config_fails_at_start_with_the_key(tmp_path):
     out = subprocess.run([sys.executable, str(REPO / "scripts" / "train.py"), "model.n_head=5",
                           f"hydra.run.dir={tmp_path}"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
