@@ -76,6 +76,23 @@ def test_precision_modes_train(make_cfg, precision, tmp_path):
     assert record["amp/skipped_steps"] < 5  # the steps ran (fp16 may skip an overflow or two, not all)
 
 
+@pytest.mark.parametrize("overrides, scaled", [
+    (["precision=fp32"], False), (["precision=bf16"], False), (["precision=fp32", "optimizer.impl=torch"], False),
+    (["precision=fp16"], True),
+    (["precision=fp32", "precision.autocast_dtype=fp16", "precision.loss_scaling=true", "optimizer.impl=torch"], True),
+])
+def test_the_loss_scale_is_logged_only_with_loss_scaling(make_cfg, overrides, scaled):
+    """Without dynamic loss scaling there is no scale: no `scale 1` on every console line, nor in the records.
+    The skipped steps are counted in every precision."""
+    t = Trainer(make_cfg(*overrides, "trainer.max_steps=2", "trainer.log_every=1", "trainer.sample_tokens=0"),
+                progress=False)
+    last = t.fit()
+    records = [r for r in strict_records(t.out_dir / "metrics.jsonl") if "step" in r] + [last]
+    assert [("amp/loss_scale" in r, "amp/skipped_steps" in r) for r in records] == [(scaled, True)] * 3
+    lines = [line for line in (t.out_dir / "train.log").read_text().splitlines() if line.startswith("step")]
+    assert [(" scale " in line, " skipped " in line) for line in lines] == [(scaled, True)] * 2
+
+
 def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(make_cfg, tmp_path, monkeypatch):
     t = Trainer(make_cfg("trainer.max_steps=20", "trainer.save_every=5", "trainer.log_every=5"), progress=False)
     real = t.train_step.forward_loss
