@@ -301,6 +301,9 @@ class TrainerConfig:
         _require(self.warmup_steps is None or 0 <= self.warmup_steps <= self.max_steps, "trainer.warmup_steps",
                  f"must be in [0, trainer.max_steps={self.max_steps}], got {self.warmup_steps}")
         _require(self.sample_tokens >= 0, "trainer.sample_tokens", f"must be >= 0, got {self.sample_tokens}")
+        # An empty path is the current directory: the run's files would land among the user's own.
+        _require(self.out_dir.strip() != "", "trainer.out_dir",
+                 f"must name the run's directory, got {self.out_dir!r} (leave it out for runs/<date>/<time>/)")
         _require(self.peak_flops is None or self.peak_flops > 0, "trainer.peak_flops", "must be > 0")
         _require(self.compile_mode in COMPILE_MODES, "trainer.compile_mode",
                  f"one of {COMPILE_MODES}, got {self.compile_mode!r}")

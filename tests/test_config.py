@@ -59,6 +59,8 @@ def test_bad_type_fails_naming_key(make_cfg, override, names):
     (["trainer.lr=0"], "trainer.lr:"),
     (["trainer.lr=-1e-3", "trainer.min_lr=-1e-3"], "trainer.lr:"),
     (["trainer.seed=-1"], "trainer.seed"),
+    (["trainer.out_dir="], "trainer.out_dir: must name the run's directory, got ''"),
+    (["trainer.out_dir=' '"], "trainer.out_dir: must name"),
     (["checkpointing.policy=every_k", "checkpointing.every_k=9"], "checkpointing.every_k"),
     (["checkpointing.policy=every_k", "checkpointing.every_k=0"], "checkpointing.every_k"),
     (["precision=bf16", "optimizer.impl=torch"], "optimizer.impl"),
