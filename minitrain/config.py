@@ -1,17 +1,20 @@
 """Typed configuration: one dataclass per Hydra config group.
 
 The dataclasses are registered in Hydra's ConfigStore as the schema of `configs/config.yaml`, so an
-unknown key or a value of the wrong type fails while Hydra composes the config, naming the key.
+unknown key or a value of the wrong type fails while Hydra composes the config, naming the key; the
+command line's keys are checked before that (`check_override_keys`), to name the closest settings.
 Checks that need more than a type (ranges, combinations) live in `__post_init__`, which runs when
 `resolve()` turns the composed config into these objects, before any work starts.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import difflib
+import os
+from dataclasses import dataclass, field, is_dataclass
 from enum import Enum
 from pathlib import Path
-from typing import List, Optional
+from typing import List, Optional, get_args, get_origin, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
@@ -298,6 +301,9 @@ class TrainerConfig:
         _require(self.warmup_steps is None or 0 <= self.warmup_steps <= self.max_steps, "trainer.warmup_steps",
                  f"must be in [0, trainer.max_steps={self.max_steps}], got {self.warmup_steps}")
         _require(self.sample_tokens >= 0, "trainer.sample_tokens", f"must be >= 0, got {self.sample_tokens}")
+        # An empty path is the current directory: the run's files would land among the user's own.
+        _require(self.out_dir.strip() != "", "trainer.out_dir",
+                 f"must name the run's directory, got {self.out_dir!r} (leave it out for runs/<date>/<time>/)")
         _require(self.peak_flops is None or self.peak_flops > 0, "trainer.peak_flops", "must be > 0")
         _require(self.compile_mode in COMPILE_MODES, "trainer.compile_mode",
                  f"one of {COMPILE_MODES}, got {self.compile_mode!r}")
@@ -350,6 +356,101 @@ CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 def register_configs() -> None:
     """Make the dataclasses the schema Hydra validates `configs/` against."""
     ConfigStore.instance().store(name="config_schema", node=Config)
+
+
+def _is_list(hint) -> bool:
+    return get_origin(hint) in (list, List) or any(_is_list(a) for a in get_args(hint))
+
+
+def _schema_keys(schema: type = Config, prefix: str = "") -> list[str]:
+    """Every setting of the typed config as a dotted key (model.n_layer, ...), depth first."""
+    keys = []
+    for name, hint in get_type_hints(schema).items():
+        keys.append(prefix + name)
+        if is_dataclass(hint):
+            keys += _schema_keys(hint, f"{prefix}{name}.")
+    return keys
+
+
+def _closest(word: str, candidates: list[str], cutoff: float) -> list[str]:
+    """The candidates nearest `word` (difflib's ratio), ties included; none below `cutoff`."""
+    scores = {c: difflib.SequenceMatcher(None, word, c).ratio() for c in candidates}
+    best = max(scores.values(), default=0.0)
+    return [c for c, r in scores.items() if r >= max(cutoff, best - 0.02)]
+
+
+def _did_you_mean(key: str, siblings: list[str]) -> str:
+    """What the unknown `key` probably meant: its last part as a setting of another group (trainer.n_layer:
+    model.n_layer), else the nearest names among its siblings, else any setting whose last part is near;
+    with none near, the siblings' list."""
+    parent, _, leaf = key.rpartition(".")
+    by_leaf: dict[str, list[str]] = {}
+    for k in _schema_keys():
+        by_leaf.setdefault(k.rpartition(".")[2], []).append(k)
+    near = (by_leaf.get(leaf) or [f"{parent}.{n}" if parent else n for n in _closest(leaf, siblings, 0.6)]
+            or [k for n in _closest(leaf, list(by_leaf), 0.8) for k in by_leaf[n]])
+    if near:
+        return f"did you mean {' or '.join(near)}?"
+    return f"{'its settings' if parent else 'the settings are grouped under'}: {', '.join(siblings)}"
+
+
+def check_override_keys(overrides: list[str]) -> None:
+    """Each `key=value` of the command line must name a setting of the typed config: an unknown one raises
+    ConfigError naming the closest settings (Hydra's own message, written for untyped configs, advises a `+`
+    that the schema would refuse as well). Only the key, the part before the first `=`, is read, so sweeps,
+    quoting and interpolations in values pass untouched; group options (`model=gpt2-124m`), `hydra.*`, group
+    paths (`hydra/launcher=...`), packages (`@`) and deletions (`~key`) are left to Hydra."""
+    for override in overrides:
+        if override.startswith(("-", "~")) or "=" not in override:
+            continue
+        key = override.split("=", 1)[0].lstrip("+")
+        parts = key.split(".")
+        if not key or "/" in key or "@" in key or parts[0] == "hydra":
+            continue
+        schema = Config
+        for i, part in enumerate(parts):
+            hints = get_type_hints(schema)
+            where = ".".join(parts[:i])
+            if part not in hints:
+                what = f"a setting of {where}" if where else "a setting or config group"
+                raise ConfigError(f"{'.'.join(parts[:i + 1])} is not {what}; "
+                                  f"{_did_you_mean('.'.join(parts[:i + 1]), list(hints))}")
+            if is_dataclass(hints[part]):
+                schema = hints[part]
+                continue
+            if i + 1 < len(parts) and not _is_list(hints[part]):  # a list takes an index: optimizer.betas.0=0.9
+                raise ConfigError(f"{key} is not a setting: {'.'.join(parts[:i + 1])} takes a value, not settings "
+                                  "under it")
+            break
+
+
+def command_line(argv: list[str]) -> list[str]:
+    """scripts/train.py's arguments, checked and completed before Hydra reads them: an unknown key raises
+    ConfigError (check_override_keys). A single run given trainer.out_dir=X (and no hydra.run.dir) gets
+    hydra.run.dir=X too: Hydra makes its run dir before any code of ours runs, so the default
+    runs/<date>/<time>/ would be left behind empty, and the Ctrl-C message and the wandb run's name, which
+    read Hydra's run dir, would name it."""
+    check_override_keys(argv)
+    if any(a in ("-m", "--multirun") or a.startswith("hydra.mode=") for a in argv):
+        return list(argv)  # a sweep's cells have dirs of their own under hydra.sweep.dir
+    keys = {a.split("=", 1)[0].lstrip("+"): a for a in argv if "=" in a and not a.startswith(("-", "~"))}
+    out_dir = keys.get("trainer.out_dir")
+    if out_dir is None or "hydra.run.dir" in keys:
+        return list(argv)
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    try:
+        parsed = OverridesParser.create().parse_override(out_dir)
+    except HydraException:  # Hydra reports a malformed override itself
+        return list(argv)
+    value, path = out_dir.split("=", 1)[1], parsed.value()
+    if parsed.is_sweep_override() or path is None or "hydra:" in value:  # hydra:runtime.output_dir: itself
+        return list(argv)
+    if isinstance(path, str) and path.startswith("~"):  # trainer.out_dir is expanded; Hydra's run dir is not
+        home = path.split("/", 1)[0]
+        value = value.replace(home, os.path.expanduser(home), 1)
+    return [*argv, f"hydra.run.dir={value}"]
 
 
 def compose_config(overrides: list[str]) -> DictConfig:

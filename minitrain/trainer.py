@@ -357,8 +357,9 @@ class Trainer:
         step = self.progress.step
         record = {"step": step, "tokens": step * self.plan.batch_size * self.model_cfg.block_size,
                   "train/loss": loss.item(), "opt/lr": self.plan.schedule(step - 1),
-                  "opt/grad_norm": float(stats["grad_norm"]),
-                  "amp/loss_scale": float(stats["loss_scale"]), "amp/skipped_steps": float(stats["skipped_steps"])}
+                  "opt/grad_norm": float(stats["grad_norm"]), "amp/skipped_steps": float(stats["skipped_steps"])}
+        if "loss_scale" in stats:  # dynamic loss scaling (fp16) only: without it there is no scale to show
+            record["amp/loss_scale"] = float(stats["loss_scale"])
         record.update(throughput.read())
         record.update(memory_stats(self.device))
         if self.dist.enabled:  # every rank's peak: under fsdp they should match, under imbalance they do not

@@ -8,7 +8,7 @@ from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
 
 from minitrain.compile_check import CompileMismatchError
-from minitrain.config import ConfigError, register_configs
+from minitrain.config import ConfigError, command_line, register_configs
 from minitrain.data import DataError
 from minitrain.resume import RunDirBusyError, RunDirError
 from minitrain.sweep import FAILED_CELL_EXIT_CODE
@@ -45,4 +45,9 @@ def main(cfg: DictConfig) -> str | None:
 
 
 if __name__ == "__main__":
+    try:  # before Hydra reads the command line: its message for an unknown key advises a `+` the schema refuses too
+        sys.argv[1:] = command_line(sys.argv[1:])
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(FAILED_CELL_EXIT_CODE)
     main()

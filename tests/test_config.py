@@ -1,8 +1,12 @@
+from pathlib import Path
+
 import pytest
+from conftest import REPO
 from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from minitrain.config import ConfigError, compose_config, resolve
+from minitrain.config import ConfigError, _schema_keys, check_override_keys, command_line, compose_config, resolve
 
 
 def test_defaults_resolve():
@@ -55,6 +59,8 @@ def test_bad_type_fails_naming_key(make_cfg, override, names):
     (["trainer.lr=0"], "trainer.lr:"),
     (["trainer.lr=-1e-3", "trainer.min_lr=-1e-3"], "trainer.lr:"),
     (["trainer.seed=-1"], "trainer.seed"),
+    (["trainer.out_dir="], "trainer.out_dir: must name the run's directory, got ''"),
+    (["trainer.out_dir=' '"], "trainer.out_dir: must name"),
     (["checkpointing.policy=every_k", "checkpointing.every_k=9"], "checkpointing.every_k"),
     (["checkpointing.policy=every_k", "checkpointing.every_k=0"], "checkpointing.every_k"),
     (["precision=bf16", "optimizer.impl=torch"], "optimizer.impl"),
@@ -68,3 +74,55 @@ def test_bad_type_fails_naming_key(make_cfg, override, names):
 def test_bad_value_fails_naming_key(make_cfg, overrides, names):
     with pytest.raises(ConfigError, match=names.replace(".", r"\.")):
         resolve(make_cfg(*overrides))
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trainer.max_step=10", "trainer.max_step is not a setting of trainer; did you mean trainer.max_steps?"),
+    ("model.n_layers=4", "model.n_layers is not a setting of model; did you mean model.n_layer?"),
+    ("+trainer.foo=1", "trainer.foo is not a setting of trainer; its settings: max_steps, batch_size, micro_batch,"),
+    ("optimizer.betas1=0.9", "optimizer.betas1 is not a setting of optimizer; did you mean optimizer.betas?"),
+    ("model.biass=false", "model.biass is not a setting of model; did you mean model.bias?"),
+    ("data.path=x", "data.path is not a setting of data; did you mean data.paths?"),
+    ("distributed.fsdp_unit_block=2",
+     "distributed.fsdp_unit_block is not a setting of distributed; did you mean distributed.fsdp_unit_blocks?"),
+    ("++loss.chunk_byte=1", "loss.chunk_byte is not a setting of loss; did you mean loss.chunk_bytes?"),
+    ("trainer.n_layer=2", "trainer.n_layer is not a setting of trainer; did you mean model.n_layer?"),
+    ("trainer.vocab_size=5",
+     "trainer.vocab_size is not a setting of trainer; did you mean model.vocab_size or data.vocab_size?"),
+    ("max_steps=10", "max_steps is not a setting or config group; did you mean trainer.max_steps?"),
+    ("modle=tiny", "modle is not a setting or config group; did you mean model?"),
+    ("trainer.max_steps.x=1", "trainer.max_steps.x is not a setting: trainer.max_steps takes a value"),
+])
+def test_unknown_key_on_the_command_line_names_the_closest_settings(override, message):
+    with pytest.raises(ConfigError) as err:
+        check_override_keys(["-m", "trainer.lr=1e-3,2e-3", override])
+    assert str(err.value).startswith(message), str(err.value)
+
+
+def test_every_setting_and_every_option_s_key_passes_the_command_line_check():
+    """The keys come from the dataclasses (a group's options share its schema); what is not a key is Hydra's."""
+    settings = [f"{key}=1" for key in _schema_keys()]
+    assert "model.bias=1" in settings and "distributed.fsdp_unit_blocks=1" in settings and "loss.chunk_bytes=1" in settings
+    options = [f"{yaml.parent.name}.{key}=1" for yaml in (REPO / "configs").glob("*/*.yaml")
+               for key in (OmegaConf.load(yaml) or {})]
+    check_override_keys(settings + options + [
+        "model=gpt2-124m", "precision=fp64", "+model=tiny", "-m", "--cfg", "job", "hydra.run.dir=x",
+        "hydra/job_logging=default", "trainer.lr=1e-3,2e-3", "trainer.seed=choice(1,2)", "trainer.max_steps=range(1,3)",
+        "data.paths='a=b,c'", "~trainer.seed", "optimizer.betas=[0.9,0.99]", "optimizer.betas.0=0.8",
+        "logger.tags=[a,b]", "trainer.out_dir=${hydra:runtime.output_dir}"])
+
+
+@pytest.mark.parametrize("argv, run_dir", [
+    (["trainer.max_steps=1", "trainer.out_dir=myrun"], "myrun"),  # Hydra's run dir follows: no empty runs/<date>/<time>
+    (["trainer.out_dir='my run'"], "'my run'"),
+    (["trainer.out_dir='~/runs/a'"], f"'{Path.home()}/runs/a'"),  # trainer.out_dir is expanded, Hydra's is not
+    (["trainer.out_dir=a", "hydra.run.dir=b"], "b"),  # the user named both
+    (["-m", "trainer.out_dir=a"], None),  # a sweep's cells have their own dirs
+    (["trainer.out_dir=a,b"], None),  # Hydra says a sweep needs -m
+    (["trainer.out_dir=${hydra:runtime.output_dir}"], None),
+    (["trainer.max_steps=1"], None),
+])
+def test_a_single_run_s_hydra_run_dir_follows_trainer_out_dir(argv, run_dir):
+    out = command_line(argv)
+    dirs = [a.split("=", 1)[1] for a in out if a.startswith("hydra.run.dir=")]
+    assert out[:len(argv)] == argv and dirs == ([run_dir] if run_dir else [])

@@ -75,7 +75,7 @@ def run_job(trainer, job):
     stats = trainer.optimizer.stats()
     state_bytes = sum(t.numel() * t.element_size() for b in trainer.optimizer.buckets
                       for t in (b.state.exp_avg, b.state.exp_avg_sq, b.state.master) if t is not None)
-    return {"skipped": int(stats["skipped_steps"]), "loss_scale": float(stats["loss_scale"]),
+    return {"skipped": int(stats["skipped_steps"]), "loss_scale": float(stats.get("loss_scale", "nan")),
             "optimizer_state_bytes": state_bytes, "params": full_params(trainer)}
 
 

@@ -76,6 +76,23 @@ def test_precision_modes_train(make_cfg, precision, tmp_path):
     assert record["amp/skipped_steps"] < 5  # the steps ran (fp16 may skip an overflow or two, not all)
 
 
+@pytest.mark.parametrize("overrides, scaled", [
+    (["precision=fp32"], False), (["precision=bf16"], False), (["precision=fp32", "optimizer.impl=torch"], False),
+    (["precision=fp16"], True),
+    (["precision=fp32", "precision.autocast_dtype=fp16", "precision.loss_scaling=true", "optimizer.impl=torch"], True),
+])
+def test_the_loss_scale_is_logged_only_with_loss_scaling(make_cfg, overrides, scaled):
+    """Without dynamic loss scaling there is no scale: no `scale 1` on every console line, nor in the records.
+    The skipped steps are counted in every precision."""
+    t = Trainer(make_cfg(*overrides, "trainer.max_steps=2", "trainer.log_every=1", "trainer.sample_tokens=0"),
+                progress=False)
+    last = t.fit()
+    records = [r for r in strict_records(t.out_dir / "metrics.jsonl") if "step" in r] + [last]
+    assert [("amp/loss_scale" in r, "amp/skipped_steps" in r) for r in records] == [(scaled, True)] * 3
+    lines = [line for line in (t.out_dir / "train.log").read_text().splitlines() if line.startswith("step")]
+    assert [(" scale " in line, " skipped " in line) for line in lines] == [(scaled, True)] * 2
+
+
 def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(make_cfg, tmp_path, monkeypatch):
     t = Trainer(make_cfg("trainer.max_steps=20", "trainer.save_every=5", "trainer.log_every=5"), progress=False)
     real = t.train_step.forward_loss
@@ -191,6 +208,25 @@ def test_a_run_dir_through_a_file_fails_at_start_in_one_line(tmp_path):
                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
     assert f"error: trainer.out_dir: cannot use {tmp_path}/a-file/run as the run dir" in out.stderr
+
+
+def test_an_unknown_key_fails_before_hydra_in_one_line_naming_the_closest(tmp_path):
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "train.py"), "trainer.max_step=10"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert (out.returncode, out.stderr) == \
+        (2, "error: trainer.max_step is not a setting of trainer; did you mean trainer.max_steps?\n")
+    assert list(tmp_path.iterdir()) == []  # before Hydra made a run dir
+
+
+def test_trainer_out_dir_is_the_only_dir_a_run_makes(data_cache, tmp_path):
+    """Hydra makes its run dir (runs/<date>/<time>/ by default) before the trainer reads trainer.out_dir."""
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "train.py"), "trainer.out_dir=myrun",
+                          "trainer.max_steps=1", "trainer.batch_size=2", "model.n_layer=1", "model.block_size=32",
+                          "trainer.eval_batches=1", "trainer.sample_tokens=0", f"data.cache_dir={data_cache}",
+                          "logger.mode=disabled"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert [p.name for p in tmp_path.iterdir()] == ["myrun"]
+    assert (tmp_path / "myrun" / "metrics.jsonl").exists() and (tmp_path / "myrun" / "checkpoints").is_dir()
 
 
 def test_bad_config_fails_at_start_with_the_key(tmp_path):

@@ -187,7 +187,6 @@ class AdamW:
             [[i for i, k in enumerate(keys) if k == key] for key in dict.fromkeys(keys)]
 
         self.counters = Counters.zeros(self.device)
-        self._one = torch.ones((), dtype=torch.float32, device=self.device)
         self._hyper = torch.zeros(len(_HYPER_ROWS), len(self.param_groups), dtype=torch.float32, device=self.device)
         self._lr, self._wd = self._hyper.unbind()  # views of its rows, which each upload refills
         self._hyper_host = None
@@ -268,10 +267,11 @@ class AdamW:
             b.grads.release() if set_to_none else b.grads.zero()
 
     def stats(self):
-        """Live 0-d device tensors; read (or clone) them at log steps only."""
-        scaler = self.loss_scaler
-        return {"grad_norm": self.counters.grad_norm, "skipped_steps": self.counters.skipped,
-                "loss_scale": scaler.get_scale() if scaler is not None else self._one}
+        """Live 0-d device tensors; read (or clone) them at log steps only. loss_scale only with a loss scaler."""
+        stats = {"grad_norm": self.counters.grad_norm, "skipped_steps": self.counters.skipped}
+        if self.loss_scaler is not None:
+            stats["loss_scale"] = self.loss_scaler.get_scale()
+        return stats
 
     def state_dict(self):
         """torch-like layout: per-param views (torch.save stores each flat buffer once); DTensors

@@ -50,9 +50,11 @@ class TorchAdamW:
         self.opt.zero_grad(set_to_none=set_to_none)
 
     def stats(self):
-        scale = self.loss_scaler.get_scale() if self.loss_scaler is not None else 1.0  # a float
-        return {"grad_norm": self._grad_norm, "skipped_steps": self._skipped,
-                "loss_scale": torch.tensor(scale)}
+        """As AdamW's: loss_scale only with a loss scaler."""
+        stats = {"grad_norm": self._grad_norm, "skipped_steps": self._skipped}
+        if self.loss_scaler is not None:
+            stats["loss_scale"] = torch.tensor(self.loss_scaler.get_scale())  # GradScaler's is a float
+        return stats
 
     def state_dict(self):
         return {"opt": self.opt.state_dict(), "skipped_steps": self._skipped,
