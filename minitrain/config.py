@@ -10,8 +10,9 @@ Checks that need more than a type (ranges, combinations) live in `__post_init__`
 from __future__ import annotations
 
 import difflib
+import math
 import os
-from dataclasses import dataclass, field, is_dataclass
+from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
 from pathlib import Path
 from typing import List, Optional, get_args, get_origin, get_type_hints
@@ -304,6 +305,7 @@ class TrainerConfig:
         # An empty path is the current directory: the run's files would land among the user's own.
         _require(self.out_dir.strip() != "", "trainer.out_dir",
                  f"must name the run's directory, got {self.out_dir!r} (leave it out for runs/<date>/<time>/)")
+        _require(self.resume.strip() != "", "trainer.resume", "none, auto or a checkpoint's path, got ''")
         _require(self.peak_flops is None or self.peak_flops > 0, "trainer.peak_flops", "must be > 0")
         _require(self.compile_mode in COMPILE_MODES, "trainer.compile_mode",
                  f"one of {COMPILE_MODES}, got {self.compile_mode!r}")
@@ -469,4 +471,17 @@ def resolve(cfg: DictConfig | Config) -> Config:
         return cfg
     # Merging onto the schema also rejects keys that a `+key=value` override slipped past Hydra.
     plain = OmegaConf.to_container(cfg, resolve=True)
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), plain))
+    config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), plain))
+    _require_finite(config)
+    return config
+
+
+def _require_finite(node, prefix: str = "") -> None:
+    """Every float setting is a finite number: `inf` passes a `> 0` check (optimizer.eps=inf would make every
+    update zero without a word), so one rule here covers them all."""
+    for f in fields(node):
+        value, key = getattr(node, f.name), prefix + f.name
+        if is_dataclass(value):
+            _require_finite(value, key + ".")
+        elif isinstance(value, float):
+            _require(math.isfinite(value), key, f"must be a finite number, got {value}")

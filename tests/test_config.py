@@ -59,8 +59,11 @@ def test_bad_type_fails_naming_key(make_cfg, override, names):
     (["trainer.lr=0"], "trainer.lr:"),
     (["trainer.lr=-1e-3", "trainer.min_lr=-1e-3"], "trainer.lr:"),
     (["trainer.seed=-1"], "trainer.seed"),
+    (["optimizer.eps=inf"], "optimizer.eps: must be a finite number, got inf"),  # passes `> 0`: zero updates
+    (["trainer.lr=inf"], "trainer.lr: must be a finite number, got inf"),
     (["trainer.out_dir="], "trainer.out_dir: must name the run's directory, got ''"),
     (["trainer.out_dir=' '"], "trainer.out_dir: must name"),
+    (["trainer.resume="], "trainer.resume: none, auto or a checkpoint's path, got ''"),
     (["checkpointing.policy=every_k", "checkpointing.every_k=9"], "checkpointing.every_k"),
     (["checkpointing.policy=every_k", "checkpointing.every_k=0"], "checkpointing.every_k"),
     (["precision=bf16", "optimizer.impl=torch"], "optimizer.impl"),
