@@ -431,13 +431,12 @@ def command_line(argv: list[str]) -> list[str]:
     ConfigError (check_override_keys). A single run given trainer.out_dir=X (and no hydra.run.dir) gets
     hydra.run.dir=X too: Hydra makes its run dir before any code of ours runs, so the default
     runs/<date>/<time>/ would be left behind empty, and the Ctrl-C message and the wandb run's name, which
-    read Hydra's run dir, would name it."""
+    read Hydra's run dir, would name it. A -m sweep given one fixed trainer.out_dir raises: every cell would
+    write to that one directory, and each after the first would refuse to overwrite the first's checkpoints."""
     check_override_keys(argv)
-    if any(a in ("-m", "--multirun") or a.startswith("hydra.mode=") for a in argv):
-        return list(argv)  # a sweep's cells have dirs of their own under hydra.sweep.dir
     keys = {a.split("=", 1)[0].lstrip("+"): a for a in argv if "=" in a and not a.startswith(("-", "~"))}
     out_dir = keys.get("trainer.out_dir")
-    if out_dir is None or "hydra.run.dir" in keys:
+    if out_dir is None:
         return list(argv)
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
@@ -447,7 +446,14 @@ def command_line(argv: list[str]) -> list[str]:
     except HydraException:  # Hydra reports a malformed override itself
         return list(argv)
     value, path = out_dir.split("=", 1)[1], parsed.value()
-    if parsed.is_sweep_override() or path is None or "hydra:" in value:  # hydra:runtime.output_dir: itself
+    fixed = not parsed.is_sweep_override() and path is not None and "${" not in value
+    if any(a in ("-m", "--multirun") or a.startswith("hydra.mode=") for a in argv):
+        if fixed:
+            raise ConfigError(f"{out_dir} would put every cell of this -m sweep in one directory; leave it out "
+                              "(each cell gets its own under hydra.sweep.dir=...) or make it differ per cell "
+                              "(trainer.out_dir=runs/mine/${hydra.job.num})")
+        return list(argv)
+    if not fixed or "hydra.run.dir" in keys:
         return list(argv)
     if isinstance(path, str) and path.startswith("~"):  # trainer.out_dir is expanded; Hydra's run dir is not
         home = path.split("/", 1)[0]

@@ -120,7 +120,8 @@ def test_every_setting_and_every_option_s_key_passes_the_command_line_check():
     (["trainer.out_dir='my run'"], "'my run'"),
     (["trainer.out_dir='~/runs/a'"], f"'{Path.home()}/runs/a'"),  # trainer.out_dir is expanded, Hydra's is not
     (["trainer.out_dir=a", "hydra.run.dir=b"], "b"),  # the user named both
-    (["-m", "trainer.out_dir=a"], None),  # a sweep's cells have their own dirs
+    (["-m", "trainer.out_dir=runs/a/${hydra.job.num}"], None),  # a sweep's cells have their own dirs
+    (["-m", "trainer.out_dir=a,b"], None),
     (["trainer.out_dir=a,b"], None),  # Hydra says a sweep needs -m
     (["trainer.out_dir=${hydra:runtime.output_dir}"], None),
     (["trainer.max_steps=1"], None),
@@ -129,3 +130,11 @@ def test_a_single_run_s_hydra_run_dir_follows_trainer_out_dir(argv, run_dir):
     out = command_line(argv)
     dirs = [a.split("=", 1)[1] for a in out if a.startswith("hydra.run.dir=")]
     assert out[:len(argv)] == argv and dirs == ([run_dir] if run_dir else [])
+
+
+@pytest.mark.parametrize("argv", [["-m", "precision=fp32,bf16", "trainer.out_dir=mine"],
+                                  ["hydra.mode=MULTIRUN", "trainer.out_dir=mine"]])
+def test_a_sweep_with_one_fixed_out_dir_is_refused_before_any_cell(argv):
+    """Every cell would write to it, and each after the first would refuse to overwrite the first's checkpoints."""
+    with pytest.raises(ConfigError, match=r"trainer.out_dir=mine would put every cell of this -m sweep in one"):
+        command_line(argv)
