@@ -401,7 +401,9 @@ def check_override_keys(overrides: list[str]) -> None:
     ConfigError naming the closest settings (Hydra's own message, written for untyped configs, advises a `+`
     that the schema would refuse as well). Only the key, the part before the first `=`, is read, so sweeps,
     quoting and interpolations in values pass untouched; group options (`model=gpt2-124m`), `hydra.*`, group
-    paths (`hydra/launcher=...`), packages (`@`) and deletions (`~key`) are left to Hydra."""
+    paths (`hydra/launcher=...`), packages (`@`) and deletions (`~key`) are left to Hydra. A plain word given to
+    a setting of fixed choices (trainer.device=CPU) must be one of them: the same one line as the other checks,
+    where Hydra's message takes six and exits 1."""
     for override in overrides:
         if override.startswith(("-", "~")) or "=" not in override:
             continue
@@ -423,6 +425,11 @@ def check_override_keys(overrides: list[str]) -> None:
             if i + 1 < len(parts) and not _is_list(hints[part]):  # a list takes an index: optimizer.betas.0=0.9
                 raise ConfigError(f"{key} is not a setting: {'.'.join(parts[:i + 1])} takes a value, not settings "
                                   "under it")
+            choices = next((t for t in (hints[part], *get_args(hints[part]))
+                            if isinstance(t, type) and issubclass(t, Enum)), None)
+            value = override.split("=", 1)[1]
+            if choices is not None and value.isidentifier() and value != "null" and value not in choices.__members__:
+                raise ConfigError(f"{key}: one of {tuple(choices.__members__)}, got {value!r}")
             break
 
 
