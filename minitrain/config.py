@@ -12,6 +12,7 @@ from __future__ import annotations
 import difflib
 import math
 import os
+import re
 from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
 from pathlib import Path
@@ -402,8 +403,8 @@ def check_override_keys(overrides: list[str]) -> None:
     that the schema would refuse as well). Only the key, the part before the first `=`, is read, so sweeps,
     quoting and interpolations in values pass untouched; group options (`model=gpt2-124m`), `hydra.*`, group
     paths (`hydra/launcher=...`), packages (`@`) and deletions (`~key`) are left to Hydra. A plain word given to
-    a setting of fixed choices (trainer.device=CPU) must be one of them: the same one line as the other checks,
-    where Hydra's message takes six and exits 1."""
+    a setting of fixed choices (trainer.device=CPU), or as a group's option (precision=fp64), must be one of
+    them: the same one line as the other checks, where Hydra's message takes six or more and exits 1."""
     for override in overrides:
         if override.startswith(("-", "~")) or "=" not in override:
             continue
@@ -419,6 +420,12 @@ def check_override_keys(overrides: list[str]) -> None:
                 what = f"a setting of {where}" if where else "a setting or config group"
                 raise ConfigError(f"{'.'.join(parts[:i + 1])} is not {what}; "
                                   f"{_did_you_mean('.'.join(parts[:i + 1]), list(hints))}")
+            if len(parts) == 1 and is_dataclass(hints[part]):  # a group's option: model=gpt2-124m
+                options = tuple(sorted(yaml.stem for yaml in (CONFIG_DIR / part).glob("*.yaml")))
+                value = override.split("=", 1)[1]
+                if options and re.fullmatch(r"[\w.-]+", value) and value not in options:
+                    raise ConfigError(f"{part}: one of {options} (configs/{part}/), got {value!r}")
+                break
             if is_dataclass(hints[part]):
                 schema = hints[part]
                 continue
