@@ -74,6 +74,23 @@ def make_run_dir(out_dir: Path) -> Path:
     return out_dir
 
 
+def remove_if_empty(run_dir: Path, below: Path) -> None:
+    """`run_dir` if a run refused at start left it empty, and its parents strictly below `below` that then hold
+    nothing (the runs/<date>/ of Hydra's default run dir, made before any of our checks run): a refused run
+    leaves no trace. Only empty directories go (rmdir): never `below`, the working directory or one above them
+    (hydra.run.dir=. names the working directory)."""
+    d, stop, cwd = run_dir.resolve(), below.resolve(), Path.cwd().resolve()
+    kept = {stop, *stop.parents, cwd, *cwd.parents}
+    while d not in kept:
+        try:
+            d.rmdir()
+        except OSError:  # not empty, or not there
+            return
+        d = d.parent
+        if stop not in d.parents:
+            return
+
+
 def _unusable_run_dir(out_dir: Path, e: OSError) -> str:
     return (f"trainer.out_dir: cannot use {out_dir} as the run dir ({error_reason(e)}); give the run a writable "
             "directory (hydra.run.dir=... or trainer.out_dir=...)")

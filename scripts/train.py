@@ -10,7 +10,7 @@ from omegaconf import DictConfig
 from minitrain.compile_check import CompileMismatchError
 from minitrain.config import ConfigError, command_line, register_configs
 from minitrain.data import DataError
-from minitrain.resume import RunDirBusyError, RunDirError
+from minitrain.resume import RunDirBusyError, RunDirError, remove_if_empty
 from minitrain.sweep import FAILED_CELL_EXIT_CODE
 from minitrain.trainer import NonFiniteLossError, RunInfo, TrainingInterrupted, train
 
@@ -40,6 +40,8 @@ def main(cfg: DictConfig) -> str | None:
             if not isinstance(e, RunDirBusyError):  # a busy dir is another run's: its record stays as it is
                 run.write_failure(Path(HydraConfig.get().runtime.output_dir), str(e))
             return str(e)  # the next cells still run; the sweep's end names this one and exits non-zero
+        runtime = HydraConfig.get().runtime
+        remove_if_empty(Path(runtime.output_dir), below=Path(runtime.cwd) / "runs")  # Hydra made it: no trace
         sys.exit(FAILED_CELL_EXIT_CODE)
     return None
 

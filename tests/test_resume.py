@@ -473,3 +473,29 @@ def test_nested_values_compare_whole(make_cfg):
     deep = resume.config_changes({"plan": {"memory": {"budget_gb": 20, "fits": True}}},
                                  {"plan": {"memory": {"budget_gb": 40, "fits": True}}})
     assert deep.breaking == {"plan.memory.budget_gb": (20, 40)}
+
+
+def test_a_refused_run_s_empty_dirs_go_and_nothing_else(tmp_path, monkeypatch):
+    """Hydra makes runs/<date>/<time>/ before any check of ours: a run refused at start removes what is still
+    empty of it, and never a directory holding anything, `below` itself, or the working directory."""
+    monkeypatch.chdir(tmp_path)
+    runs = tmp_path / "runs"
+    (runs / "d1" / "t1").mkdir(parents=True)
+    resume.remove_if_empty(runs / "d1" / "t1", below=runs)
+    assert [p.name for p in tmp_path.rglob("*")] == ["runs"]
+    (runs / "d2" / "t1").mkdir(parents=True)
+    (runs / "d2" / "t2").mkdir()
+    resume.remove_if_empty(runs / "d2" / "t2", below=runs)  # its date dir holds another run's
+    assert sorted(str(p.relative_to(runs)) for p in runs.rglob("*")) == ["d2", "d2/t1"]
+    resume.remove_if_empty(runs / "d2" / "t1" / "missing", below=runs)
+    (runs / "d2" / "t1" / "metrics.jsonl").write_text("{}")
+    resume.remove_if_empty(runs / "d2" / "t1", below=runs)
+    assert (runs / "d2" / "t1" / "metrics.jsonl").exists()
+    (tmp_path / "mine" / "a" / "b").mkdir(parents=True)
+    resume.remove_if_empty(tmp_path / "mine" / "a" / "b", below=runs)  # outside runs/: the run dir alone
+    assert (tmp_path / "mine" / "a").is_dir() and not (tmp_path / "mine" / "a" / "b").exists()
+    resume.remove_if_empty(runs, below=runs)
+    (tmp_path / "cwd").mkdir()
+    monkeypatch.chdir(tmp_path / "cwd")
+    resume.remove_if_empty(tmp_path / "cwd", below=runs)  # hydra.run.dir=. in an empty directory
+    assert runs.is_dir() and (tmp_path / "cwd").is_dir()

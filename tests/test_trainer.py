@@ -229,6 +229,14 @@ def test_trainer_out_dir_is_the_only_dir_a_run_makes(data_cache, tmp_path):
     assert (tmp_path / "myrun" / "metrics.jsonl").exists() and (tmp_path / "myrun" / "checkpoints").is_dir()
 
 
+def test_a_run_refused_at_start_leaves_no_run_dir(tmp_path):
+    """Hydra makes runs/<date>/<time>/ before the config's checks: a run they refuse removes it again."""
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "train.py"), "trainer.batch_size=0"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert (out.returncode, out.stderr) == (2, "error: trainer.batch_size: must be >= 1, got 0\n")
+    assert [p.relative_to(tmp_path) for p in tmp_path.rglob("*")] == [Path("runs")]
+
+
 def test_bad_config_fails_at_start_with_the_key(tmp_path):
     out = subprocess.run([sys.executable, str(REPO / "scripts" / "train.py"), "model.n_head=5",
                           f"hydra.run.dir={tmp_path}"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
