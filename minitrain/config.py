@@ -20,6 +20,7 @@ from typing import List, Optional, get_args, get_origin, get_type_hints
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import InterpolationResolutionError
 
 
 class ConfigError(ValueError):
@@ -490,7 +491,10 @@ def resolve(cfg: DictConfig | Config) -> Config:
     if isinstance(cfg, Config):
         return cfg
     # Merging onto the schema also rejects keys that a `+key=value` override slipped past Hydra.
-    plain = OmegaConf.to_container(cfg, resolve=True)
+    try:
+        plain = OmegaConf.to_container(cfg, resolve=True)
+    except InterpolationResolutionError as e:  # ${oc.env:UNSET}, ${trainer.nope}: one line, not a traceback
+        raise ConfigError(f"{e.full_key}: {str(e).splitlines()[0]}") from None
     config = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), plain))
     _require_finite(config)
     return config

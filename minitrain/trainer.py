@@ -94,7 +94,7 @@ class RunInfo:
         if not HydraConfig.initialized():
             return RunInfo()
         hc = HydraConfig.get()
-        overrides = list(hc.overrides.task)
+        overrides = OmegaConf.to_container(hc.overrides.task, resolve=False)  # as typed: an `${...}` in one is text
         if hc.mode != RunMode.MULTIRUN:
             return RunInfo(name=Path(hc.runtime.output_dir).name, overrides=overrides)
         sweep = Path(hc.sweep.dir)

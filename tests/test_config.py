@@ -59,6 +59,9 @@ def test_bad_type_fails_naming_key(make_cfg, override, names):
     (["trainer.lr=0"], "trainer.lr:"),
     (["trainer.lr=-1e-3", "trainer.min_lr=-1e-3"], "trainer.lr:"),
     (["trainer.seed=-1"], "trainer.seed"),
+    (["trainer.out_dir=${oc.env:MINITRAIN_UNSET_VARIABLE}"],
+     "trainer.out_dir: KeyError raised while resolving interpolation: \"Environment variable 'MINITRAIN_UNSET_VARIABLE' not found\""),
+    (["trainer.lr=${trainer.nope}"], "trainer.lr: Interpolation key 'trainer.nope' not found"),
     (["optimizer.eps=inf"], "optimizer.eps: must be a finite number, got inf"),  # passes `> 0`: zero updates
     (["trainer.lr=inf"], "trainer.lr: must be a finite number, got inf"),
     (["trainer.out_dir="], "trainer.out_dir: must name the run's directory, got ''"),

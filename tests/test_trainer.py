@@ -229,11 +229,17 @@ def test_trainer_out_dir_is_the_only_dir_a_run_makes(data_cache, tmp_path):
     assert (tmp_path / "myrun" / "metrics.jsonl").exists() and (tmp_path / "myrun" / "checkpoints").is_dir()
 
 
-def test_a_run_refused_at_start_leaves_no_run_dir(tmp_path):
+@pytest.mark.parametrize("override, error", [
+    ("trainer.batch_size=0", "trainer.batch_size: must be >= 1, got 0"),
+    # the override itself holds the interpolation: reading the command line back must not resolve it
+    ("trainer.out_dir=${oc.env:MINITRAIN_UNSET_VARIABLE}", "trainer.out_dir: KeyError raised while resolving "
+     "interpolation: \"Environment variable 'MINITRAIN_UNSET_VARIABLE' not found\""),
+])
+def test_a_run_refused_at_start_leaves_no_run_dir(tmp_path, override, error):
     """Hydra makes runs/<date>/<time>/ before the config's checks: a run they refuse removes it again."""
-    out = subprocess.run([sys.executable, str(REPO / "scripts" / "train.py"), "trainer.batch_size=0"],
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "train.py"), override],
                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert (out.returncode, out.stderr) == (2, "error: trainer.batch_size: must be >= 1, got 0\n")
+    assert (out.returncode, out.stderr) == (2, f"error: {error}\n")
     assert [p.relative_to(tmp_path) for p in tmp_path.rglob("*")] == [Path("runs")]
 
 
