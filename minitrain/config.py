@@ -409,7 +409,8 @@ def check_override_keys(overrides: list[str]) -> None:
     for override in overrides:
         if override.startswith(("-", "~")) or "=" not in override:
             continue
-        key = override.split("=", 1)[0].lstrip("+")
+        key, value = override.split("=", 1)
+        key = key.lstrip("+")
         parts = key.split(".")
         if not key or "/" in key or "@" in key or parts[0] == "hydra":
             continue
@@ -423,7 +424,6 @@ def check_override_keys(overrides: list[str]) -> None:
                                   f"{_did_you_mean('.'.join(parts[:i + 1]), list(hints))}")
             if len(parts) == 1 and is_dataclass(hints[part]):  # a group's option: model=gpt2-124m
                 options = tuple(sorted(yaml.stem for yaml in (CONFIG_DIR / part).glob("*.yaml")))
-                value = override.split("=", 1)[1]
                 if options and re.fullmatch(r"[\w.-]+", value) and value not in options:
                     raise ConfigError(f"{part}: one of {options} (configs/{part}/), got {value!r}")
                 break
@@ -435,7 +435,6 @@ def check_override_keys(overrides: list[str]) -> None:
                                   "under it")
             choices = next((t for t in (hints[part], *get_args(hints[part]))
                             if isinstance(t, type) and issubclass(t, Enum)), None)
-            value = override.split("=", 1)[1]
             if choices is not None and value.isidentifier() and value != "null" and value not in choices.__members__:
                 raise ConfigError(f"{key}: one of {tuple(choices.__members__)}, got {value!r}")
             break
