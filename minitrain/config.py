@@ -398,6 +398,14 @@ def _did_you_mean(key: str, siblings: list[str]) -> str:
     return f"{'its settings' if parent else 'the settings are grouped under'}: {', '.join(siblings)}"
 
 
+def _key_and_value(override: str) -> Optional[tuple[str, str]]:
+    """(key without its `+`/`++`, value) of a `key=value` override; None for flags (-m) and deletions (~key)."""
+    if override.startswith(("-", "~")) or "=" not in override:
+        return None
+    key, value = override.split("=", 1)
+    return key.lstrip("+"), value
+
+
 def check_override_keys(overrides: list[str]) -> None:
     """Each `key=value` of the command line must name a setting of the typed config: an unknown one raises
     ConfigError naming the closest settings (Hydra's own message, written for untyped configs, advises a `+`
@@ -406,11 +414,7 @@ def check_override_keys(overrides: list[str]) -> None:
     paths (`hydra/launcher=...`), packages (`@`) and deletions (`~key`) are left to Hydra. A plain word given to
     a setting of fixed choices (trainer.device=CPU), or as a group's option (precision=fp64), must be one of
     them: the same one line as the other checks, where Hydra's message takes six or more and exits 1."""
-    for override in overrides:
-        if override.startswith(("-", "~")) or "=" not in override:
-            continue
-        key, value = override.split("=", 1)
-        key = key.lstrip("+")
+    for key, value in filter(None, map(_key_and_value, overrides)):
         parts = key.split(".")
         if not key or "/" in key or "@" in key or parts[0] == "hydra":
             continue
@@ -448,7 +452,7 @@ def command_line(argv: list[str]) -> list[str]:
     read Hydra's run dir, would name it. A -m sweep given one fixed trainer.out_dir raises: every cell would
     write to that one directory, and each after the first would refuse to overwrite the first's checkpoints."""
     check_override_keys(argv)
-    keys = {a.split("=", 1)[0].lstrip("+"): a for a in argv if "=" in a and not a.startswith(("-", "~"))}
+    keys = {kv[0]: a for a in argv if (kv := _key_and_value(a))}
     out_dir = keys.get("trainer.out_dir")
     if out_dir is None:
         return list(argv)
