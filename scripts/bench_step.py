@@ -530,15 +530,24 @@ def main() -> None:
                 variants.append(("reference eager", "reference", ["trainer.compile=false"]))
             for ablation in args.ablate:  # minitrain with one part swapped: that part's share of the gain
                 variants.append((f"minitrain {ablation}", "minitrain", ours_extra + ablation.split()))
-            for i, (name, recipe, recipe_extra) in enumerate(variants):
+            for name, recipe, recipe_extra in variants:  # every probe before this process holds GPU memory
                 extra = compile_flag + recipe_extra
                 row = rows[name] = {"model": model, "batch": batch, "recipe": name, "overrides": extra}
-                graphed_before = any(r.trainer.plan.cuda_graphs for r in runs.values())
                 try:
-                    recipe_batch = row["batch"] = int(batch) if batch != "auto" else measured_fitting_batch(
+                    row["batch"] = int(batch) if batch != "auto" else measured_fitting_batch(
                         model, recipe, extra, budget,
                         functools.partial(probe_fits, model, recipe, extra, budget_bytes=budget))
-                    run, memory_peaks = start_run(model, recipe_batch, recipe, extra, f"{tmp}/{i}", args.warmup)
+                except Exception as e:
+                    traceback.print_exc()
+                    row["error"] = f"{type(e).__name__}: {e}"[:300]
+            for i, (name, recipe, recipe_extra) in enumerate(variants):
+                row = rows[name]
+                if "error" in row:
+                    continue
+                graphed_before = any(r.trainer.plan.cuda_graphs for r in runs.values())
+                try:
+                    run, memory_peaks = start_run(model, row["batch"], recipe, row["overrides"], f"{tmp}/{i}",
+                                                  args.warmup)
                     if memory_peaks["cuda_graphs"] and graphed_before:
                         # One CUDA-graph pool serves every graphed recipe of the process: this one's graphs
                         # reuse what the earlier one reserved, so no peak here is its own.

@@ -268,3 +268,32 @@ def test_the_baseline_is_the_fastest_reference_that_computes_the_same_loss():
     within = row("reference", 50.0, 11.0 + 0.9 * tol)
     assert bench_step.baselines([within, eager]) == (within, None)
     assert bench_step.baselines([compiled]) == (None, compiled)
+
+
+def test_every_recipes_batch_is_probed_before_this_process_holds_gpu_memory(monkeypatch, tmp_path):
+    """The probes run in child processes on the same GPU: one that runs while a recipe's trainer (or the cache
+    it leaves) holds this process's memory finds too little free and reads 'does not fit' at every batch."""
+    events = []
+
+    def probe(model, recipe, extra, budget, fits):
+        events.append(("probe", recipe))
+        return 8
+
+    def start(model, batch, recipe, extra, out_dir, warmup):
+        events.append(("start", recipe))
+        raise RuntimeError("no GPU here")
+
+    monkeypatch.setattr(bench_step, "measured_fitting_batch", probe)
+    monkeypatch.setattr(bench_step, "start_run", start)
+    monkeypatch.setattr(bench_step, "clock_log", lambda: __import__("contextlib").nullcontext(
+        SimpleNamespace(summary=None)))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: SimpleNamespace(total_memory=100))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "stand-in")
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr("sys.argv", ["bench_step.py", "--models", "gpt2-124m", "--batch", "auto", "--reference-eager",
+                                     "--out", str(tmp_path / "out.json")])
+    bench_step.main()
+    assert events == [("probe", "minitrain"), ("probe", "reference"), ("probe", "reference"),
+                      ("start", "minitrain"), ("start", "reference"), ("start", "reference")]
+    rows = json.loads((tmp_path / "out.json").read_text())
+    assert [r["batch"] for r in rows] == [8, 8, 8] and all("no GPU here" in r["error"] for r in rows)
