@@ -273,10 +273,11 @@ def test_the_baseline_is_the_fastest_reference_that_computes_the_same_loss():
 def test_every_recipes_batch_is_probed_before_this_process_holds_gpu_memory(monkeypatch, tmp_path):
     """The probes run in child processes on the same GPU: one that runs while a recipe's trainer (or the cache
     it leaves) holds this process's memory finds too little free and reads 'does not fit' at every batch."""
-    events = []
+    events, probed_extras = [], []
 
     def probe(model, recipe, extra, budget, fits):
         events.append(("probe", recipe))
+        probed_extras.append(extra)
         return 8
 
     def start(model, batch, recipe, extra, out_dir, warmup):
@@ -290,10 +291,19 @@ def test_every_recipes_batch_is_probed_before_this_process_holds_gpu_memory(monk
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda *a: SimpleNamespace(total_memory=100))
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "stand-in")
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr("sys.argv", ["bench_step.py", "--models", "gpt2-124m", "--batch", "auto", "--reference-eager",
-                                     "--out", str(tmp_path / "out.json")])
+    argv = ["bench_step.py", "--models", "gpt2-124m", "--batch", "auto", "--reference-eager", "--reference-graphs",
+            "--reference-extra", "checkpointing=full", "--out", str(tmp_path / "out.json")]
+    monkeypatch.setattr("sys.argv", argv)
     bench_step.main()
-    assert events == [("probe", "minitrain"), ("probe", "reference"), ("probe", "reference"),
-                      ("start", "minitrain"), ("start", "reference"), ("start", "reference")]
+    assert events == [("probe", "minitrain")] + [("probe", "reference")] * 3 + \
+        [("start", "minitrain")] + [("start", "reference")] * 3
     rows = json.loads((tmp_path / "out.json").read_text())
-    assert [r["batch"] for r in rows] == [8, 8, 8] and all("no GPU here" in r["error"] for r in rows)
+    assert [r["recipe"] for r in rows] == ["minitrain", "reference", "reference graphed", "reference eager"]
+    assert [r["batch"] for r in rows] == [8] * 4 and all("no GPU here" in r["error"] for r in rows)
+    assert ["checkpointing=full" in extra for extra in probed_extras] == [False, True, True, True]
+
+    events.clear()  # a reference known to fail its check compiled is left out, not built and probed
+    monkeypatch.setattr("sys.argv", argv + ["--no-reference-compiled"])
+    bench_step.main()
+    assert [r["recipe"] for r in json.loads((tmp_path / "out.json").read_text())] == \
+        ["minitrain", "reference graphed", "reference eager"]
