@@ -2,7 +2,8 @@
 
 The dataclasses are registered in Hydra's ConfigStore as the schema of `configs/config.yaml`, so an
 unknown key or a value of the wrong type fails while Hydra composes the config, naming the key; the
-command line's keys are checked before that (`check_override_keys`), to name the closest settings.
+command line is checked against the same schema before that (`check_override_keys`,
+`check_override_values`), in one line that names the closest settings.
 Checks that need more than a type (ranges, combinations) live in `__post_init__`, which runs when
 `resolve()` turns the composed config into these objects, before any work starts.
 """
@@ -444,14 +445,48 @@ def check_override_keys(overrides: list[str]) -> None:
             break
 
 
+def check_override_values(overrides: list[str]) -> None:
+    """Each value given to a setting on the command line must have the setting's type (trainer.max_steps=lots,
+    model.bias=maybe): ConfigError naming the key, where Hydra's message for it takes five lines and exits 1.
+    A sweep's values are checked one by one, so a bad one stops the sweep before its first cell. This is the
+    same check Hydra makes when it composes (OmegaConf's, against the same schema), made earlier; values with
+    interpolations, range and interval sweeps, group options and `hydra.*` are left to Hydra."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ChoiceSweep
+    from hydra.errors import HydraException
+    from omegaconf.errors import ValidationError
+
+    schema, parser = OmegaConf.structured(Config), OverridesParser.create()
+    for override in overrides:
+        key, value = _key_and_value(override) or ("", "")
+        if "." not in key or "/" in key or "@" in key or key.startswith("hydra.") or "${" in value:
+            continue
+        try:
+            parsed = parser.parse_override(override)
+        except HydraException:  # malformed: Hydra says so itself
+            continue
+        if isinstance(parsed.value(), ChoiceSweep):
+            values = parsed.value().list
+        elif parsed.is_sweep_override():
+            continue
+        else:
+            values = [parsed.value()]
+        for one in values:
+            try:
+                OmegaConf.update(schema, key, one, merge=True)
+            except ValidationError as e:
+                raise ConfigError(f"{key}: {str(e).splitlines()[0]}") from None
+
+
 def command_line(argv: list[str]) -> list[str]:
-    """scripts/train.py's arguments, checked and completed before Hydra reads them: an unknown key raises
-    ConfigError (check_override_keys). A single run given trainer.out_dir=X (and no hydra.run.dir) gets
+    """scripts/train.py's arguments, checked and completed before Hydra reads them: an unknown key or a value
+    of the wrong type raises ConfigError (check_override_keys, check_override_values). A single run given trainer.out_dir=X (and no hydra.run.dir) gets
     hydra.run.dir=X too: Hydra makes its run dir before any code of ours runs, so the default
     runs/<date>/<time>/ would be left behind empty, and the Ctrl-C message and the wandb run's name, which
     read Hydra's run dir, would name it. A -m sweep given one fixed trainer.out_dir raises: every cell would
     write to that one directory, and each after the first would refuse to overwrite the first's checkpoints."""
     check_override_keys(argv)
+    check_override_values(argv)
     keys = {kv[0]: a for a in argv if (kv := _key_and_value(a))}
     out_dir = keys.get("trainer.out_dir")
     if out_dir is None:

@@ -6,7 +6,8 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from minitrain.config import ConfigError, _schema_keys, check_override_keys, command_line, compose_config, resolve
+from minitrain.config import (ConfigError, _schema_keys, check_override_keys, check_override_values, command_line,
+                              compose_config, resolve)
 
 
 def test_defaults_resolve():
@@ -135,6 +136,30 @@ def test_a_word_that_is_not_one_of_a_setting_s_choices_names_them(override, mess
     with pytest.raises(ConfigError) as err:
         check_override_keys(["trainer.device=cuda", "checkpointing.policy=every_k", override])
     assert str(err.value) == message
+
+
+@pytest.mark.parametrize("override, message", [
+    ("trainer.max_steps=lots", "trainer.max_steps: Value 'lots' of type 'str' could not be converted to Integer"),
+    ("trainer.max_steps=1.5", "trainer.max_steps: Value '1.5' of type 'float' could not be converted to Integer"),
+    ("model.bias=maybe", "model.bias: Value 'maybe' is not a valid bool (type str)"),
+    ("+trainer.lr=fast", "trainer.lr: Value 'fast' of type 'str' could not be converted to Float"),
+    ("optimizer.betas=[0.9,x]", "optimizer.betas: Value 'x' of type 'str' could not be converted to Float"),
+    ("trainer.lr=1e-3,big", "trainer.lr: Value 'big' of type 'str' could not be converted to Float"),  # each cell's
+    ("trainer.seed=choice(1,x)", "trainer.seed: Value 'x' of type 'str' could not be converted to Integer"),
+])
+def test_a_value_of_the_wrong_type_names_its_key_in_one_line(override, message):
+    with pytest.raises(ConfigError) as err:
+        check_override_values(["-m", "model=tiny", "trainer.max_steps=3", override])
+    assert str(err.value) == message
+
+
+def test_values_of_the_right_type_and_what_hydra_resolves_later_pass_the_value_check():
+    check_override_values([
+        "-m", "model=gpt2-124m", "precision=fp32,bf16", "trainer.max_steps=10", "+trainer.lr=1e-3,2e-3",
+        "optimizer.betas=[0.9,0.99]", "optimizer.betas.0=0.8", "logger.tags=[a,b]", "trainer.micro_batch=auto",
+        "trainer.warmup_steps=null", "trainer.out_dir='my run'", "data.paths='a=b,c'", "trainer.max_steps=range(1,3)",
+        "trainer.max_steps=${trainer.seed}", "hydra.run.dir=x", "hydra/job_logging=default", "~trainer.seed",
+        "trainer.max_steps=[", "model.dropout=0.1", "trainer.peak_flops=1e15", "model.bias=false"])
 
 
 @pytest.mark.parametrize("argv, run_dir", [

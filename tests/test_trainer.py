@@ -210,11 +210,15 @@ def test_a_run_dir_through_a_file_fails_at_start_in_one_line(tmp_path):
     assert f"error: trainer.out_dir: cannot use {tmp_path}/a-file/run as the run dir" in out.stderr
 
 
-def test_an_unknown_key_fails_before_hydra_in_one_line_naming_the_closest(tmp_path):
-    out = subprocess.run([sys.executable, str(REPO / "scripts" / "train.py"), "trainer.max_step=10"],
+@pytest.mark.parametrize("argv, error", [
+    (["trainer.max_step=10"], "trainer.max_step is not a setting of trainer; did you mean trainer.max_steps?"),
+    (["-m", "trainer.max_steps=10,lots"],  # a sweep stops before its first cell
+     "trainer.max_steps: Value 'lots' of type 'str' could not be converted to Integer"),
+])
+def test_an_unknown_key_or_a_mistyped_value_fails_before_hydra_in_one_line(tmp_path, argv, error):
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "train.py"), *argv],
                          cwd=tmp_path, capture_output=True, text=True, timeout=120)
-    assert (out.returncode, out.stderr) == \
-        (2, "error: trainer.max_step is not a setting of trainer; did you mean trainer.max_steps?\n")
+    assert (out.returncode, out.stderr) == (2, f"error: {error}\n")
     assert list(tmp_path.iterdir()) == []  # before Hydra made a run dir
 
 
