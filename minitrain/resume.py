@@ -130,9 +130,11 @@ class RunDirLock:
         self.out_dir = Path(out_dir)
         self.path = self.out_dir / LOCK
         self._fd: Optional[int] = None
+        self._made_file = False
 
     def acquire(self) -> None:
         make_run_dir(self.out_dir)
+        self._made_file = not self.path.exists()
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:  # a read-only run dir
@@ -147,9 +149,14 @@ class RunDirLock:
         self._fd = fd
         remove_stale_temporaries(self.out_dir)
 
-    def release(self) -> None:
+    def release(self, remove_file: bool = False) -> None:
+        """remove_file: also delete the lock file if acquire() made it, while still holding it (a run refused at
+        start leaves its dir as it found it, so an empty one can go). A finished run's file stays: deleting it
+        would let a process that opened it just before lock the deleted file beside one that makes a new one."""
         if self._fd is not None:
             os.ftruncate(self._fd, 0)  # a reader never sees a finished holder's pid
+            if remove_file and self._made_file:
+                self.path.unlink(missing_ok=True)
             os.close(self._fd)
             self._fd = None
 

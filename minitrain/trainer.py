@@ -235,7 +235,7 @@ class Trainer:
         try:
             self._build(cfg, run, phase)
         except BaseException:
-            self.close()
+            self.close(refused=True)
             raise
 
     def _build(self, cfg: Config, run: RunInfo, phase: Phase) -> None:
@@ -514,9 +514,10 @@ class Trainer:
         self.logger.print(f"sample:\n{text}")
         return text
 
-    def close(self) -> None:
+    def close(self, refused: bool = False) -> None:
+        """Release the run dir; refused (the run stopped before its first step): with the lock file it made."""
         if self.lock is not None:
-            self.lock.release()
+            self.lock.release(remove_file=refused)
             self.lock = None
 
 

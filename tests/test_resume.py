@@ -75,6 +75,21 @@ def test_the_lock_is_released_on_exit_and_excludes_a_second_holder_meanwhile(tmp
     assert (tmp_path / resume.LOCK).read_text() == ""  # no pid of a finished holder left to mislead
 
 
+def test_a_refused_run_removes_only_the_lock_file_it_made(tmp_path):
+    """So that the empty dir of a run refused at start can go; a file that was there, and a finished run's, stay."""
+    lock = resume.RunDirLock(tmp_path / "new")
+    lock.acquire()
+    lock.release(remove_file=True)
+    assert list((tmp_path / "new").iterdir()) == []
+    lock = resume.RunDirLock(tmp_path / "new")
+    lock.acquire()
+    lock.release()
+    again = resume.RunDirLock(tmp_path / "new")
+    again.acquire()
+    again.release(remove_file=True)
+    assert (tmp_path / "new" / resume.LOCK).exists()
+
+
 def test_a_run_dir_that_cannot_be_made_or_written_names_trainer_out_dir(tmp_path):
     (tmp_path / "a-file").write_text("")
     with pytest.raises(RunDirError, match=r"trainer\.out_dir: cannot use .*a-file/run as the run dir"):

@@ -247,6 +247,15 @@ def test_a_run_refused_at_start_leaves_no_run_dir(tmp_path, override, error):
     assert [p.relative_to(tmp_path) for p in tmp_path.rglob("*")] == [Path("runs")]
 
 
+def test_a_run_refused_after_it_took_its_run_dir_leaves_no_run_dir(data_cache, tmp_path):
+    """A resume refused once the run dir is locked (data loaded, model built) removes the lock file it made too."""
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "train.py"), "trainer.resume=nope",
+                          f"data.cache_dir={data_cache}", "logger.mode=disabled"],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert (out.returncode, out.stderr) == (2, "error: trainer.resume='nope': no checkpoint at nope\n")
+    assert [p.relative_to(tmp_path) for p in tmp_path.rglob("*")] == [Path("runs")]
+
+
 def test_bad_config_fails_at_start_with_the_key(tmp_path):
     out = subprocess.run([sys.executable, str(REPO / "scripts" / "train.py"), "model.n_head=5",
                           f"hydra.run.dir={tmp_path}"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
