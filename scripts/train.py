@@ -6,6 +6,7 @@ from pathlib import Path
 import hydra
 from hydra.core.hydra_config import HydraConfig
 from omegaconf import DictConfig
+from omegaconf.errors import OmegaConfBaseException
 
 from minitrain.compile_check import CompileMismatchError
 from minitrain.config import ConfigError, command_line, register_configs
@@ -19,10 +20,18 @@ register_configs()
 ABORTED_EXIT_CODE = 130  # 128 + SIGINT, as a shell reports a process that Ctrl-C ended
 
 
+def run_dir(cfg: DictConfig, hydra_dir: str) -> str:
+    """The run's dir, trainer.out_dir as the trainer expands it; Hydra's run dir where it does not resolve."""
+    try:
+        return str(Path(cfg.trainer.out_dir).expanduser())
+    except OmegaConfBaseException:
+        return hydra_dir
+
+
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
 def main(cfg: DictConfig) -> str | None:
     """None, or in a -m sweep the message of a cell that could not run (minitrain/sweep.py reports it)."""
-    run = RunInfo.from_hydra()
+    run, runtime = RunInfo.from_hydra(), HydraConfig.get().runtime
     try:
         train(cfg, run)
     except TrainingInterrupted as e:
@@ -31,18 +40,20 @@ def main(cfg: DictConfig) -> str | None:
         sys.exit(e.exit_code)
     except KeyboardInterrupt:  # Ctrl-C before fit's own handler is on (data, tokenizer, compile), or a second one
         print(f"minitrain: aborted (Ctrl-C) without saving a checkpoint; any saved before in "
-              f"{HydraConfig.get().runtime.output_dir} are kept", file=sys.stderr)
+              f"{run_dir(cfg, runtime.output_dir)} are kept", file=sys.stderr)
         sys.exit(ABORTED_EXIT_CODE)
     except (ConfigError, DataError, RunDirError, NonFiniteLossError, CompileMismatchError) as e:
         # A user-facing problem: one clear line, not a traceback.
         print(f"error: {e}", file=sys.stderr)
         if run.group is not None:
             if not isinstance(e, RunDirBusyError):  # a busy dir is another run's: its record stays as it is
-                run.write_failure(Path(HydraConfig.get().runtime.output_dir), str(e))
+                run.write_failure(Path(runtime.output_dir), str(e))
             return str(e)  # the next cells still run; the sweep's end names this one and exits non-zero
-        runtime = HydraConfig.get().runtime
-        remove_if_empty(Path(runtime.output_dir), below=Path(runtime.cwd) / "runs")  # Hydra made it: no trace
         sys.exit(FAILED_CELL_EXIT_CODE)
+    finally:  # Hydra made its run dir before any code of ours ran: a refused run, or one whose trainer.out_dir is
+        # elsewhere (command_line cannot point Hydra at an interpolated one), leaves it empty, and then no trace
+        if run.group is None:
+            remove_if_empty(Path(runtime.output_dir), below=Path(runtime.cwd) / "runs")
     return None
 
 

@@ -222,15 +222,20 @@ def test_an_unknown_key_or_a_mistyped_value_fails_before_hydra_in_one_line(tmp_p
     assert list(tmp_path.iterdir()) == []  # before Hydra made a run dir
 
 
-def test_trainer_out_dir_is_the_only_dir_a_run_makes(data_cache, tmp_path):
+@pytest.mark.parametrize("out_dir, run_dir, made", [
+    ("myrun", "myrun", ["myrun"]),
+    # an interpolation Hydra's run dir cannot follow: runs/<date>/<time>/ is made, and goes again at the end
+    ("myrun/${trainer.seed}", "myrun/1337", ["myrun", "runs"]),
+])
+def test_trainer_out_dir_is_the_only_dir_a_run_makes(data_cache, tmp_path, out_dir, run_dir, made):
     """Hydra makes its run dir (runs/<date>/<time>/ by default) before the trainer reads trainer.out_dir."""
-    out = subprocess.run([sys.executable, str(REPO / "scripts" / "train.py"), "trainer.out_dir=myrun",
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "train.py"), f"trainer.out_dir={out_dir}",
                           "trainer.max_steps=1", "trainer.batch_size=2", "model.n_layer=1", "model.block_size=32",
                           "trainer.eval_batches=1", "trainer.sample_tokens=0", f"data.cache_dir={data_cache}",
                           "logger.mode=disabled"], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
-    assert [p.name for p in tmp_path.iterdir()] == ["myrun"]
-    assert (tmp_path / "myrun" / "metrics.jsonl").exists() and (tmp_path / "myrun" / "checkpoints").is_dir()
+    assert sorted(p.name for p in tmp_path.iterdir()) == made and not list((tmp_path / "runs").glob("*"))
+    assert (tmp_path / run_dir / "metrics.jsonl").exists() and (tmp_path / run_dir / "checkpoints").is_dir()
 
 
 @pytest.mark.parametrize("override, error", [
@@ -544,12 +549,12 @@ def test_ctrl_c_before_training_or_a_second_one_ends_in_one_line(tmp_path):
     stopped = ("import runpy, sys\nimport minitrain.trainer\n"
                "def interrupted(cfg, run):\n    raise KeyboardInterrupt\n"
                "minitrain.trainer.train = interrupted\n"
-               f"sys.argv = ['train.py', 'hydra.run.dir={tmp_path / 'run'}']\n"
+               f"sys.argv = ['train.py', 'trainer.out_dir={tmp_path}/run/${{trainer.seed}}']\n"
                f"runpy.run_path({str(REPO / 'scripts' / 'train.py')!r}, run_name='__main__')\n")
     out = subprocess.run([sys.executable, "-c", stopped], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert out.returncode == 130, out.stderr[-2000:]
-    assert out.stderr.strip().splitlines()[-1] == (
-        f"minitrain: aborted (Ctrl-C) without saving a checkpoint; any saved before in {tmp_path / 'run'} are kept")
+    assert out.stderr.strip().splitlines()[-1] == (  # the run's dir, not the one Hydra made before it resolved
+        f"minitrain: aborted (Ctrl-C) without saving a checkpoint; any saved before in {tmp_path}/run/1337 are kept")
     assert "Traceback" not in out.stderr
 
 
