@@ -3,7 +3,7 @@
 The dataclasses are registered in Hydra's ConfigStore as the schema of `configs/config.yaml`, so an
 unknown key or a value of the wrong type fails while Hydra composes the config, naming the key; the
 command line is checked against the same schema before that (`check_override_keys`,
-`check_override_values`), in one line that names the closest settings.
+`check_override_values`), in one line naming the key (and, for an unknown one, the closest settings).
 Checks that need more than a type (ranges, combinations) live in `__post_init__`, which runs when
 `resolve()` turns the composed config into these objects, before any work starts.
 """
@@ -407,6 +407,11 @@ def _key_and_value(override: str) -> Optional[tuple[str, str]]:
     return key.lstrip("+"), value
 
 
+def _hydras_own(key: str) -> bool:
+    """A key the schema does not type: Hydra's own (hydra.*), a group path (hydra/launcher), a package (@)."""
+    return not key or "/" in key or "@" in key or key.split(".")[0] == "hydra"
+
+
 def check_override_keys(overrides: list[str]) -> None:
     """Each `key=value` of the command line must name a setting of the typed config: an unknown one raises
     ConfigError naming the closest settings (Hydra's own message, written for untyped configs, advises a `+`
@@ -417,7 +422,7 @@ def check_override_keys(overrides: list[str]) -> None:
     them: the same one line as the other checks, where Hydra's message takes six or more and exits 1."""
     for key, value in filter(None, map(_key_and_value, overrides)):
         parts = key.split(".")
-        if not key or "/" in key or "@" in key or parts[0] == "hydra":
+        if _hydras_own(key):
             continue
         schema = Config
         for i, part in enumerate(parts):
@@ -459,7 +464,7 @@ def check_override_values(overrides: list[str]) -> None:
     schema, parser = OmegaConf.structured(Config), OverridesParser.create()
     for override in overrides:
         key, value = _key_and_value(override) or ("", "")
-        if "." not in key or "/" in key or "@" in key or key.startswith("hydra.") or "${" in value:
+        if _hydras_own(key) or "." not in key or "${" in value:  # no dot: a group's option (model=tiny)
             continue
         try:
             parsed = parser.parse_override(override)
@@ -480,11 +485,12 @@ def check_override_values(overrides: list[str]) -> None:
 
 def command_line(argv: list[str]) -> list[str]:
     """scripts/train.py's arguments, checked and completed before Hydra reads them: an unknown key or a value
-    of the wrong type raises ConfigError (check_override_keys, check_override_values). A single run given trainer.out_dir=X (and no hydra.run.dir) gets
-    hydra.run.dir=X too: Hydra makes its run dir before any code of ours runs, so the default
-    runs/<date>/<time>/ would be left behind empty, and the Ctrl-C message and the wandb run's name, which
-    read Hydra's run dir, would name it. A -m sweep given one fixed trainer.out_dir raises: every cell would
-    write to that one directory, and each after the first would refuse to overwrite the first's checkpoints."""
+    of the wrong type raises ConfigError (check_override_keys, check_override_values). A single run given
+    trainer.out_dir=X (and no hydra.run.dir) gets hydra.run.dir=X too: Hydra makes its run dir before any code
+    of ours runs, so the default runs/<date>/<time>/ would be left behind empty, and the wandb run's name,
+    which reads Hydra's run dir, would name it. A -m sweep given one fixed trainer.out_dir raises: every cell
+    would write to that one directory, and each after the first would refuse to overwrite the first's
+    checkpoints."""
     check_override_keys(argv)
     check_override_values(argv)
     keys = {kv[0]: a for a in argv if (kv := _key_and_value(a))}

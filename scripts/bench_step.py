@@ -546,7 +546,7 @@ def main() -> None:
                 except Exception as e:
                     traceback.print_exc()
                     row["error"] = f"{type(e).__name__}: {e}"[:300]
-            for i, (name, recipe, recipe_extra) in enumerate(variants):
+            for i, (name, recipe, _) in enumerate(variants):
                 row = rows[name]
                 if "error" in row:
                     continue
