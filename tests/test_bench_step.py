@@ -270,6 +270,23 @@ def test_the_baseline_is_the_fastest_reference_that_computes_the_same_loss():
     assert bench_step.baselines([compiled]) == (None, compiled)
 
 
+def test_memory_is_set_beside_a_reference_that_computes_the_same_loss():
+    """gpt2-774m: the compiled reference fails the first-loss check, so its smaller peak is no baseline."""
+    from minitrain.compile_check import TOLERANCE as tol
+
+    def row(name, tokens_per_s, first_loss, reserved):
+        return {"recipe": name, "tokens_per_s": tokens_per_s, "first_loss": first_loss, "first_loss_eager": 11.0,
+                "peak_reserved_gb": reserved}
+
+    compiled, eager = row("reference", 50.0, 11.0 - 2 * tol, 37.7), row("reference eager", 40.0, 11.0, 48.4)
+    ref, _ = bench_step.baselines([compiled, eager])
+    assert bench_step.memory_baseline(ref, [compiled, eager]) is eager
+    graphed = row("reference graphed", 60.0, 11.0, None)  # built after ours: its peaks are our pool's
+    ref, _ = bench_step.baselines([graphed, eager])
+    assert ref is graphed and bench_step.memory_baseline(ref, [graphed, eager]) is eager
+    assert bench_step.memory_baseline(None, [compiled]) is None
+
+
 def test_every_recipes_batch_is_probed_before_this_process_holds_gpu_memory(monkeypatch, tmp_path):
     """The probes run in child processes on the same GPU: one that runs while a recipe's trainer (or the cache
     it leaves) holds this process's memory finds too little free and reads 'does not fit' at every batch."""
