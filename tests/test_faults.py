@@ -41,6 +41,7 @@ POLL_S = 0.001  # a save's temporary lasts as long as a small file's write and f
 SAVE_WATCH_S = 0.2  # the longest a poll watches one save for the moment between its renames
 START_TIMEOUT_S = 300
 EXTRA_KILLS = 6  # retries for a kill that timing made miss its aim
+RUNS_FOR_AIMS = 3  # killed runs, each in a fresh dir, until every aim has landed in one of them
 
 
 def train_args(corpus: Path, data_cache: Path, max_steps: int, *extra: str) -> list[str]:
@@ -258,6 +259,7 @@ def observe(aim: str, run_dir: Path, temps_before: set[str]) -> Kill:
 
 
 AIM_GOAL = {"save": "inside_save", "publish": "latest_gone", "mid_window": "mid_window", "at_log_step": "at_log_step"}
+GOAL_AIM = {goal: aim for aim, goal in AIM_GOAL.items()}  # a goal not here is a random moment's: "delay"
 
 
 def missed(needed: list[str], kills: list[Kill]) -> list[str]:
@@ -269,13 +271,14 @@ def train_with_kills(server: TrainServer, args: list[str], run_dir: Path, aims: 
     """Start, kill as `aims` says, restart with resume=auto, until a start finishes. Up to EXTRA_KILLS more
     kills make up for timing: a kill that missed its aim is tried again at once, and what of `needed` (Kill
     fields) is still missing when the plan is done is aimed at. Every start must resume from the checkpoint
-    the kill before it left (a killed process's lock is the kernel's to release, so every start gets it)."""
+    the kill before it left (a killed process's lock is the kernel's to release, so every start gets it). A
+    start can still finish before every aim has landed (the moment between a save's renames is short, and a
+    loaded CPU polls it less often): the caller then runs again for what is missing."""
     rng, kills, planned, extra = random.Random(seed), [], list(aims), EXTRA_KILLS
-    goal_aims = {goal: aim for aim, goal in AIM_GOAL.items()}
     log = run_dir / "train.log"
     while True:
         if not planned and missed(needed, kills) and extra:
-            planned.append(goal_aims.get(missed(needed, kills)[0], "delay"))
+            planned.append(GOAL_AIM.get(missed(needed, kills)[0], "delay"))
             extra -= 1
         aim = planned.pop(0) if planned else None
         expected = kills[-1] if kills else None
@@ -296,7 +299,6 @@ def train_with_kills(server: TrainServer, args: list[str], run_dir: Path, aims: 
         if aim in AIM_GOAL and not getattr(kills[-1], AIM_GOAL[aim]) and extra:
             planned.insert(0, aim)
             extra -= 1
-    assert not missed(needed, kills), f"no kill achieved {missed(needed, kills)}: {kills}"
     assert not temporaries(run_dir), "the temporaries of killed saves outlive the next start"
     return kills
 
@@ -332,6 +334,14 @@ def test_killed_and_resumed_until_done_equals_an_unbroken_run(server, corpus, da
     assert code == 0, console_path(tmp_path / "straight").read_text()[-3000:]
     step_s = statistics.median(r["perf/step_ms"] for r in strict_records(tmp_path / "straight" / "metrics.jsonl")
                                if "perf/step_ms" in r) / 1e3  # the scale of the random delays
-    kills = train_with_kills(server, args, tmp_path / "killed", aims, needed, seed, step_s, max_steps)
-    print(*kills, sep="\n")  # pytest shows it when an assertion below fails
-    assert_same_run(tmp_path / "straight", tmp_path / "killed", max_steps)
+    kills: list[Kill] = []
+    for attempt in range(RUNS_FOR_AIMS):  # each killed run must end as the unbroken one did
+        still = missed(needed, kills)
+        plan = aims if attempt == 0 else [GOAL_AIM.get(goal, "delay") for goal in still]
+        run_dir = tmp_path / f"killed-{attempt}"
+        kills += (new := train_with_kills(server, args, run_dir, plan, still, seed + attempt, step_s, max_steps))
+        print(f"{run_dir.name}:", *new, sep="\n")  # pytest shows it when an assertion below fails
+        assert_same_run(tmp_path / "straight", run_dir, max_steps)
+        if not missed(needed, kills):
+            break
+    assert not missed(needed, kills), f"no kill achieved {missed(needed, kills)}: {kills}"
