@@ -2,7 +2,7 @@ import json
 import subprocess
 import sys
 
-from minitrain.tools.report import PLOTS_SKIPPED, load_sweep, write_report
+from minitrain.tools.report import PLOTS_SKIPPED, RSS_NOTE, load_sweep, write_report
 
 from conftest import REPO
 
@@ -56,6 +56,20 @@ def test_report_from_fabricated_sweep(tmp_path):
     assert "| precision=bf16,checkpointing=full | 2,500 | 25.0% | 31.2% | 2.000 | 2.200 | 0.909 | 3.0000 |" in md
     for name in ("throughput_vs_memory", "memory_breakdown"):
         assert files[name].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_a_cpu_runs_rss_is_shown_as_such_and_not_divided_into_the_prediction(tmp_path):
+    fabricate_sweep(tmp_path)
+    cpu = tmp_path / "1_precision=bf16,checkpointing=full" / "memory.json"
+    memory = json.loads(cpu.read_text())
+    memory["mem/rss_gb"] = memory.pop("mem/peak_allocated_gb")
+    cpu.write_text(json.dumps(memory))
+    cells, _ = load_sweep(tmp_path)
+    assert [c.measured_is_rss for c in cells] == [False, True] and cells[1].measured_gb == 2.2
+    md = write_report(tmp_path, out_dir=tmp_path / "out", wandb_mode=None)["report"].read_text()
+    assert "| precision=fp32,checkpointing=none | 1,000 | 10.0% | 12.5% | 6.000 | 5.500 | 1.091 | 3.0000 |" in md
+    assert "| precision=bf16,checkpointing=full | 2,500 | 25.0% | 31.2% | 2.000 | 2.200 (RSS) | — | 3.0000 |" in md
+    assert RSS_NOTE in md
 
 
 def test_report_without_matplotlib_writes_the_table(tmp_path, monkeypatch):
