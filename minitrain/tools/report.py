@@ -196,9 +196,9 @@ def plot_memory_breakdown(cells: list[Cell], path: Path) -> Path:
                    label="measured: process RSS (CPU)" if rss else "measured peak")
     ax.set_xticks(list(x), [c.name for c in cells], rotation=35, ha="right", fontsize=7)
     ax.set(ylabel="GB", title="Peak memory by term (predicted) and measured")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars: none hidden
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
     plt.close(fig)
     return path
 
