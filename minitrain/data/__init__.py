@@ -1,0 +1,15 @@
+"""Corpus -> tokenizer -> token shards (prepared once, cached) -> batches of random windows.
+
+    corpus.py    where the documents come from (local files, a hub dataset streamed) and which split each is in
+    prepare.py   the tokenizer and the shards, built in a resumable, bounded-memory pass and cached
+    shards.py    the shard files, their index and checks, and a split read back as one token stream
+    batches.py   a step's windows, a pure function of (seed, step), prefetched to the device
+"""
+
+from .batches import Batches, DeviceBatches
+from .corpus import DataError, stdlib_files
+from .prepare import cache_path, prepare_data
+from .shards import TokenData, TokenStream
+
+__all__ = ["Batches", "DeviceBatches", "DataError", "TokenData", "TokenStream", "cache_path", "prepare_data",
+           "stdlib_files"]
