@@ -143,7 +143,7 @@ class DataConfig:
     vocab_size: int = 4096  # tokenizer=train only
     # tokenizer=train learns its merges from at most this many MB of the corpus (evenly spaced over local files,
     # the first MB of a hub stream), so its memory and time do not grow with the corpus.
-    tokenizer_sample_mb: int = 256
+    tokenizer_sample_mb: int = 64
     # Each document goes to validation with this probability, decided by a hash of its text.
     val_fraction: float = 0.005
     shard_tokens: int = 1 << 26  # tokens per shard file (the last of each split holds the rest)

@@ -138,24 +138,31 @@ def _rows(tokenizer, example: HellaSwagExample, block_size: int) -> list[tuple[l
 
 
 @torch.no_grad()
+def ending_losses(logits_fn: LogitsFn, tokenizer, examples: Sequence[HellaSwagExample], block_size: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The summed and the mean loss of each ending of `examples`, in order, from one forward of all their rows
+    (right-padded: a causal model's earlier positions do not see the padding)."""
+    rows = [row for example in examples for row in _rows(tokenizer, example, block_size)]
+    width = max(len(row) for row, _ in rows)
+    ids = torch.zeros((len(rows), width), dtype=torch.int64)
+    mask = torch.zeros((len(rows), width - 1))
+    for r, (row, start) in enumerate(rows):
+        ids[r, :len(row)] = torch.tensor(row)
+        mask[r, start - 1:len(row) - 1] = 1  # the positions whose targets are the ending's tokens
+    ids, mask = ids.to(device), mask.to(device)
+    logits = logits_fn(ids[:, :-1]).float()
+    losses = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="none").view_as(mask)
+    summed = (losses * mask).sum(1)
+    return summed, summed / mask.sum(1)
+
+
 def hellaswag(logits_fn: LogitsFn, tokenizer, examples: Sequence[HellaSwagExample], block_size: int,
               device: torch.device, batch_examples: int = 8) -> dict[str, float]:
-    """Accuracy over `examples`, with the mean (`acc_norm`) and the summed (`acc`) loss of each ending."""
+    """Accuracy over `examples`, picking the ending of lowest mean (`acc_norm`) and summed (`acc`) loss."""
     right_norm = right_sum = 0
     for first in range(0, len(examples), batch_examples):
         batch = examples[first:first + batch_examples]
-        rows = [row for example in batch for row in _rows(tokenizer, example, block_size)]
-        width = max(len(row) for row, _ in rows)
-        ids = torch.zeros((len(rows), width), dtype=torch.int64)
-        mask = torch.zeros((len(rows), width - 1))
-        for r, (row, start) in enumerate(rows):
-            ids[r, :len(row)] = torch.tensor(row)
-            mask[r, start - 1:len(row) - 1] = 1  # the positions whose targets are the ending's tokens
-        ids, mask = ids.to(device), mask.to(device)
-        logits = logits_fn(ids[:, :-1]).float()
-        losses = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="none").view_as(mask)
-        summed = (losses * mask).sum(1)
-        mean = summed / mask.sum(1)
+        summed, mean = ending_losses(logits_fn, tokenizer, batch, block_size, device)
         at = 0
         for example in batch:
             n = len(example.endings)

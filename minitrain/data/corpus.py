@@ -24,8 +24,8 @@ from ..config import DataConfig, DataSource, error_reason
 
 DOC_CHARS = 1 << 20
 # Documents are encoded in chunks of at most this many characters: many chunks keep every core busy in one
-# encode_batch call. A chunk ends at a newline that follows a non-space character, a place where the byte-level
-# pre-tokenizer splits the text anyway, so the chunks' tokens are the whole document's.
+# encode_batch call. A chunk ends where the byte-level pre-tokenizer splits the text anyway (before whitespace
+# that follows a non-space character), so the chunks' tokens are the whole document's.
 CHUNK_CHARS = 1 << 16
 # Characters per encode_batch call: its encodings hold ~100 bytes per token until they are written.
 BATCH_CHARS = 1 << 23
@@ -47,8 +47,8 @@ def is_validation(text: bytes, val_fraction: float) -> bool:
 
 
 def cut(read: Callable[[int], str], limit: int) -> Iterator[str]:
-    """The text `read(n)` returns, in consecutive pieces of at most `limit` characters, each ending at a line end
-    where one is in its second half (`_line_end`); together they are the whole text."""
+    """The text `read(n)` returns, in consecutive pieces of at most `limit` characters, each ending before a line
+    end where one is in its second half (`_line_end`); together they are the whole text."""
     carry = ""
     while True:
         block = carry + read(limit - len(carry))
@@ -61,16 +61,22 @@ def cut(read: Callable[[int], str], limit: int) -> Iterator[str]:
         carry = block[end:]
 
 
+def chunks(text: str) -> Iterator[str]:
+    """A document in the pieces it is encoded in: CHUNK_CHARS at most, tokenized as the whole would be."""
+    return cut(io.StringIO(text).read, CHUNK_CHARS)
+
+
 def _line_end(block: str) -> int:
-    """Where to end a full block: after the last newline of its second half that follows a non-space character
-    (the byte-level pre-tokenizer always splits there, so both sides tokenize as they would together), else after
-    its second half's last newline, else at its end."""
-    half, pos = len(block) // 2, len(block)
-    while (pos := block.rfind("\n", half, pos)) > half:
-        if not block[pos - 1].isspace():
-            return pos
-    last = block.rfind("\n", half)
-    return last + 1 if last >= 0 else len(block)
+    """Where to end a full block: before the last newline of its second half that follows a non-space character,
+    else before such a space, else at its end. GPT-2's pre-tokenizer splits text between a non-space character
+    and the whitespace after it whatever follows, so the two sides tokenize as they would together."""
+    half = len(block) // 2
+    for separator in ("\n", " "):
+        pos = len(block)
+        while (pos := block.rfind(separator, half, pos)) > half:
+            if not block[pos - 1].isspace():
+                return pos
+    return len(block)
 
 
 @dataclass
@@ -192,7 +198,7 @@ class LocalFiles:
         evenly spaced over it (whole lines), so a large corpus is sampled throughout, not only its first files."""
         if self.total_bytes <= max_bytes:
             for text, *_ in self._documents({"doc": 0, "piece": 0}):
-                yield from cut(io.StringIO(text).read, CHUNK_CHARS)
+                yield from chunks(text)
             return
         starts = [0]
         for size in self.sizes:
@@ -206,7 +212,7 @@ class LocalFiles:
                 text = f.read(DOC_CHARS).decode("utf-8", "replace")
             if offset > starts[doc]:  # a window that starts inside a line leaves that line out
                 text = text[text.find("\n") + 1:]
-            yield from cut(io.StringIO(text[:text.rfind("\n") + 1] or text).read, CHUNK_CHARS)
+            yield from chunks(text[:text.rfind("\n") + 1] or text)
 
 
 # -- a hub dataset, streamed ------------------------------------------------------------------------------------
@@ -250,7 +256,7 @@ class HubStream:
         """The stream's first `max_bytes` (its length is not known ahead)."""
         seen = 0
         for text, *_ in self._rows(0):
-            yield from cut(io.StringIO(text).read, CHUNK_CHARS)
+            yield from chunks(text)
             seen += len(text)
             if seen >= max_bytes:
                 return

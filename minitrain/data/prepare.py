@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import errno
 import hashlib
-import io
 import json
 import os
 import shutil
@@ -30,7 +29,7 @@ from typing import Any, Callable, Optional
 import numpy as np
 
 from ..config import DataConfig, error_reason
-from .corpus import CHUNK_CHARS, DataError, LocalFiles, HubStream, corpus_identity, cut, open_corpus
+from .corpus import DataError, HubStream, LocalFiles, chunks, corpus_identity, open_corpus
 from .shards import (FORMAT, INDEX, TOKENIZER, ShardWriter, TokenData, UnusableCache, open_cache, token_dtype,
                      vocab_size_of)
 
@@ -125,11 +124,11 @@ def encode_documents(tokenizer, docs: list[tuple[str, int, bool]], eot: int,
                      dtype: np.dtype) -> tuple[dict[str, np.ndarray], int]:
     """Each split's tokens of the documents (text, bytes, is it validation), each ended by `eot`, in one
     encode_batch call over their chunks; and the token count of the last training document."""
-    chunks, ends = [], []
+    pieces, ends = [], []
     for text, _, _ in docs:
-        chunks.extend(cut(io.StringIO(text).read, CHUNK_CHARS))
-        ends.append(len(chunks))
-    encodings = tokenizer.encode_batch_fast(chunks, add_special_tokens=False)
+        pieces.extend(chunks(text))
+        ends.append(len(pieces))
+    encodings = tokenizer.encode_batch_fast(pieces, add_special_tokens=False)
     ids, last_train, first = {"train": [], "val": []}, 0, 0
     for (_, _, validation), end in zip(docs, ends):
         doc = [e.ids for e in encodings[first:end]] + [[eot]]
