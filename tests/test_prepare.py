@@ -235,7 +235,7 @@ def stop_at_call(monkeypatch, owner, name: str, n: int, stop: BaseException, par
 
 
 @pytest.mark.parametrize("where, stop, partial", [
-    ("encode_documents", KeyboardInterrupt(), False),  # Ctrl-C while a batch is encoded
+    ("token_ids", KeyboardInterrupt(), False),  # Ctrl-C while a batch is encoded
     ("append", KeyboardInterrupt(), True),  # mid-write: tokens on disk beyond the last record
     ("append", OSError(28, "No space left on device"), True),  # a full disk, mid-write
     ("_record", KeyboardInterrupt(), False),  # tokens on disk, their record not written
@@ -245,7 +245,7 @@ def test_a_stopped_preparation_continues_to_the_same_shards(tmp_path, small_piec
                                                             partial, nth):
     cfg = code_corpus(tmp_path)
     expected = build_uninterrupted(cfg, tmp_path)
-    owner = {"encode_documents": prepare_mod, "append": ShardWriter, "_record": prepare_mod._Preparation}[where]
+    owner = {"token_ids": prepare_mod, "append": ShardWriter, "_record": prepare_mod._Preparation}[where]
     with monkeypatch.context() as m:
         stop_at_call(m, owner, where, nth, stop, partial)
         notes = []
@@ -296,11 +296,11 @@ from minitrain.config import DataConfig
 from minitrain.data import corpus, prepare, prepare_data
 for name, value in {small}.items():
     setattr(corpus, name, value)
-encode = prepare.encode_documents
+token_ids = prepare.token_ids
 def slow(*args):
     time.sleep(0.05)
-    return encode(*args)
-prepare.encode_documents = slow
+    return token_ids(*args)
+prepare.token_ids = slow
 prepare_data(DataConfig(name="files", source="files", paths=sys.argv[1], vocab_size=400, cache_dir=sys.argv[2],
                         val_fraction=0.25, shard_tokens=1024), block_size=16, progress=False)
 """
@@ -360,7 +360,7 @@ def test_a_hub_dataset_is_streamed_into_the_reference_shards_and_continued_exact
                      cache_dir=str(tmp_path / "cache"), val_fraction=0.25, shard_tokens=1024)
     expected = build_uninterrupted(cfg, tmp_path)
     with monkeypatch.context() as m:
-        stop_at_call(m, prepare_mod, "encode_documents", 4, KeyboardInterrupt())
+        stop_at_call(m, prepare_mod, "token_ids", 4, KeyboardInterrupt())
         with pytest.raises(KeyboardInterrupt):
             prepare_data(cfg, block_size=16, progress=False)
     state = json.loads(next(Path(cfg.cache_dir).glob("*.tmp/progress.json")).read_text())

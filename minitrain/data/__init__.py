@@ -6,10 +6,19 @@
     batches.py   a step's windows, a pure function of (seed, step), prefetched to the device
 """
 
-from .batches import Batches, DeviceBatches
 from .corpus import DataError, stdlib_files
 from .prepare import cache_path, prepare_data
 from .shards import TokenData, TokenStream
 
 __all__ = ["Batches", "DeviceBatches", "DataError", "TokenData", "TokenStream", "cache_path", "prepare_data",
            "stdlib_files"]
+
+
+def __getattr__(name: str):
+    """Batches and DeviceBatches, imported on first use: they need torch, which preparing data does not (its
+    import alone takes seconds and a quarter GB)."""
+    if name in ("Batches", "DeviceBatches"):
+        from . import batches
+
+        return getattr(batches, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -3,7 +3,7 @@
     1. the tokenizer: a byte-level BPE trained on a bounded sample of the corpus, or a pretrained one
     2. the corpus streamed in batches of documents, each batch encoded on all cores (the tokenizers library's
        encode_batch: threads of this process, so a killed preparation leaves no worker behind) and appended to
-       its split's shards; memory holds one batch, whatever the corpus's size
+       its split's shards; memory holds two batches, whatever the corpus's size
     3. after each batch, a progress record (progress.json): where the corpus continues, each split's length.
        A preparation stopped at any moment (Ctrl-C, SIGKILL, a full disk) is continued by the next run from its
        last record, and its shards are bit for bit those of a preparation never stopped
@@ -22,14 +22,15 @@ import os
 import shutil
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from itertools import chain
 from pathlib import Path
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
 from ..config import DataConfig, error_reason
-from .corpus import DataError, HubStream, LocalFiles, chunks, corpus_identity, open_corpus
+from .corpus import Batch, DataError, HubStream, LocalFiles, chunks, corpus_identity, open_corpus
 from .shards import (FORMAT, INDEX, TOKENIZER, ShardWriter, TokenData, UnusableCache, open_cache, token_dtype,
                      vocab_size_of)
 
@@ -120,15 +121,19 @@ def train_tokenizer(chunks, vocab_size: int, progress: bool):
     return tok
 
 
-def encode_documents(tokenizer, docs: list[tuple[str, int, bool]], eot: int,
-                     dtype: np.dtype) -> tuple[dict[str, np.ndarray], int]:
-    """Each split's tokens of the documents (text, bytes, is it validation), each ended by `eot`, in one
-    encode_batch call over their chunks; and the token count of the last training document."""
+def _chunked(docs: list[tuple[str, int, bool]]) -> tuple[list[str], list[int]]:
+    """The documents' chunks, and after which chunk each document ends."""
     pieces, ends = [], []
     for text, _, _ in docs:
         pieces.extend(chunks(text))
         ends.append(len(pieces))
-    encodings = tokenizer.encode_batch_fast(pieces, add_special_tokens=False)
+    return pieces, ends
+
+
+def token_ids(encodings, docs: list[tuple[str, int, bool]], ends: list[int], eot: int,
+              dtype: np.dtype) -> tuple[dict[str, np.ndarray], int]:
+    """Each split's tokens of the documents (text, bytes, is it validation), each ended by `eot`, from their
+    chunks' encodings; and the token count of the last training document."""
     ids, last_train, first = {"train": [], "val": []}, 0, 0
     for (_, _, validation), end in zip(docs, ends):
         doc = [e.ids for e in encodings[first:end]] + [[eot]]
@@ -138,6 +143,22 @@ def encode_documents(tokenizer, docs: list[tuple[str, int, bool]], eot: int,
         first = end
     return {split: np.fromiter(chain.from_iterable(chain.from_iterable(d)), dtype=dtype)
             for split, d in ids.items()}, last_train
+
+
+def encoded(batches: Iterator[Batch], tokenizer, eot: int, dtype: np.dtype) -> Iterator[tuple[Batch, dict, int]]:
+    """Each batch with its token ids (`token_ids`). A batch is encoded on all cores (encode_batch, which releases
+    the GIL) in a thread while the previous one is turned into ids and written and the next one is read: the
+    Python work hides behind the tokenizer's, and memory holds two batches' encodings at most."""
+    with ThreadPoolExecutor(1, thread_name_prefix="encode") as encoder:
+        pending = None
+        for batch in batches:
+            pieces, ends = _chunked(batch.docs)
+            submitted = batch, ends, encoder.submit(tokenizer.encode_batch_fast, pieces, add_special_tokens=False)
+            if pending is not None:
+                yield pending[0], *token_ids(pending[2].result(), pending[0].docs, pending[1], eot, dtype)
+            pending = submitted
+        if pending is not None:
+            yield pending[0], *token_ids(pending[2].result(), pending[0].docs, pending[1], eot, dtype)
 
 
 def _eot_id(tokenizer, cfg: DataConfig) -> int:
@@ -235,8 +256,7 @@ class _Preparation:
         started, tokens = time.monotonic(), 0
         with tqdm(total=corpus.total_bytes, initial=state["bytes"], unit="B", unit_scale=True, desc="tokenizing",
                   disable=not self.progress, dynamic_ncols=True) as bar:
-            for batch in corpus.batches(state["cursor"]):
-                ids, last_train = encode_documents(tokenizer, batch.docs, eot, dtype)
+            for batch, ids, last_train in encoded(corpus.batches(state["cursor"]), tokenizer, eot, dtype):
                 for split, writer in writers.items():
                     if len(ids[split]):
                         writer.append(ids[split])
