@@ -81,11 +81,24 @@ def test_shards_hold_the_reference_tokens(tmp_path, small_pieces):
     index = json.loads((data.path / "index.json").read_text())
     for split, stream in (("train", data.train), ("val", data.val)):
         records = index["splits"][split]["shards"]
+        assert len(records) == -(-len(stream) // cfg.shard_tokens)
         assert [r["tokens"] for r in records[:-1]] == [cfg.shard_tokens] * (len(records) - 1)
         assert [r["max_token"] for r in records] == [int(s.max()) for s in stream.shards]
     assert index["dtype"] == "uint16" and data.train.dtype == np.uint16
     assert sorted(p.name for p in data.path.iterdir()) == sorted(
         ["index.json", "tokenizer.json"] + [r["file"] for s in ("train", "val") for r in index["splits"][s]["shards"]])
+
+
+def test_a_documents_chunks_tokenize_as_the_whole_document(data_cache, monkeypatch):
+    """With the stdlib's 4096-token BPE, whose merges span newlines and indentation: a cut anywhere else than
+    before whitespace that follows a non-space character changes the tokens around it."""
+    tokenizer = prepare_data(DataConfig(cache_dir=str(data_cache)), progress=False).tokenizer
+    monkeypatch.setattr(corpus_mod, "CHUNK_CHARS", 300)
+    for name in MODULES:
+        text = (Path(os.__file__).parent / f"{name}.py").read_text()
+        pieces = list(corpus_mod.chunks(text))
+        assert len(pieces) > 2 and "".join(pieces) == text
+        assert [i for piece in pieces for i in tokenizer.encode(piece).ids] == tokenizer.encode(text).ids, name
 
 
 def test_cut_pieces_join_into_the_text_and_end_where_tokens_split():
