@@ -212,7 +212,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=2, help="runs of each kind per layout, alternating their order")
     ap.add_argument("--layouts", default="many,one", help="many (one file per document), one (a single file)")
     ap.add_argument("--vocab-size", type=int, default=4096)
-    ap.add_argument("--sample-mb", type=int, default=64, help="the tokenizer's training sample (data.tokenizer_sample_mb)")
+    ap.add_argument("--sample-mb", type=int, default=64,
+                    help="the tokenizer's training sample (data.tokenizer_sample_mb)")
     ap.add_argument("--out", type=Path, help="write the runs and the summary as JSON")
     ap.add_argument("--ideal", nargs=2, metavar=("GLOB", "OUT"), help=argparse.SUPPRESS)  # one ideal run
     args = ap.parse_args()
@@ -227,8 +228,8 @@ def main() -> int:
     for layout in args.layouts.split(","):
         cache, out = args.work / "cache", args.work / "ideal-tokens.bin"
         commands = {
-            "ideal": [sys.executable, __file__, "--ideal", paths[layout], str(out), "--vocab-size", str(args.vocab_size),
-                      "--sample-mb", str(args.sample_mb)],
+            "ideal": [sys.executable, __file__, "--ideal", paths[layout], str(out),
+                      "--vocab-size", str(args.vocab_size), "--sample-mb", str(args.sample_mb)],
             "minitrain": [sys.executable, str(REPO / "scripts" / "prepare_data.py"), "data=files",
                           f"data.paths={paths[layout]}", f"data.cache_dir={cache}",
                           f"data.vocab_size={args.vocab_size}", f"data.tokenizer_sample_mb={args.sample_mb}"]}

@@ -31,7 +31,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     ap.add_argument("--batch-size", type=int, default=8, help="windows (or examples) per forward")
     ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     ap.add_argument("--json", metavar="PATH", help="also write the results there, as one JSON object")
-    return ap.parse_args(argv)
+    return ap.parse_intermixed_args(argv)
 
 
 def main(argv: list[str]) -> int:

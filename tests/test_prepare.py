@@ -215,7 +215,7 @@ def test_the_trainers_windows_come_from_their_own_splits(make_cfg):
                 x, y = batches.get(step)
                 for row, start in zip(x, batches.starts(step)):
                     assert row.tolist() == stream[start:start + len(row)].tolist()
-        assert len(t.data.val) < len(t.data.train) // 50  # two different streams, told apart by their sizes
+        assert len(t.data.val) < len(t.data.train) // 10  # two different streams, told apart by their sizes
     finally:
         t.close()
 
@@ -389,7 +389,7 @@ def test_a_hub_dataset_is_streamed_into_the_reference_shards_and_continued_exact
 def test_a_hub_dataset_without_the_text_column_is_named(tmp_path):
     folder, _ = hub_copy(tmp_path)
     cfg = DataConfig(name="hub", source="hub", hub_name=str(folder), vocab_size=300, cache_dir=str(tmp_path / "c"))
-    with pytest.raises(DataError, match=r"data.text_column='text' is not a column of .*; its columns: \['id', 'story'\]"):
+    with pytest.raises(DataError, match=r"text_column='text' is not a column of .*; its columns: \['id', 'story'\]"):
         prepare_data(cfg, block_size=16, progress=False)
 
 
@@ -437,7 +437,8 @@ def test_a_pretrained_tokenizer_that_cannot_be_used_is_named(tmp_path, monkeypat
         name = "./no/such/dir"
     elif setup == "no eot":
         (tmp_path / "tok").mkdir()
-        Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]")).save(str(tmp_path / "tok" / "tokenizer.json"))
+        no_eot = Tokenizer(models.WordLevel({"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+        no_eot.save(str(tmp_path / "tok" / "tokenizer.json"))
     else:
         import huggingface_hub.constants
 
