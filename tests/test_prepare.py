@@ -303,6 +303,26 @@ def test_a_stop_while_the_last_document_moves_to_validation_continues_exactly(tm
     assert folder_bytes(data.path) == expected
 
 
+def test_a_stop_after_the_index_is_written_continues_exactly(tmp_path, small_pieces, monkeypatch):
+    """Stopped between the index and the folder's publication: the next run finishes from the progress record."""
+    cfg = code_corpus(tmp_path)
+    expected = build_uninterrupted(cfg, tmp_path)
+    real = prepare_mod._Preparation._write_index
+
+    def then_stop(self, *args):
+        real(self, *args)
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(prepare_mod._Preparation, "_write_index", then_stop)
+        with pytest.raises(KeyboardInterrupt):
+            prepare_data(cfg, block_size=16, progress=False)
+    notes = []
+    data = prepare_data(cfg, block_size=16, progress=False, notify=notes.append)
+    assert folder_bytes(data.path) == expected
+    assert any("continuing the preparation" in n for n in notes) and not any("training a" in n for n in notes)
+
+
 SLOW_PREPARE = """
 import sys, time
 from minitrain.config import DataConfig
@@ -344,8 +364,10 @@ def test_a_killed_preparation_leaves_no_process_and_continues_to_the_same_shards
     if signum == signal.SIGINT:
         assert b"continues them" in proc.stderr.read()
     assert not [p for p in descendants if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
-    data = prepare_data(cfg, block_size=16, progress=False)
+    notes = []
+    data = prepare_data(cfg, block_size=16, progress=False, notify=notes.append)
     assert folder_bytes(data.path) == expected
+    assert any("continuing the preparation" in n for n in notes)
 
 
 # -- a hub dataset, streamed ----------------------------------------------------------------------------------------

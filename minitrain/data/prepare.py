@@ -102,6 +102,7 @@ def _build_locked(cfg: DataConfig, final: Path, progress: bool, notify: Callable
         if final.exists():
             os.replace(final, aside)
         os.replace(tmp, final)
+        (final / PROGRESS).unlink()  # kept until now: a stop before the rename continues from it
         shutil.rmtree(aside, ignore_errors=True)
         return open_cache(final)
     finally:
@@ -301,5 +302,4 @@ class _Preparation:
                  "tokenizer_checksum": hashlib.sha256((self.folder / TOKENIZER).read_bytes()).hexdigest(),
                  "bytes": state["bytes"], "documents": state["documents"], "splits": splits}
         (self.folder / INDEX).write_text(json.dumps(index, indent=1))
-        (self.folder / PROGRESS).unlink()
         shutil.rmtree(self.folder / "hf", ignore_errors=True)
