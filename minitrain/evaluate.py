@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -227,7 +228,9 @@ def _saved_state(path: Path) -> tuple[dict, dict, int]:
 
     try:
         info = json.loads((path / resume.JOB_INFO).read_text())
-        state = _load_state_dict_from_keys({"model", "progress_rank0"}, checkpoint_id=str(path))
+        with warnings.catch_warnings():  # that it reads the shards in one process, which is the point here
+            warnings.filterwarnings("ignore", "torch.distributed is unavailable or uninitialized")
+            state = _load_state_dict_from_keys({"model", "progress_rank0"}, checkpoint_id=str(path))
     except Exception as e:  # a torn or foreign directory
         raise resume.CheckpointError(f"{path} could not be read ({type(e).__name__}: {e})") from None
     return state["model"], info["config"], state["progress_rank0"]["step"]
@@ -239,7 +242,7 @@ def load_run(checkpoint: str, device: torch.device) -> SavedRun:
     weights, config, step = _saved_state(path)
     model_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), config["model"]))
     model = GPT(replace(model_cfg, vocab_size=config["plan"]["vocab_size"]))
-    model.load_state_dict({k: v.full_tensor() if hasattr(v, "full_tensor") else v for k, v in weights.items()})
+    model.load_state_dict(weights)
     precision = resolve_precision(preset(config["plan"]["precision"]), device)
     model.to(device=device, dtype=precision.param_dtype).eval()
     return SavedRun(model, lambda: precision.autocast(device.type), config, step, path.parent.parent)

@@ -3,6 +3,7 @@ evaluated twice, another corpus tokenized as the run was, and the trainer's eval
 
 import json
 import math
+import os
 import subprocess
 import sys
 
@@ -145,6 +146,26 @@ def test_a_checkpoint_evaluated_twice_gives_identical_numbers(make_cfg, tmp_path
     assert results[0]["hellaswag/examples"] == 4
     same = evaluate_checkpoint(str(run / "checkpoints" / "latest.pt"), CPU, val_tokens=4000, progress=False)
     assert same["val/loss"] == results[0]["val/loss"]
+
+
+def test_a_torchrun_jobs_checkpoint_is_evaluated_as_the_single_process_run(data_cache, tmp_path):
+    """A step sees the same windows whatever the world size, so two fsdp ranks train the one-process run's model
+    (up to the collectives' rounding); their sharded checkpoint is read whole in one process."""
+    mode = "fsdp"
+    common = ["logger.mode=disabled", f"data.cache_dir={data_cache}", "trainer.batch_size=4", "model.block_size=32",
+              "trainer.max_steps=2", "trainer.warmup_steps=1", "trainer.eval_batches=1", "trainer.sample_tokens=0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    for launcher, run in (([sys.executable], "single"), ([sys.executable, "-m", "torch.distributed.run",
+                                                        "--standalone", "--nproc_per_node=2"], mode)):
+        extra = [f"distributed={mode}"] if run == mode else []
+        subprocess.run([*launcher, str(REPO / "scripts" / "train.py"), *common, *extra,
+                        f"hydra.run.dir={tmp_path / run}"], cwd=tmp_path, env=env, check=True, capture_output=True,
+                       timeout=300)
+    single, sharded = (evaluate_checkpoint(str(tmp_path / run), CPU, val_tokens=2000, progress=False)
+                       for run in ("single", mode))
+    assert (tmp_path / mode / "checkpoints" / "latest" / ".metadata").exists()
+    assert sharded["step"] == single["step"] == 2
+    assert sharded["val/loss"] == pytest.approx(single["val/loss"], rel=1e-4)
 
 
 def test_another_corpus_is_evaluated_with_the_runs_tokenizer(make_cfg, tmp_path, data_cache):
