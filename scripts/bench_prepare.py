@@ -162,12 +162,12 @@ def ideal(paths: str, out: Path, vocab_size: int, sample_mb: int) -> None:
 
         for path in files:
             for chunk in _chunks(path):
+                if chars >= BATCH:  # before a chunk is added: a file's last chunk is still in the batch at its end
+                    flush()
+                    chars = 0
                 batch.append(chunk), ends.append(False)
                 chars += len(chunk)
             ends[-1] = True
-            if chars >= BATCH:
-                flush()
-                chars = 0
         if batch:
             flush()
 
