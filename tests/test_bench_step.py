@@ -337,7 +337,9 @@ def test_the_rows_overrides_name_the_compile_flag_first_and_each_rows_own_last()
     assert rows["reference eager"].extra == ("trainer.compile=True", "checkpointing=full", "trainer.compile=false")
     assert rows["minitrain model.gelu=torch loss=torch"].extra == (*rows["minitrain"].extra, "model.gelu=torch",
                                                                    "loss=torch")
-    assert "checkpointing=full" not in step.Comparison(big_checkpointing="full").variants("gpt2-124m")[0].extra
+    big = step.Comparison(big_checkpointing="full")
+    assert "checkpointing=full" in big.variants("gpt2-774m")[0].extra
+    assert "checkpointing=full" not in big.variants("gpt2-124m")[0].extra
 
 
 def test_the_report_sets_each_of_our_rows_beside_the_baseline():
