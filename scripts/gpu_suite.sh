@@ -95,7 +95,7 @@ for what in "$@"; do
         --reference-eager --out "$s/step.json" 2>&1 | grep -v "^{\|^ .* ms .*x" | tail -16
       timeout 200 python3 scripts/bench_plan.py --models tiny --batches 8 --warmup 3 --steps 1 --rounds 2 \
         --out "$s/plan.json" 2>&1 | tail -4
-      timeout 150 python3 scripts/bench_distributed.py --gpus 1 --models tiny --modes ddp --steps 6 \
+      timeout 150 python3 scripts/bench_distributed.py --gpus 1 --models tiny --modes ddp --steps 12 \
         --out "$s/distributed.json" 2>&1 | tail -2 ;;
     sweep)  # the 12-cell precision x checkpointing sweep, one process per cell so each cell's peak memory is its own
       sw=/tmp/sweep-124m; rm -rf $sw; i=0
