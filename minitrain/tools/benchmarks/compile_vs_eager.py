@@ -20,7 +20,8 @@ def loss_and_grads(forward_loss: Callable, params: dict, x: torch.Tensor, y: tor
         p.grad = None
     loss = forward_loss(x, y)
     loss.backward()
-    return float(loss.detach()), {name: p.grad.detach().float().clone() for name, p in params.items() if p.grad is not None}
+    grads = {name: p.grad.detach().float().clone() for name, p in params.items() if p.grad is not None}
+    return float(loss.detach()), grads
 
 
 def compare(model: str, batch: int, recipe: str, extra: Sequence[str], out_dir: str) -> dict:
