@@ -51,7 +51,8 @@ def main() -> None:
         fwd_ms = bench.kernel_ms(lambda: forward[name](x))
         bwd_ms = bench.kernel_ms(lambda: backward[name](grad, x))
         rows.append({"impl": name, "forward_ms": fwd_ms, "forward_of_copy": copy_ms / fwd_ms,  # read x, write y
-                     "backward_ms": bwd_ms, "backward_of_copy": 1.5 * copy_ms / bwd_ms,  # read grad and x, write grad_in
+                     "backward_ms": bwd_ms,
+                     "backward_of_copy": 1.5 * copy_ms / bwd_ms,  # read grad and x, write grad_in
                      "forward_rel_err": err})
     bench.write_results(args.out, {"shape": shape, "copy_ms": copy_ms, "rows": rows})
     print(f"{torch.cuda.get_device_name()}  x {tuple(shape)} bf16; copy {copy_ms:.3f} ms "

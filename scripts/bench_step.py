@@ -86,7 +86,8 @@ def main() -> None:
                 print("\n".join(f"  {line}" for line in profile.format_profile(row["profile"], row["ms_per_step"])))
         results += rows
     bench.write_results(args.out, {"rows": results})
-    print(f"\n{torch.cuda.get_device_name()}  torch {torch.__version__}  steps={args.steps} after {args.warmup} warm-up")
+    print(f"\n{torch.cuda.get_device_name()}  torch {torch.__version__}  "
+          f"steps={args.steps} after {args.warmup} warm-up")
     print("\n".join(step.report(results, args.models)))
 
 

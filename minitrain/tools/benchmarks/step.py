@@ -329,7 +329,8 @@ def _memory_cell(row: dict, key: str) -> str | None:
     return f"{row[key]:.2f}{'*' if row['cuda_graphs'] and key == 'peak_allocated_gb' else ''}"
 
 
-TABLE = (bench.Column("model", "model"), bench.Column("B", lambda r: str(r["batch"]), "s"), bench.Column("recipe", "recipe"),
+TABLE = (bench.Column("model", "model"), bench.Column("B", lambda r: str(r["batch"]), "s"),
+         bench.Column("recipe", "recipe"),
          bench.Column("ms/step", "ms_per_step", ".2f"), bench.Column("tok/s", "tokens_per_s", ",.0f"),
          bench.Column("MFU", "mfu", ".1%"), bench.Column("HFU", "hfu", ".1%"),
          bench.Column("peak alloc GB", lambda r: _memory_cell(r, "peak_allocated_gb"), "s"),
@@ -385,7 +386,8 @@ def model_lines(model: str, results: list[dict]) -> list[str]:
                      f"{ref['recipe']!r}")
     if failed is not None:
         lines.append(f"{model}: {failed['recipe']!r} ran faster, {failed['tokens_per_s']:,.0f} tokens/s, but its "
-                     f"first loss {failed['first_loss']:.4f} is not its eager forward's {failed['first_loss_eager']:.4f}")
+                     f"first loss {failed['first_loss']:.4f} is not its eager forward's "
+                     f"{failed['first_loss_eager']:.4f}")
     ours = [r for r in ok if not r["recipe"].startswith("reference")]
     lines += [f"{model} {r['recipe']}: its first loss {r['first_loss']:.4f} is not its eager forward's "
               f"{r['first_loss_eager']:.4f}" for r in ours if not passes_check(r)]
