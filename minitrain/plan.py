@@ -177,7 +177,10 @@ def predicted_rate(micro_tokens: int, policy: CheckpointingConfig, n_layer: int)
     return micro_tokens / (micro_tokens + HALF_RATE_TOKENS) / (1 + recompute_cost(policy, n_layer))
 
 
-def make_plan(cfg: Config, tokenizer_vocab: int, device: torch.device, world_size: int = 1) -> Plan:
+def make_plan(cfg: Config, tokenizer_vocab: int, device: torch.device, world_size: int = 1,
+              device_memory_bytes: Optional[int] = None) -> Plan:
+    """device_memory_bytes: what the budget is a fraction of, in place of the device's own (a benchmark plans
+    for a GPU it is not on, or lets the allocator decide what fits)."""
     t, auto = cfg.trainer, []
     if t.device.value == "auto":
         auto.append("device")
@@ -207,7 +210,7 @@ def make_plan(cfg: Config, tokenizer_vocab: int, device: torch.device, world_siz
                           f"into {world_size} ranks")
     per_rank = t.batch_size // world_size
     sharded = cfg.distributed.mode == DistributedMode.fsdp
-    total = device_memory(device)
+    total = device_memory(device) if device_memory_bytes is None else device_memory_bytes
     budget = int(t.memory_budget * total)
 
     def predict(micro: int, policy: CheckpointingConfig) -> MemoryEstimate:
@@ -247,7 +250,7 @@ def make_plan(cfg: Config, tokenizer_vocab: int, device: torch.device, world_siz
         auto.append("warmup")
     warmup = default_warmup(t.max_steps) if t.warmup_steps is None else t.warmup_steps
     max_skipped = t.max_skipped_steps or (25 if precision.loss_scaling else 3)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" and torch.cuda.is_available() else device.type
     return Plan(device=device, device_name=name, world_size=world_size, distributed=cfg.distributed.mode,
                 model=model, precision=precision, compile_mode=compile_mode, loss_impl=loss_impl,
                 optimizer_impl=optimizer_impl, batch_size=t.batch_size, micro_batch=micro, checkpointing=policy,

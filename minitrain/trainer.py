@@ -221,7 +221,7 @@ class _Interrupts:
 
 class Trainer:
     def __init__(self, cfg: Config | DictConfig, run: RunInfo = RunInfo(), progress: bool = True,
-                 phase: Phase = record_function):
+                 phase: Phase = record_function, device_memory_bytes: Optional[int] = None):
         self.cfg = cfg = resolve(cfg)
         self.dist, self.device = distributed.init(cfg, pick_device(cfg.trainer.device.value))
         if self.device.type == "cuda":  # each job of a multirun reports its own peaks
@@ -233,16 +233,16 @@ class Trainer:
         if self.lock is not None:
             self.lock.acquire()
         try:
-            self._build(cfg, run, phase)
+            self._build(cfg, run, phase, device_memory_bytes)
         except BaseException:
             self.close(refused=True)
             raise
 
-    def _build(self, cfg: Config, run: RunInfo, phase: Phase) -> None:
+    def _build(self, cfg: Config, run: RunInfo, phase: Phase, device_memory_bytes: Optional[int]) -> None:
         torch.manual_seed(cfg.trainer.seed)
         with distributed.main_first(self.dist):  # one rank builds the data cache, the others read it
             self.data: TokenData = prepare_data(cfg.data, cfg.model.block_size, progress=self.show_progress)
-        self.plan = plan = make_plan(cfg, self.data.vocab_size, self.device, self.dist.world_size)
+        self.plan = plan = make_plan(cfg, self.data.vocab_size, self.device, self.dist.world_size, device_memory_bytes)
         self.model_cfg = plan.model
         plan.precision.apply_matmul_precision()
 
@@ -259,6 +259,7 @@ class Trainer:
                                            grad_accum=plan.grad_accum, **checked)
         self.val_batches = DeviceBatches(self.data.val, plan.model.block_size, plan.micro_batch * world, t.seed + 1,
                                          self.device, **checked)
+        self.eager_forward_loss = self._forward_loss  # uncompiled: what the compile check compares the step with
         self.forward_loss = torch.compile(self._forward_loss, mode=plan.compile_mode) if plan.compiled \
             else self._forward_loss
         self.train_step = TrainStep(self.forward_loss, self.loss_module, self.optimizer, self.train_batches,

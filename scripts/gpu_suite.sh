@@ -2,7 +2,9 @@
 # The GPU tests and the measurements of docs/benchmarks.md, by section name, on a machine with an NVIDIA GPU.
 # Usage: scripts/gpu_suite.sh OUT_DIR [tests] [optimizer] [cross_entropy] [ce_rows] [ce_chunks] [gelu] [train]
 #        [step] [step_ablate] [step15b] [step_sizes] [curve] [sweep] [defaults] [defaults15b] [plan] [attention]
-#        [diverge15b] [compile15b] [compile_check]
+#        [diverge15b] [compile15b] [compile_check] [smoke]
+# smoke: every benchmark script once in its quickest mode (the tiny model, one small shape), a few minutes: each
+#   still runs end to end on this GPU; its figures are not results
 # plan: PLAN_MODELS and PLAN_BATCHES (space-separated) pick the grid, default gpt2-124m at 16 64 512; it starts no
 #   point after PLAN_TIME_LIMIT_S and goes on from the JSON files in PLAN_MEASURED
 set -uo pipefail
@@ -79,6 +81,22 @@ for what in "$@"; do
     ce_rows) timeout 200 python3 scripts/tune_cross_entropy_rows.py --out "$out/tune_ce_rows.json" 2>&1 | tail -60 ;;
     ce_chunks) timeout 200 python3 scripts/bench_cross_entropy.py --shapes 16384x768x50304 16384x2048x128256 \
                  --chunk-mib 16 32 64 --out "$out/bench_ce_chunks.json" 2>&1 | tail -16 ;;
+    smoke)
+      s="$out/smoke"; mkdir -p "$s"
+      timeout 90 python3 scripts/bench_gelu.py --shape 4096x3072 --out "$s/gelu.json" 2>&1 | tail -4
+      timeout 90 python3 scripts/bench_attention.py --shapes 4x12x1024x64 --out "$s/attention.json" 2>&1 | tail -6
+      timeout 120 python3 scripts/bench_optimizer.py --cases gpt2-124m --out "$s/optimizer.json" 2>&1 | tail -8
+      python3 scripts/optimizer_widget.py --measured "$s/optimizer.json" --out "$s/optimizer_widget.png" 2>&1 | tail -2
+      timeout 150 python3 scripts/bench_cross_entropy.py --shapes 2048x768x50304 --out "$s/cross_entropy.json" 2>&1 | tail -9
+      timeout 120 python3 scripts/tune_cross_entropy_rows.py --shapes 2560x50304 --blocks 16384x768 \
+        --out "$s/ce_rows.json" 2>&1 | tail -4
+      timeout 150 python3 scripts/compile_vs_eager.py --model tiny --batch 4 --out "$s/compile_vs_eager.json" 2>&1 | grep -E "^tiny"
+      timeout 240 python3 scripts/bench_step.py --models tiny --batch 8 --warmup 3 --steps 4 --rounds 2 --profile \
+        --reference-eager --out "$s/step.json" 2>&1 | grep -v "^{\|^ .* ms .*x" | tail -16
+      timeout 200 python3 scripts/bench_plan.py --models tiny --batches 8 --warmup 3 --steps 1 --rounds 2 \
+        --out "$s/plan.json" 2>&1 | tail -4
+      timeout 150 python3 scripts/bench_distributed.py --gpus 1 --models tiny --modes ddp --steps 12 \
+        --out "$s/distributed.json" 2>&1 | tail -2 ;;
     sweep)  # the 12-cell precision x checkpointing sweep, one process per cell so each cell's peak memory is its own
       sw=/tmp/sweep-124m; rm -rf $sw; i=0
       for p in fp32 bf16 fp16; do for c in none full every_k selective; do

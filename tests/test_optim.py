@@ -1,7 +1,6 @@
 """AdamW (loop / foreach / fused) and TorchAdamW against torch references: torch.optim.AdamW,
 clip_grad_norm_, GradScaler; the fused finalize kernel against the torch rule it is the twin of."""
 
-import importlib.util
 import io
 import itertools
 import os
@@ -17,7 +16,6 @@ from minitrain.optim import AdamW, TorchAdamW
 from minitrain.optim.adamw import Counters, decide_step
 from minitrain.optim.adamw_triton import BLOCK, GRAD_MULT, INV_BC1, INV_BC2_SQRT, N_SCALARS, NOT_SKIPPED, finalize
 
-from conftest import REPO
 
 IMPLS = ["loop", "foreach", "fused"]
 SHAPES = [(1,), (13,), (1025,), (3, 5, 7), (BLOCK + 37,), (2, BLOCK)]
@@ -576,18 +574,12 @@ def test_build_adamw_follows_the_precision():
         build_adamw([torch.nn.Parameter(torch.randn(3))], "torch", reference, reduce_sumsq=lambda t: t)
 
 
-def load_bench_optimizer():
-    spec = importlib.util.spec_from_file_location("bench_optimizer", REPO / "scripts" / "bench_optimizer.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_bench_optimizer_rows_pass_their_check_and_a_wrong_one_fails():
-    """scripts/bench_optimizer.py validates each row's first step before timing it: every row (ours through the
+def test_bench_optimizer_rows_pass_their_check_and_a_wrong_one_fails(monkeypatch):
+    """The optimizer benchmark validates each row's first step before timing it: every row (ours through the
     interpreter) passes on small shapes; a row that skips the update, or whose master copy autograd records
     (the unfair torch baseline it used to time), is refused."""
-    bench = load_bench_optimizer()
+    from minitrain.tools.benchmarks import optimizer as bench
+
     shapes = [(48, 40), (40,), (BLOCK + 5,)]
     weights, grads = bench.inputs(shapes, torch.get_default_device())
     references = {clips: bench.reference_update(weights, grads, clips) for clips in (False, True)}
@@ -599,8 +591,8 @@ def test_bench_optimizer_rows_pass_their_check_and_a_wrong_one_fails():
         masters, params = result()
         return lambda: (step(), torch._foreach_copy_(params, masters)), nbytes, result
 
-    bench.ROWS["no update"] = (lambda w, g: (lambda: None, 0, lambda: (w, None)), False)
-    bench.ROWS["recorded"] = (recorded_master_path, False)
+    monkeypatch.setitem(bench.ROWS, "no update", (lambda w, g: (lambda: None, 0, lambda: (w, None)), False))
+    monkeypatch.setitem(bench.ROWS, "recorded", (recorded_master_path, False))
     with pytest.raises(bench.ValidationError, match="no update: tensor 0"):
         bench.checked_first_step("no update", weights, grads, references)
     with pytest.raises(bench.ValidationError, match="recorded: autograd recorded"):
