@@ -40,3 +40,29 @@ def make_cfg(data_cache, tmp_path):
         return compose_config(base + list(overrides))
 
     return _make
+
+
+def fake_gpu(monkeypatch, bf16: bool, name: str = "a fake GPU", memory: int = 80 * 10**9) -> None:
+    """torch.cuda answering as a GPU would, for code that only reads a device's type and asks torch.cuda about it.
+    `bf16`: whether it computes in bf16; without, it only emulates it (torch's is_bf16_supported() says yes by
+    default, no with including_emulation=False: a V100 or a T4)."""
+    import types
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: bf16 or including_emulation)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: types.SimpleNamespace(total_memory=memory))
+
+
+def round_trip(state):
+    """A state_dict as a checkpoint gives it back: saved and loaded."""
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)

@@ -100,6 +100,18 @@ def test_batches_are_the_token_windows_at_their_starts(stdlib_data):
         assert torch.equal(x[row], window[:-1]) and torch.equal(y[row], window[1:])
 
 
+def test_windows_reach_the_last_token_and_stay_inside():
+    """T + 2 tokens hold two windows of T + 1: both are drawn, and none reads past the end."""
+    T = 8
+    batches = Batches(np.arange(T + 2, dtype=np.uint16), T, batch_size=16, seed=0, device=torch.device("cpu"))
+    firsts = set()
+    for step in range(4):
+        x, y = batches.get(step)
+        firsts |= set(x[:, 0].tolist())
+        assert torch.equal(y, x + 1)
+    assert firsts == {0, 1}
+
+
 # -- the token cache checks itself at every start ---------------------------------------------------------------
 
 def _small_corpus(tmp_path):

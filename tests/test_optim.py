@@ -16,6 +16,7 @@ from minitrain.optim import AdamW, TorchAdamW
 from minitrain.optim.adamw import Counters, decide_step
 from minitrain.optim.adamw_triton import BLOCK, GRAD_MULT, INV_BC1, INV_BC2_SQRT, N_SCALARS, NOT_SKIPPED, finalize
 
+from conftest import round_trip
 
 IMPLS = ["loop", "foreach", "fused"]
 SHAPES = [(1,), (13,), (1025,), (3, 5, 7), (BLOCK + 37,), (2, BLOCK)]
@@ -294,6 +295,30 @@ def test_state_dict_resume_is_bit_identical(impl):
         set_grads(ps2, gs)
         opt2.step()
     assert_bit_identical(snapshot(opt2, ps2), snapshot(opt, ps))
+
+
+@pytest.mark.parametrize("impl", ["foreach", "torch"])
+def test_skipped_steps_survive_a_resume(impl):
+    """amp/skipped_steps is logged from the optimizer's count: a resumed run must go on counting from it."""
+    def build():
+        p = torch.nn.Parameter(torch.ones(5))
+        if impl == "torch":
+            return TorchAdamW([p], loss_scaling=LossScaling(init_scale=2.0**8))
+        return AdamW([p], impl=impl, loss_scaling=LossScaling(init_scale=2.0**8))
+
+    def overflowing_step(opt):
+        param = opt.param_groups[0]["params"][0]
+        opt.scale((param * float("inf")).sum()).backward()  # an inf gradient
+        opt.step()
+        opt.zero_grad()
+
+    saved = build()
+    overflowing_step(saved)
+    resumed = build()
+    resumed.load_state_dict(round_trip(saved.state_dict()))
+    assert resumed.stats()["skipped_steps"].item() == 1
+    overflowing_step(resumed)
+    assert resumed.stats()["skipped_steps"].item() == 2
 
 
 @pytest.mark.parametrize("impl", ["foreach", "fused"])

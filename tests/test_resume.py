@@ -6,10 +6,8 @@ import sys
 
 import pytest
 import torch
-from omegaconf import OmegaConf
 
 from minitrain import distributed, resume
-from minitrain.config import resolve
 from minitrain.resume import CheckpointError, RunDirBusyError, RunDirError
 
 CPU = torch.device("cpu")
@@ -430,64 +428,6 @@ def test_a_changed_config_is_refused_or_noted_by_either_kind(tmp_path, is_sharde
     longer = {"trainer": {"lr": 0.001, "max_steps": 40}, "model": {"n_layer": 2}}
     loaded = resume.load_checkpoint("auto", tmp_path, CPU, template=template(longer), sharded=is_sharded)
     assert loaded.notes == ["config changed since the checkpoint (allowed): trainer.max_steps 20 -> 40"]
-
-
-# -- the config a run resumes with ---------------------------------------------------------------------
-def config_dict(make_cfg, *overrides) -> dict:
-    """As the trainer stores it in a checkpoint."""
-    return OmegaConf.to_container(OmegaConf.structured(resolve(make_cfg(*overrides))), resolve=True,
-                                  enum_to_str=True)
-
-
-def test_deliberate_changes_are_allowed_and_the_rest_break_the_run(make_cfg):
-    saved = config_dict(make_cfg)
-    now = config_dict(make_cfg, "trainer.max_steps=50", "trainer.log_every=2", "trainer.micro_batch=4",
-                      "logger.project=other", "trainer.lr=0.01", "precision=bf16", "trainer.batch_size=16")
-    changes = resume.config_changes(saved, now)
-    assert changes.allowed == {"trainer.max_steps": (10, 50), "trainer.log_every": (5, 2),
-                               "trainer.micro_batch": ("auto", "4"), "logger.project": ("minitrain", "other")}
-    assert changes.breaking["trainer.lr"] == (0.001, 0.01)
-    assert changes.breaking["trainer.batch_size"] == (8, 16)
-    assert changes.breaking["precision.param_dtype"] == ("fp32", "bf16")
-    assert "trainer.max_steps" not in changes.breaking
-    message = changes.refusal("checkpoints/latest.pt")
-    assert message.startswith("checkpoints/latest.pt was saved by a run with a different config")
-    assert "  trainer.lr: saved 0.001, now 0.01\n" in message
-    assert "  precision.master_weights: saved False, now True\n" in message
-    assert "hydra.run.dir=" in message
-    assert changes.accepted() == ("config changed since the checkpoint (allowed): logger.project minitrain -> "
-                                      "other, trainer.log_every 5 -> 2, trainer.max_steps 10 -> 50, "
-                                      "trainer.micro_batch auto -> 4")
-
-
-def test_the_same_config_has_no_changes(make_cfg):
-    changes = resume.config_changes(config_dict(make_cfg), config_dict(make_cfg))
-    assert changes.allowed == {} and changes.breaking == {}
-    # the resume itself is no change of config worth a note at every resume
-    changes = resume.config_changes(config_dict(make_cfg), config_dict(make_cfg, "trainer.resume=auto"))
-    assert changes.allowed == {} and changes.breaking == {}
-
-
-def test_a_key_on_one_side_only_is_a_change(make_cfg):
-    saved = config_dict(make_cfg)
-    del saved["optimizer"]["eps"]  # a checkpoint older than the key
-    del saved["logger"]["tags"]
-    now = {**config_dict(make_cfg), "plan": {"world_size": 2, "param_dtype": "fp32"}}
-    changes = resume.config_changes(saved, now)
-    assert changes.breaking["optimizer.eps"] == (resume._ABSENT, 1e-8)
-    assert changes.breaking["plan.world_size"] == (resume._ABSENT, 2)
-    assert changes.allowed == {"logger.tags": (resume._ABSENT, [])}
-    assert "  plan.world_size: saved (not set), now 2\n" in changes.refusal("latest.pt")
-    gone = resume.config_changes(now, saved)  # and the converse: a key this run no longer has
-    assert gone.breaking["plan.param_dtype"] == ("fp32", resume._ABSENT)
-
-
-def test_nested_values_compare_whole(make_cfg):
-    changes = resume.config_changes(config_dict(make_cfg), config_dict(make_cfg, "optimizer.betas=[0.9,0.99]"))
-    assert changes.breaking == {"optimizer.betas": ([0.9, 0.95], [0.9, 0.99])}
-    deep = resume.config_changes({"plan": {"memory": {"budget_gb": 20, "fits": True}}},
-                                 {"plan": {"memory": {"budget_gb": 40, "fits": True}}})
-    assert deep.breaking == {"plan.memory.budget_gb": (20, 40)}
 
 
 def test_a_refused_run_s_empty_dirs_go_and_nothing_else(tmp_path, monkeypatch):
