@@ -6,7 +6,9 @@ keeps the last two: `checkpoints/latest.pt` and `checkpoints/previous.pt`. A sav
 file whose name is unique to the process, fsyncs it, renames `latest.pt` to `previous.pt`, then the
 temporary to `latest.pt`, and fsyncs the directory: a crash at any point leaves `latest.pt`, or else
 `previous.pt`, complete, and `resume=auto` tries them in that order, falling back past an unreadable
-one with a note.
+one with a note. The unreadable one is then kept aside as `latest.pt.unusable-<time>` (never deleted,
+never taken for a checkpoint): the next save must not rotate it into `previous.pt` over the checkpoint
+the run resumed from.
 
 Under torchrun (ddp, fsdp) a checkpoint is a directory written by torch.distributed.checkpoint: every
 rank writes its own shards (fsdp: its 1/N of the weights and Adam moments; ddp: replicated tensors are
@@ -30,6 +32,7 @@ import random
 import secrets
 import shutil
 import socket
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -44,6 +47,7 @@ LATEST_SHARDED, PREVIOUS_SHARDED = "latest", "previous"  # torch.distributed.che
 JOB_INFO = "minitrain.json"  # in a sharded checkpoint: world_size, mode, config
 LOCK = ".lock"
 _TEMP_MARK = ".tmp"  # every temporary name holds it; no published name does
+UNUSABLE_MARK = ".unusable-"  # a checkpoint resume=auto fell back past, kept aside for the user to look at
 _PER_RANK = ("rng", "progress")  # differ by rank: each rank's generators, its running loss sums
 
 
@@ -394,23 +398,46 @@ def load_checkpoint(resume: str, out_dir: Path, device: torch.device, *, templat
             raise _kind_error(path, _shown(path, out_dir), resume)
         candidates = [path]
 
-    problems = []
+    problems, unusable = [], []
     for candidate in candidates:
         shown = _shown(candidate, out_dir)
         if not candidate.exists():
-            problems.append(f"{shown} is absent (a save was interrupted)")
+            problems.append(f"{shown} is absent ({_why_absent(candidate)})")
             continue
         try:
             state, config_notes = (_load_sharded_checked(candidate, shown, template, rank) if sharded
                                    else _load_file_checked(candidate, shown, template, device))
         except _Unusable as e:
             problems.append(f"{shown} {e}")
+            unusable.append(candidate)
             continue
+        if unusable and rank == 0 and candidate.parent.resolve() == checkpoint_dir(out_dir).resolve():
+            problems += [f"kept aside as {_shown(_set_aside(bad), out_dir)}" for bad in unusable]
         fallback = [f"{'; '.join(problems)}; resumed from {shown}"] if problems else []
         return Loaded(state=state, path=candidate, notes=fallback + config_notes)
     raise CheckpointError("no usable checkpoint to resume from: " + "; ".join(problems)
                           + ". Point trainer.resume at a good checkpoint, or start a new run dir "
                             "(hydra.run.dir=...) with trainer.resume=none")
+
+
+def _set_aside(path: Path) -> Path:
+    """Rename a checkpoint resume=auto fell back past to a name that says so, beside the good ones: in the run's
+    own dir the next save would rotate it into `previous`, over the checkpoint the run resumed from (then the
+    only good one). Kept, not deleted: it may be worth a look. Called after every rank has read its candidates
+    (the load of the good one is collective), on rank 0 only."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside, n = path.with_name(f"{path.name}{UNUSABLE_MARK}{stamp}"), 1
+    while aside.exists():
+        n += 1
+        aside = path.with_name(f"{path.name}{UNUSABLE_MARK}{stamp}-{n}")
+    os.replace(path, aside)
+    _fsync(path.parent)
+    return aside
+
+
+def _why_absent(path: Path) -> str:
+    kept = sorted(path.parent.glob(f"{path.name}{UNUSABLE_MARK}*"))
+    return "a save was interrupted" + (f", or it was kept aside as {kept[-1].name}" if kept else "")
 
 
 def _check_config(saved: dict, template: dict[str, Any], shown: str) -> list[str]:

@@ -345,3 +345,31 @@ def test_killed_and_resumed_until_done_equals_an_unbroken_run(server, corpus, da
         if not missed(needed, kills):
             break
     assert not missed(needed, kills), f"no kill achieved {missed(needed, kills)}: {kills}"
+
+
+# -- faults a user meets: each through the real scripts/train.py --------------------------------------
+def step_of(path: Path) -> int:
+    return resume.load(path, torch.device("cpu"))["progress"]["step"]
+
+
+def test_a_fallback_past_a_torn_latest_keeps_it_aside_and_previous_stays_the_checkpoint_that_loaded(
+        server, corpus, data_cache, tmp_path):
+    """A save after the fallback must not rotate the torn latest.pt into previous.pt over the only good checkpoint:
+    a kill between that save's renames would leave nothing to resume from."""
+    run_dir, ckpts = tmp_path / "run", resume.checkpoint_dir(tmp_path / "run")
+    args = train_args(corpus, data_cache, 2 * SAVE_EVERY)
+    assert server.wait(server.start(args, run_dir))[0] == 0
+    torn = (ckpts / resume.LATEST).read_bytes()[:1000]
+    (ckpts / resume.LATEST).write_bytes(torn)
+    code, _ = server.wait(server.start(args, run_dir))  # from step 3 to 6: one save
+    assert code == 0, console_path(run_dir).read_text()[-3000:]
+    said = (run_dir / "train.log").read_text()
+    [aside] = ckpts.glob(f"{resume.LATEST}{resume.UNUSABLE_MARK}*")
+    assert f"kept aside as checkpoints/{aside.name}; resumed from checkpoints/{resume.PREVIOUS}" in said
+    assert aside.read_bytes() == torn
+    assert (step_of(ckpts / resume.LATEST), step_of(ckpts / resume.PREVIOUS)) == (2 * SAVE_EVERY, SAVE_EVERY)
+    code, _ = server.wait(server.start(train_args(corpus, data_cache, 3 * SAVE_EVERY), run_dir))
+    assert code == 0, console_path(run_dir).read_text()[-3000:]  # a later start neither takes it nor removes it
+    assert (step_of(ckpts / resume.LATEST), step_of(ckpts / resume.PREVIOUS)) == (3 * SAVE_EVERY, 2 * SAVE_EVERY)
+    assert sorted(p.name for p in ckpts.iterdir()) == sorted([resume.LATEST, resume.PREVIOUS, aside.name])
+    assert aside.read_bytes() == torn

@@ -1,5 +1,6 @@
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -321,7 +322,40 @@ def test_auto_falls_back_past_a_bad_latest_with_a_note(tmp_path, damage, reason)
     assert loaded.state["step"] == 1 and loaded.path == resume.checkpoint_dir(tmp_path) / resume.PREVIOUS
     assert len(loaded.notes) == 1
     assert "checkpoints/latest.pt" in loaded.notes[0] and reason in loaded.notes[0]
-    assert loaded.notes[0].endswith("resumed from checkpoints/previous.pt")
+    assert re.search(r"; kept aside as checkpoints/latest\.pt\.unusable-\d{8}-\d{6}; resumed from "
+                     r"checkpoints/previous\.pt$", loaded.notes[0]), loaded.notes[0]
+
+
+def test_after_a_fallback_previous_stays_the_checkpoint_that_loaded_and_the_bad_one_is_kept_aside(tmp_path):
+    """The next saves must not rotate the unreadable latest.pt into previous.pt, over the only good checkpoint:
+    a crash before the second save would leave nothing to resume from."""
+    latest = two_checkpoints(tmp_path)
+    truncate(latest)
+    torn = latest.read_bytes()
+    assert resumed_step(tmp_path, is_sharded=False) == 1
+    ckpts = resume.checkpoint_dir(tmp_path)
+    [aside] = ckpts.glob("latest.pt.unusable-*")
+    assert aside.read_bytes() == torn and sorted(p.name for p in ckpts.iterdir()) == [aside.name, resume.PREVIOUS]
+    assert resume.holds_checkpoint(tmp_path)
+    loaded = resume.load_checkpoint("auto", tmp_path, CPU, template=template())  # a crash before the next save
+    assert loaded.state["step"] == 1 and loaded.notes[0].startswith(
+        f"checkpoints/latest.pt is absent (a save was interrupted, or it was kept aside as {aside.name}); resumed")
+    resume.save_checkpoint(state_at(2), tmp_path)
+    assert (saved_step(ckpts / resume.LATEST), saved_step(ckpts / resume.PREVIOUS)) == (2, 1)
+    with resume.RunDirLock(tmp_path):  # a restart: what it removes as a dead save's temporary, it must not be
+        assert aside.read_bytes() == torn
+    truncate(ckpts / resume.LATEST)  # and a second fallback finds the one that loaded
+    assert resumed_step(tmp_path, is_sharded=False) == 1
+    assert len(list(ckpts.glob("latest.pt.unusable-*"))) == 2
+
+
+def test_a_fallback_in_another_runs_dir_leaves_that_dir_as_it_is(tmp_path):
+    """This run saves into its own dir: the other run's files are not this run's to rename."""
+    truncate(two_checkpoints(tmp_path / "old-run"))
+    before = sorted(p.name for p in resume.checkpoint_dir(tmp_path / "old-run").iterdir())
+    loaded = resume.load_checkpoint(str(tmp_path / "old-run"), tmp_path / "new-run", CPU, template=template())
+    assert loaded.state["step"] == 1 and "kept aside" not in loaded.notes[0]
+    assert sorted(p.name for p in resume.checkpoint_dir(tmp_path / "old-run").iterdir()) == before
 
 
 def test_auto_takes_previous_when_a_save_stopped_between_its_renames(tmp_path):
@@ -398,7 +432,13 @@ def test_sharded_auto_falls_back_past_an_unfinished_latest(tmp_path, process_gro
     assert loaded.state["step"] == 1 and loaded.state["config"] == CONFIG
     assert torch.equal(loaded.state["model"]["w"], torch.full((4,), 1.0))
     assert f"checkpoints/latest has no readable {resume.JOB_INFO}" in loaded.notes[0]
-    (latest / ".metadata").unlink()
+    [aside] = resume.checkpoint_dir(tmp_path).glob("latest.unusable-*")  # never rotated into previous/
+    assert (aside / ".metadata").is_file() and not latest.exists()
+    resume.save_sharded(state_at(3), tmp_path, rank=0, mode="fsdp")
+    assert resumed_step(tmp_path, is_sharded=True) == 3
+    assert resume.load_checkpoint(str(resume.checkpoint_dir(tmp_path) / resume.PREVIOUS_SHARDED), tmp_path, CPU,
+                                  template=template(), sharded=True).state["step"] == 1
+    (resume.checkpoint_dir(tmp_path) / resume.LATEST_SHARDED / ".metadata").unlink()
     assert "no .metadata" in resume.load_checkpoint("auto", tmp_path, CPU, template=template(), sharded=True).notes[0]
 
 
