@@ -363,7 +363,7 @@ class Trainer:
         record.update(throughput.read())
         record.update(memory_stats(self.device))
         if self.dist.enabled:  # every rank's peak: under fsdp they should match, under imbalance they do not
-            key = "mem/peak_allocated_gb" if self.device.type == "cuda" else "mem/rss_gb"
+            key = "mem/peak_allocated_gb" if self.device.type == "cuda" else "mem/peak_rss_gb"
             for rank, value in enumerate(distributed.gather(record[key], self.dist)):
                 record[f"mem/rank{rank}/{key[4:]}"] = value
         return record

@@ -200,7 +200,7 @@ def test_torchrun_launch(data_cache, tmp_path):
     assert "Callback" not in out.stderr  # the sweep's callback has nothing to say about a single run
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "train/loss" in r] == [1, 2]
-    assert {"mem/rank0/rss_gb", "mem/rank1/rss_gb"} <= records[-1].keys()
+    assert {"mem/rank0/peak_rss_gb", "mem/rank1/peak_rss_gb"} <= records[-1].keys()
     assert (run_dir / "checkpoints" / "latest" / ".metadata").exists()
 
 

@@ -113,9 +113,9 @@ def test_wandb_offline_run_holds_the_metrics(make_cfg, tmp_path):
     train(make_cfg("logger.mode=offline", "trainer.max_steps=4", "trainer.log_every=2"), progress=False)
     run_dir = tmp_path / "run"
     records = read_jsonl(run_dir / "metrics.jsonl")
-    for key in ("train/loss", "opt/lr", "opt/grad_norm", "perf/tokens_per_s", "perf/step_ms", "mem/rss_gb"):
+    for key in ("train/loss", "opt/lr", "opt/grad_norm", "perf/tokens_per_s", "perf/step_ms", "mem/peak_rss_gb"):
         assert key in records[-1], key
-    assert records[-1]["perf/tokens_per_s"] > 0 and records[-1]["mem/rss_gb"] > 0
+    assert records[-1]["perf/tokens_per_s"] > 0 and records[-1]["mem/peak_rss_gb"] > 0
     # Offline runs keep their history in the run's binary .wandb log (protobuf records), where the
     # metric keys are stored verbatim. wandb's service may still be writing it after run.finish() (under
     # load the file once held only its header); its shutdown, which atexit runs in train.py, flushes it.
@@ -125,7 +125,7 @@ def test_wandb_offline_run_holds_the_metrics(make_cfg, tmp_path):
     logs = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(logs) == 1, logs
     history = logs[0].read_bytes()
-    for key in ("train/loss", "perf/tokens_per_s", "mem/rss_gb"):
+    for key in ("train/loss", "perf/tokens_per_s", "mem/peak_rss_gb"):
         assert key.encode() in history, key
 
 
@@ -406,7 +406,7 @@ def test_a_run_ends_with_where_its_results_are_and_a_finished_run_started_again_
     assert last == (f"finished: step 4 of 4, loss {record['train/loss']:.4f}, val {record['val/loss']:.4f} | "
                     f"checkpoint {run / 'checkpoints' / 'latest.pt'} | metrics {run / 'metrics.jsonl'}")
     memory_json, sample = (run / "memory.json").read_text(), (run / "sample.txt").read_text()
-    assert "mem/rss_gb" in memory_json
+    assert "mem/peak_rss_gb" in memory_json
     again = train(make_cfg("trainer.max_steps=4", "trainer.resume=auto"), progress=False)
     assert again == {"step": 4}
     assert "nothing to train: the checkpoint is at step 4 and trainer.max_steps=4" in (run / "train.log").read_text()
