@@ -40,7 +40,7 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from .config import error_reason
+from .config import error_reason, unusable_run_dir
 
 LATEST, PREVIOUS = "latest.pt", "previous.pt"
 LATEST_SHARDED, PREVIOUS_SHARDED = "latest", "previous"  # torch.distributed.checkpoint directories
@@ -74,7 +74,7 @@ def make_run_dir(out_dir: Path) -> Path:
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise RunDirError(_unusable_run_dir(out_dir, e)) from None
+        raise RunDirError(unusable_run_dir("trainer.out_dir", out_dir, e)) from None
     return out_dir
 
 
@@ -93,11 +93,6 @@ def remove_if_empty(run_dir: Path, below: Path) -> None:
         d = d.parent
         if stop not in d.parents:
             return
-
-
-def _unusable_run_dir(out_dir: Path, e: OSError) -> str:
-    return (f"trainer.out_dir: cannot use {out_dir} as the run dir ({error_reason(e)}); give the run a writable "
-            "directory (hydra.run.dir=... or trainer.out_dir=...)")
 
 
 class RandomState:
@@ -142,7 +137,7 @@ class RunDirLock:
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:  # a read-only run dir
-            raise RunDirError(_unusable_run_dir(self.out_dir, e)) from None
+            raise RunDirError(unusable_run_dir("trainer.out_dir", self.out_dir, e)) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

@@ -373,3 +373,39 @@ def test_a_fallback_past_a_torn_latest_keeps_it_aside_and_previous_stays_the_che
     assert (step_of(ckpts / resume.LATEST), step_of(ckpts / resume.PREVIOUS)) == (3 * SAVE_EVERY, 2 * SAVE_EVERY)
     assert sorted(p.name for p in ckpts.iterdir()) == sorted([resume.LATEST, resume.PREVIOUS, aside.name])
     assert aside.read_bytes() == torn
+
+
+@pytest.mark.parametrize("argv, key, what", [
+    (["trainer.out_dir={file}/run"], "trainer.out_dir", "as the run dir"),
+    (["hydra.run.dir={file}/run"], "hydra.run.dir", "as the run dir"),
+    (["trainer.out_dir=mine", "hydra.run.dir={file}/run"], "hydra.run.dir", "as the run dir"),
+    (["-m", "trainer.max_steps=1,2", "hydra.sweep.dir={file}/run"], "hydra.sweep.dir", "as the sweep's dir"),
+])
+def test_a_run_dir_that_cannot_be_made_is_refused_in_one_line_and_nothing_is_made(tmp_path, argv, key, what):
+    """Hydra makes its run dir before any code of the run: where it cannot (here under a path that is a file), the
+    refusal must come first, in one line, exit 2, not as Hydra's traceback."""
+    file = tmp_path / "a-file"
+    file.write_text("")
+    (tmp_path / "cwd").mkdir()
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "train.py"), *(a.format(file=file) for a in argv)],
+                         cwd=tmp_path / "cwd", capture_output=True, text=True, timeout=120)
+    reason = f"NotADirectoryError: [Errno 20] Not a directory: '{file}'"
+    advice = "give the sweep a writable directory (hydra.sweep.dir=...)" if key == "hydra.sweep.dir" else \
+        "give the run a writable directory (hydra.run.dir=... or trainer.out_dir=...)"
+    assert (out.returncode, out.stderr) == (2, f"error: {key}: cannot use {file}/run {what} ({reason}); {advice}\n")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["a-file", "cwd"]
+
+
+def test_a_run_dir_on_a_read_only_filesystem_is_refused_naming_it(tmp_path, monkeypatch):
+    """A read-only mount, faked: making one needs root. Hydra's default run dir, runs/<date>/<time>/, is checked
+    by its fixed part (runs/ in the working directory)."""
+    from minitrain.config import ConfigError, command_line
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    monkeypatch.setattr(os, "statvfs", lambda path: type("Stat", (), {"f_flag": os.ST_RDONLY})())
+    with pytest.raises(ConfigError) as refused:
+        command_line(["trainer.max_steps=1"])
+    assert str(refused.value) == (f"hydra.run.dir: cannot use runs/${{now:%Y-%m-%d}}/${{now:%H-%M-%S}} as the run dir "
+                                  f"(OSError: [Errno 30] Read-only file system: '{tmp_path}'); give the run a writable "
+                                  "directory (hydra.run.dir=... or trainer.out_dir=...)")
