@@ -42,7 +42,9 @@ UNTIMED_STEPS_COMPILED, UNTIMED_STEPS_EAGER = 3, 1
 
 
 class NonFiniteLossError(RuntimeError):
-    """The run diverged (inf/NaN loss, or gradients skipped step after step); the last good checkpoint is kept."""
+    """The run diverged (inf/NaN loss, or gradients skipped step after step). Nothing from after the divergence was
+    saved; the message names the checkpoint kept, with its step and that step's training loss, or says there is
+    none (a finite loss can be an exploded one too: the user judges it from the number)."""
 
 
 class TrainingInterrupted(Exception):
@@ -137,7 +139,8 @@ class RunInfo:
 @dataclass
 class Progress:
     """The loop's own state, checkpointed with the parts so a resumed run logs what an unbroken one logs:
-    the step, the wandb run id, the losses summed since the last log step, and the run of skipped steps."""
+    the step, the wandb run id, the losses summed since the last log step, and the run of skipped steps; and
+    the last step's loss, the one a checkpoint's weights were trained to (a diverged run's message names it)."""
 
     device: torch.device
     step: int = 0
@@ -148,10 +151,11 @@ class Progress:
     skipped_seen: torch.Tensor = None  # the optimizer's skipped-step count after the last step
     skip_run: torch.Tensor = None  # optimizer steps skipped in a row, ending at the last step
     longest_skip_run: torch.Tensor = None
+    last_loss: torch.Tensor = None
 
     def __post_init__(self):
         zeros = lambda dtype=torch.float32: torch.zeros((), dtype=dtype, device=self.device)  # noqa: E731
-        self.loss_sum, self.nonfinite_loss = zeros(), zeros(torch.bool)
+        self.loss_sum, self.last_loss, self.nonfinite_loss = zeros(), zeros(), zeros(torch.bool)
         self.skipped_seen, self.skip_run, self.longest_skip_run = (zeros(torch.int32) for _ in range(3))
 
     def record(self, loss: torch.Tensor, skipped_total: torch.Tensor) -> None:
@@ -159,6 +163,7 @@ class Progress:
         self.step += 1
         self.steps_since_log += 1
         self.loss_sum += loss
+        self.last_loss.copy_(loss)
         self.nonfinite_loss |= ~torch.isfinite(loss)
         skipped_now = skipped_total - self.skipped_seen  # 0 or 1
         self.skip_run.add_(1).mul_(skipped_now)
@@ -175,12 +180,14 @@ class Progress:
         return {"step": self.step, "wandb_id": self.wandb_id, "loss_sum": self.loss_sum,
                 "steps_since_log": self.steps_since_log, "nonfinite_loss": self.nonfinite_loss,
                 "skipped_seen": self.skipped_seen, "skip_run": self.skip_run,
-                "longest_skip_run": self.longest_skip_run}
+                "longest_skip_run": self.longest_skip_run, "last_loss": self.last_loss}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step, self.wandb_id, self.steps_since_log = state["step"], state["wandb_id"], state["steps_since_log"]
         for key in ("loss_sum", "nonfinite_loss", "skipped_seen", "skip_run", "longest_skip_run"):
             getattr(self, key).copy_(state[key])
+        # A checkpoint saved before the last loss was recorded: unknown (NaN), said so if the run diverges.
+        self.last_loss.copy_(state.get("last_loss", torch.tensor(float("nan"))))
 
 
 class _Interrupts:
@@ -268,8 +275,10 @@ class Trainer:
         self.config_dict = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True)
         loaded = resume.load_checkpoint(t.resume, self.out_dir, self.device, template=self._state(),
                                         sharded=self.dist.enabled, rank=self.dist.rank)
+        self.kept: Optional[tuple[Path, int, float]] = None  # the last checkpoint loaded or saved: path, step, loss
         if loaded is not None:
             self._load_state(loaded.state)
+            self.kept = (loaded.path, self.progress.step, self._last_loss())
         elif t.resume == "none" and resume.holds_checkpoint(self.out_dir):
             raise resume.CheckpointError(
                 f"{self.out_dir} already holds the checkpoints of a run; trainer.resume=none would overwrite them. "
@@ -320,9 +329,19 @@ class Trainer:
             part.load_state_dict(state[name])
 
     def save(self) -> Path:
+        """Publish every part's state as the latest checkpoint; never a diverged one (it would replace the last
+        checkpoint worth resuming from): a divergence since the last log step stops the run here instead."""
+        self._check_diverged()
         if self.dist.enabled:
-            return resume.save_sharded(self._state(), self.out_dir, self.dist.rank, mode=self.dist.mode.value)
-        return resume.save_checkpoint(self._state(), self.out_dir)
+            path = resume.save_sharded(self._state(), self.out_dir, self.dist.rank, mode=self.dist.mode.value)
+        else:
+            path = resume.save_checkpoint(self._state(), self.out_dir)
+        self.kept = (path, self.progress.step, self._last_loss())
+        return path
+
+    def _last_loss(self) -> float:
+        """The last step's training loss (over all ranks): the loss a checkpoint taken now was trained to."""
+        return distributed.mean(self.progress.last_loss, self.dist).item()
 
     # -- the loop ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -338,7 +357,7 @@ class Trainer:
     def _check_diverged(self) -> None:
         """At log and save steps (host reads happen there only): stop a run whose loss went inf/NaN without loss
         scaling to absorb it, or whose optimizer skipped max_skipped_steps steps in a row."""
-        p, where = self.progress, resume.checkpoint_dir(self.out_dir)
+        p = self.progress
         nonfinite = bool(distributed.mean(p.nonfinite_loss.float(), self.dist).item()) \
             and not self.plan.precision.loss_scaling
         longest = int(p.longest_skip_run.item())
@@ -346,10 +365,20 @@ class Trainer:
             what = "the training loss became inf/NaN" if nonfinite else \
                 f"{longest} optimizer steps in a row were skipped (inf/NaN gradients)"
             raise NonFiniteLossError(
-                f"{what} by step {p.step} (precision={self.plan.precision.name}); stopping with the last good "
-                f"checkpoint kept in {where} — try a lower trainer.lr"
+                f"{what} by step {p.step} (precision={self.plan.precision.name}); stopping, {self._kept_checkpoint()}"
+                " — try a lower trainer.lr"
                 + (", or precision=fp16 only if fp16 overflow is the cause" if not self.plan.precision.loss_scaling
                    else ""))
+
+    def _kept_checkpoint(self) -> str:
+        """Which checkpoint a diverged run leaves to resume from, with the loss it was trained to: a finite loss
+        can still be an exploded one, which the user judges from the number."""
+        if self.kept is None:
+            t = self.cfg.trainer
+            first = f"{t.save_every}" if t.save_every < t.max_steps else f"{t.max_steps}, the last"
+            return f"with no checkpoint saved (the first was due at step {first})"
+        path, step, loss = self.kept
+        return f"keeping the checkpoint of step {step} ({path}), whose training loss at that step was {loss:.4g}"
 
     def _log_record(self, throughput: Throughput) -> dict[str, Any]:
         stats = self.optimizer.stats()
@@ -433,7 +462,6 @@ class Trainer:
                         bar.set_postfix(loss=f"{record.get('train/loss', float('nan')):.3f}")
                     stop = self._interrupt_agreed(interrupts, logging)
                     if saving or stop:
-                        self._check_diverged()
                         path = self.save()
                     if stop:
                         raise TrainingInterrupted(
