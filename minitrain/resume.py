@@ -24,6 +24,7 @@ metrics and overwrite each other's checkpoints.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import fnmatch
 import json
@@ -239,20 +240,58 @@ def save_checkpoint(state: dict[str, Any], out_dir: Path) -> Path:
                 f.flush()
                 os.fsync(f.fileno())
         except (OSError, RuntimeError) as e:  # a full disk, a quota: torch.save's writer says RuntimeError
-            raise _unwritable(ckpts, e) from None
+            tmp.unlink(missing_ok=True)  # first: the free space the message gives is what the next try will have
+            raise _unwritable(ckpts, e, state_bytes(state)) from None
         _publish(tmp, latest, ckpts / PREVIOUS)
     finally:
         tmp.unlink(missing_ok=True)  # still there only when the save failed
     return latest
 
 
-def _unwritable(ckpts: Path, e: BaseException) -> "CheckpointError":
-    """A save that could not be written: what happened, that nothing published is lost, and what to do."""
+def state_bytes(state: Any) -> int:
+    """The bytes of every tensor in a (nested) checkpoint state: what its file or shards take on disk, near
+    enough. A DTensor counts whole (its numel is the global one): every rank's shards are written."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(state_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(state_bytes(v) for v in state)
+    return 0
+
+
+def _disk_full(e: BaseException) -> bool:
+    """ENOSPC or EDQUOT in `e` or what it was raised from (torch.save reports the write's OSError as the context
+    of a RuntimeError of its own)."""
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _size(n: float) -> str:
+    return next(f"{n / scale:.3g} {unit}" for scale, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB"), (1, "bytes"))
+                if n >= scale or unit == "bytes")
+
+
+def _unwritable(ckpts: Path, e: BaseException, needed: int) -> "CheckpointError":
+    """A save that could not be written: what happened (a full disk: how much room a checkpoint needs), that
+    nothing published is lost, and what to do. `needed`: the state's tensor bytes (state_bytes)."""
     if failures := getattr(e, "failures", None):  # torch.distributed.checkpoint's, wrapping each rank's error
         e, _ = next(iter(failures.values()))
-    return CheckpointError(f"could not write a checkpoint into {ckpts} ({error_reason(e)}); the checkpoints "
-                           "published before are untouched. Free space there (or move the run dir to a disk "
-                           "with room), then continue with trainer.resume=auto")
+    try:
+        free = shutil.disk_usage(ckpts).free
+    except OSError:  # the directory itself could not be made
+        free = None
+    if _disk_full(e) or (free is not None and free < needed):
+        room = f"{_size(free)} free" if free is not None else "no room"
+        what = f": the disk is full ({room} there; a checkpoint of this run needs about {_size(needed)})"
+    else:
+        what = f" ({error_reason(e)})"
+    return CheckpointError(f"could not write a checkpoint into {ckpts}{what}; the checkpoints published before are "
+                           "untouched. Free space there (or move the run dir to a disk with room), then continue "
+                           "with trainer.resume=auto")
 
 
 def _by_rank(state: dict[str, Any], rank: int) -> dict[str, Any]:
@@ -277,7 +316,9 @@ def save_sharded(state: dict[str, Any], out_dir: Path, rank: int, mode: str) -> 
         try:  # returns once every rank's shards and .metadata exist; a rank's failure is raised on every rank
             dcp.save(_by_rank(shards, rank), checkpoint_id=tmp)
         except (CheckpointException, OSError) as e:  # not RuntimeError: a collective's (a peer gone) stays raw
-            raise _unwritable(ckpts, e) from None
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # first: the free space the message gives
+            raise _unwritable(ckpts, e, state_bytes(shards)) from None
         if rank == 0:
             info = {"world_size": dist.get_world_size(), "mode": mode, "config": state["config"]}
             with open(tmp / JOB_INFO, "w") as f:

@@ -409,3 +409,44 @@ def test_a_run_dir_on_a_read_only_filesystem_is_refused_naming_it(tmp_path, monk
     assert str(refused.value) == (f"hydra.run.dir: cannot use runs/${{now:%Y-%m-%d}}/${{now:%H-%M-%S}} as the run dir "
                                   f"(OSError: [Errno 30] Read-only file system: '{tmp_path}'); give the run a writable "
                                   "directory (hydra.run.dir=... or trainer.out_dir=...)")
+
+
+# The disk fills at the `fail_at`-th save: from then on every write of a checkpoint goes to /dev/full, which fails
+# it with the kernel's ENOSPC, as a full disk does.
+ON_A_FULL_DISK = """
+import os, runpy, sys, torch
+real_save, saves = torch.save, []
+def on_a_full_disk(obj, f, *args, **kwargs):
+    saves.append(1)
+    if len(saves) >= {fail_at}:
+        os.dup2(os.open("/dev/full", os.O_WRONLY), f.fileno())
+    return real_save(obj, f, *args, **kwargs)
+torch.save = on_a_full_disk
+sys.argv = ["train.py", *{args!r}]
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="the kernel's full-disk device (Linux)")
+def test_a_full_disk_stops_the_run_saying_so_and_how_much_room_a_save_needs(server, corpus, data_cache, tmp_path):
+    """The third save (step 9) meets a full disk: one line that says so, exit 2, the checkpoints of steps 6 and 3
+    intact and no temporary; once there is room, resume=auto goes on from step 6 as if nothing happened."""
+    run_dir, ckpts = tmp_path / "run", resume.checkpoint_dir(tmp_path / "run")
+    args = [*train_args(corpus, data_cache, 4 * SAVE_EVERY), f"hydra.run.dir={run_dir}"]
+    script = ON_A_FULL_DISK.format(fail_at=3, args=args, script=str(REPO / "scripts" / "train.py"))
+    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO),
+                                                                                        os.environ.get("PYTHONPATH")]))})
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    size = (ckpts / resume.LATEST).stat().st_size
+    needed = re.search(r"^error: could not write a checkpoint into (\S+): the disk is full \(\d[\d.]* [kMG]B free "
+                       r"there; a checkpoint of this run needs about ([\d.]+) kB\); the checkpoints published before "
+                       r"are untouched\. Free space there .*, then continue with trainer\.resume=auto$",
+                       out.stderr.splitlines()[-1])
+    assert needed and needed.group(1) == str(ckpts), out.stderr[-3000:]
+    assert float(needed.group(2)) * 1e3 == pytest.approx(size, rel=0.1)  # the tensors: nearly all of a checkpoint
+    assert (step_of(ckpts / resume.LATEST), step_of(ckpts / resume.PREVIOUS)) == (2 * SAVE_EVERY, SAVE_EVERY)
+    assert sorted(p.name for p in ckpts.iterdir()) == [resume.LATEST, resume.PREVIOUS]
+    code, _ = server.wait(server.start(train_args(corpus, data_cache, 4 * SAVE_EVERY), run_dir))
+    assert code == 0, console_path(run_dir).read_text()[-3000:]
+    assert f"resumed from {ckpts / resume.LATEST} at step {2 * SAVE_EVERY}" in (run_dir / "train.log").read_text()

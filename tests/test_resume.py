@@ -1,3 +1,4 @@
+import errno
 import json
 import os
 import re
@@ -127,17 +128,64 @@ def test_a_failed_write_leaves_both_checkpoints_and_no_temporary(tmp_path, monke
     resume.save_checkpoint(state_at(1), tmp_path)
     resume.save_checkpoint(state_at(2), tmp_path)
 
-    def disk_full(obj, f):
+    def io_error(obj, f):
         f.write(b"PK\x03\x04 partial")
-        raise OSError("disk full")
+        raise OSError(errno.EIO, "Input/output error")
 
-    monkeypatch.setattr(torch, "save", disk_full)
-    with pytest.raises(CheckpointError, match=r"could not write a checkpoint into .*\(OSError: disk full\); the "
-                                              r"checkpoints published before are untouched.*trainer.resume=auto"):
+    monkeypatch.setattr(torch, "save", io_error)
+    with pytest.raises(CheckpointError, match=r"could not write a checkpoint into .*\(OSError: \[Errno 5\] Input/output "
+                                              r"error\); the checkpoints published before are untouched.*"
+                                              r"trainer.resume=auto"):
         resume.save_checkpoint(state_at(3), tmp_path)
     ckpts = resume.checkpoint_dir(tmp_path)
     assert (saved_step(ckpts / resume.LATEST), saved_step(ckpts / resume.PREVIOUS)) == (2, 1)
     assert sorted(p.name for p in ckpts.iterdir()) == [resume.LATEST, resume.PREVIOUS]
+
+
+def big_state(step: int) -> dict:
+    """A checkpoint of 2 MB of tensors: their bytes are nearly all of its file."""
+    return {"model": {"w": torch.full((400_000,), float(step)), "b": torch.zeros(100_000, dtype=torch.float16)},
+            "step": step, "config": CONFIG}
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="the kernel's full-disk device (Linux)")
+def test_a_full_disk_is_named_with_the_room_a_checkpoint_needs(tmp_path, monkeypatch):
+    """torch.save writing into the kernel's /dev/full, which fails every write with ENOSPC as a full disk does
+    (torch reports it as a RuntimeError of its own, the OSError only as its context)."""
+    resume.save_checkpoint(big_state(1), tmp_path)
+    resume.save_checkpoint(big_state(2), tmp_path)
+    ckpts, real_save = resume.checkpoint_dir(tmp_path), torch.save
+    size = (ckpts / resume.LATEST).stat().st_size
+    assert resume.state_bytes(big_state(3)) == 1_800_000 == pytest.approx(size, rel=0.01)
+
+    def on_a_full_disk(obj, f):
+        os.dup2(os.open("/dev/full", os.O_WRONLY), f.fileno())
+        real_save(obj, f)
+
+    monkeypatch.setattr(torch, "save", on_a_full_disk)
+    with pytest.raises(CheckpointError) as error:
+        resume.save_checkpoint(big_state(3), tmp_path)
+    message = re.sub(r"\(\d[\d.]* [GMk]B free", "(N free", str(error.value))  # others write on this disk meanwhile
+    assert message == (f"could not write a checkpoint into {ckpts}: the disk is full (N free there; a checkpoint of "
+                       "this run needs about 1.8 MB); the checkpoints published before are untouched. Free space "
+                       "there (or move the run dir to a disk with room), then continue with trainer.resume=auto")
+    assert (saved_step(ckpts / resume.LATEST), saved_step(ckpts / resume.PREVIOUS)) == (2, 1)
+    assert sorted(p.name for p in ckpts.iterdir()) == [resume.LATEST, resume.PREVIOUS]
+
+
+def test_a_write_error_that_names_no_cause_on_a_disk_without_room_is_a_full_disk(tmp_path, monkeypatch):
+    """torch.save given a path reports ENOSPC as `basic_ios::clear: iostream error`: the room left tells."""
+    def unexplained(obj, f):
+        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(torch, "save", unexplained)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12 - 500_000, 500_000))
+    with pytest.raises(CheckpointError, match=r": the disk is full \(500 kB free there; a checkpoint of this run needs "
+                                              r"about 1\.8 MB\)"):
+        resume.save_checkpoint(big_state(1), tmp_path)
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 0, 10**12))
+    with pytest.raises(CheckpointError, match=r"could not write a checkpoint into .* \(RuntimeError: \[enforce fail"):
+        resume.save_checkpoint(big_state(1), tmp_path)
 
 
 def test_a_sharded_save_that_cannot_be_written_says_so_and_leaves_both_checkpoints(tmp_path, monkeypatch,
@@ -151,7 +199,8 @@ def test_a_sharded_save_that_cannot_be_written_says_so_and_leaves_both_checkpoin
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(FileSystemWriter, "write_data", disk_full)
-    with pytest.raises(CheckpointError, match=r"could not write a checkpoint into .*\(OSError: \[Errno 28\] No space"):
+    with pytest.raises(CheckpointError, match=r"could not write a checkpoint into .*: the disk is full \(.* free there; "
+                                              r"a checkpoint of this run needs about 16 bytes\)"):
         resume.save_sharded(state_at(3), tmp_path, rank=0, mode="ddp")
     ckpts = resume.checkpoint_dir(tmp_path)
     assert sorted(p.name for p in ckpts.iterdir()) == [resume.LATEST_SHARDED, resume.PREVIOUS_SHARDED]
