@@ -21,6 +21,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -450,3 +451,73 @@ def test_a_full_disk_stops_the_run_saying_so_and_how_much_room_a_save_needs(serv
     code, _ = server.wait(server.start(train_args(corpus, data_cache, 4 * SAVE_EVERY), run_dir))
     assert code == 0, console_path(run_dir).read_text()[-3000:]
     assert f"resumed from {ckpts / resume.LATEST} at step {2 * SAVE_EVERY}" in (run_dir / "train.log").read_text()
+
+
+def process_group_alive(pgid: int, grace_s: float) -> bool:
+    deadline = time.monotonic() + grace_s
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        if time.monotonic() >= deadline:
+            return True
+        time.sleep(0.05)
+
+
+def moment_reached(moment: str) -> Callable[[int, bytes], bool]:
+    """importing: the script's imports have reached torch (its libraries are mapped; loading them and the rest of
+    torch takes a second or more). tokenizing: the datasets library's worker pool (two workers and its manager)
+    has been tokenizing the corpus for a moment, not in the microseconds of a fork, which no Python code can make
+    safe."""
+    pool_since = []
+
+    def reached(pid: int, stderr: bytes) -> bool:
+        if moment == "importing":
+            return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        if not pool_since and b"tokenizing" in stderr and len(children) >= 3:
+            pool_since.append(time.monotonic())
+        return bool(pool_since) and time.monotonic() - pool_since[0] > 0.3
+
+    return reached
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads a process's mapped libraries from /proc")
+@pytest.mark.parametrize("moment, said", [
+    ("importing", "minitrain: aborted (Ctrl-C) while starting, before the run began"),
+    # the terminal's Ctrl-C reaches the workers too; the pool turns the script's KeyboardInterrupt into an error
+    ("tokenizing", "minitrain: aborted (Ctrl-C) without saving a checkpoint; any saved before in {run} are kept"),
+])
+def test_ctrl_c_before_training_ends_in_one_line_and_exit_130(corpus, tmp_path, moment, said):
+    """Ctrl-C as a terminal sends it (to the whole process group) while torch and minitrain are imported, or
+    while a fresh corpus is tokenized: one line, exit 130, no traceback from the script or any worker."""
+    run = tmp_path / "run"
+    args = [*train_args(corpus, tmp_path / "cache", 2), "data.num_proc=2", f"hydra.run.dir={run}"]
+    job = subprocess.Popen([sys.executable, str(REPO / "scripts" / "train.py"), *args], cwd=tmp_path,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+                           env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
+                               str(REPO), os.environ.get("PYTHONPATH")]))})
+    err = bytearray()
+
+    def read():
+        while chunk := job.stderr.read1():
+            err.extend(chunk)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    deadline, reached = time.monotonic() + START_TIMEOUT_S, moment_reached(moment)
+    while not reached(job.pid, bytes(err)):
+        assert job.poll() is None and time.monotonic() < deadline, f"never {moment}:\n{err.decode()[-3000:]}"
+        time.sleep(POLL_S)
+    os.killpg(job.pid, signal.SIGINT)
+    try:
+        job.wait(timeout=120)
+        reader.join()
+        assert not process_group_alive(job.pid, grace_s=5), "workers outlived the run"
+    finally:  # a run that hangs, or its workers, must not outlive the test
+        if process_group_alive(job.pid, grace_s=0):
+            os.killpg(job.pid, signal.SIGKILL)
+    text = err.decode()
+    assert job.returncode == 130 and "Traceback" not in text, text[-3000:]
+    assert text.rstrip().splitlines()[-1] == said.format(run=run), repr(text[-600:])
