@@ -87,6 +87,7 @@ class RunInfo:
     group: Optional[str] = None
     name: Optional[str] = None
     overrides: Optional[list[str]] = None
+    recorded: bool = field(default=False, init=False)  # this run's record is in its dir (write)
 
     @staticmethod
     def from_hydra() -> "RunInfo":
@@ -104,9 +105,10 @@ class RunInfo:
                        name=hc.job.override_dirname or f"job{hc.job.num}", overrides=overrides)
 
     def write_failure(self, out_dir: Path, message: str) -> None:
-        """A sweep cell that could not run: error.txt and its overrides beside it, for the sweep's report; in
-        a dir that holds no run only (a refused cell must not touch another run's record)."""
-        if self.overrides is None or (out_dir / "metrics.jsonl").exists():
+        """A sweep cell that could not run, or stopped (diverged): error.txt and its overrides beside it, for the
+        sweep's report; in a dir that holds no run, or this run's own record (a cell refused at start must not
+        touch another run's)."""
+        if self.overrides is None or ((out_dir / "metrics.jsonl").exists() and not self.recorded):
             return
         self._write_overrides(out_dir)
         (out_dir / "error.txt").write_text(message + "\n")
@@ -118,6 +120,8 @@ class RunInfo:
         if self.overrides is None:
             return
         self._write_overrides(out_dir).joinpath("config.yaml").write_text(OmegaConf.to_yaml(config))
+        (out_dir / "error.txt").unlink(missing_ok=True)  # of an earlier start that failed: this one may finish
+        self.recorded = True
 
     def _write_overrides(self, out_dir: Path) -> Path:
         folder = out_dir / ".hydra"

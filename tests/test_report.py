@@ -40,7 +40,7 @@ def test_a_cell_that_did_not_run_is_listed_under_the_table(tmp_path):
     cells, not_run = load_sweep(tmp_path)
     assert len(cells) == 2 and not_run == [("precision=fp16,checkpointing=none", "the step does not fit")]
     md = write_report(tmp_path, out_dir=tmp_path / "out", wandb_mode=None)["report"].read_text()
-    assert "Did not run:\n- precision=fp16,checkpointing=none: the step does not fit\n" in md
+    assert "Did not finish:\n- precision=fp16,checkpointing=none: the step does not fit\n" in md
 
 
 def test_report_from_fabricated_sweep(tmp_path):

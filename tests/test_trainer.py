@@ -185,6 +185,30 @@ def test_a_sweep_cell_that_cannot_run_leaves_the_others_running(data_cache, tmp_
     assert failed == [("model.n_head=5", "model.n_embd: 128 is not divisible by model.n_head=5")]
 
 
+def test_a_sweep_cell_that_diverged_is_in_the_report_with_its_reason(data_cache, tmp_path):
+    """It ran, so its logged steps are a row of the table; why it stopped is listed under it. Run again into the
+    same sweep dir, a cell that then finishes is no longer listed."""
+    from minitrain.tools.report import load_sweep, write_report
+
+    sweep = tmp_path / "sweep"
+    cmd = [sys.executable, str(REPO / "scripts" / "train.py"), "-m", "trainer.lr=1e4,1e-3", "trainer.max_steps=10",
+           "trainer.log_every=5", "trainer.save_every=100", "trainer.batch_size=4", "model.block_size=32",
+           "trainer.eval_batches=1", "trainer.sample_tokens=0", f"data.cache_dir={data_cache}", "logger.mode=disabled",
+           f"hydra.sweep.dir={sweep}"]
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    cells, failed = load_sweep(sweep)
+    assert [c.name for c in cells] == ["trainer.lr=10000.0", "trainer.lr=0.001"]
+    assert [name for name, _ in failed] == ["trainer.lr=10000.0"]
+    assert "by step 5 (precision=fp32); stopping, with no checkpoint saved" in failed[0][1]
+    assert f"Did not finish:\n- trainer.lr=10000.0: {failed[0][1]}\n" in write_report(sweep)["report"].read_text()
+    (sweep / "0" / ".hydra" / "overrides.yaml").write_text("- trainer.lr=1e-3\n")  # the cell, fixed, run again
+    (sweep / "0" / "metrics.jsonl").unlink()
+    subprocess.run([*cmd[:2], "trainer.lr=1e-3", *cmd[4:-1], f"hydra.run.dir={sweep / '0'}"], cwd=tmp_path, check=True,
+                   capture_output=True, timeout=600)
+    assert not (sweep / "0" / "error.txt").exists()
+
+
 def test_a_sweep_cell_refused_by_anothers_lock_leaves_that_runs_record_alone(data_cache, tmp_path):
     from minitrain.resume import RunDirLock
 

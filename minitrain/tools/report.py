@@ -86,7 +86,8 @@ def is_run_dir(path: Path) -> bool:
 
 def load_sweep(sweep_dir: Path) -> tuple[list[Cell], list[tuple[str, str]]]:
     """Every job dir with a metrics.jsonl, in job order, named by the overrides that vary across the sweep;
-    and (name, error) of each cell that did not run (its error.txt, written by scripts/train.py). A run dir
+    and (name, error) of each cell that did not run or stopped early (its error.txt, written by scripts/train.py;
+    one that stopped, diverged, is also a cell, with what it logged before). A run dir
     is its own one cell, named by the dir (all of a run's overrides would make a name too long to plot)."""
     if is_run_dir(sweep_dir):
         jobs = [Path(sweep_dir)]
@@ -101,7 +102,7 @@ def load_sweep(sweep_dir: Path) -> tuple[list[Cell], list[tuple[str, str]]]:
                   memory=json.loads((job / "memory.json").read_text()) if (job / "memory.json").exists() else {})
              for job, name in zip(jobs, names) if (job / "metrics.jsonl").exists()]
     failed = [(name, (job / "error.txt").read_text().strip()) for job, name in zip(jobs, names)
-              if not (job / "metrics.jsonl").exists()]
+              if (job / "error.txt").exists()]
     return cells, failed
 
 
@@ -232,7 +233,7 @@ def write_report(sweep_dir: Path, out_dir: Optional[Path] = None, wandb_mode: Op
                           "(`train.py -m ...` writes runs/multirun/<date>/<time>/<job>/) or of a run")
     table = markdown_table(cells)
     if failed:
-        table += "\n\nDid not run:\n" + "".join(f"- {name}: {error}\n" for name, error in failed)
+        table += "\n\nDid not finish:\n" + "".join(f"- {name}: {error}\n" for name, error in failed)
     plots = {}
     if plotting_available():
         plots = {"throughput_vs_memory": plot_throughput_vs_memory(cells, out_dir / "throughput_vs_memory.png"),
