@@ -313,7 +313,8 @@ def test_local_files_are_not_said_to_be_downloaded(tmp_path, capfd):
     for local files, where nothing goes over the network."""
     for i in range(20):
         (tmp_path / f"doc{i}.txt").write_text(f"document {i}\n")
-    cfg = DataConfig(name="local", source=DataSource.files, paths=str(tmp_path / "*.txt"), cache_dir=str(tmp_path / "cache"))
+    cfg = DataConfig(name="local", source=DataSource.files, paths=str(tmp_path / "*.txt"),
+                     cache_dir=str(tmp_path / "cache"))
     assert len(data_mod.load_corpus(cfg)) == 20
     err = capfd.readouterr().err
     assert "checking local files" in err and "Downloading" not in err, err

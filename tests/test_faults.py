@@ -66,6 +66,12 @@ def corpus(tmp_path_factory) -> Path:
     return corpus
 
 
+def checkout_env(**extra: str) -> dict[str, str]:
+    """The environment of a process that runs this checkout's code."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+            **extra}
+
+
 @dataclass
 class Run:
     """One start of scripts/train.py. Its pidfd names this process only: a kill cannot reach another
@@ -89,10 +95,9 @@ class TrainServer:
     One intra-op thread: the run shares the CPU with the polling that decides when to kill it."""
 
     def __init__(self, cwd: Path):
-        path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))  # this checkout's code
         self.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "train_server.py")], cwd=cwd,
-                                     env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path},
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                     env=checkout_env(OMP_NUM_THREADS="1"), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
 
     def start(self, args: list[str], run_dir: Path) -> Run:
         request = {"args": [*args, f"hydra.run.dir={run_dir}"], "log": str(console_path(run_dir))}
@@ -436,8 +441,7 @@ def test_a_full_disk_stops_the_run_saying_so_and_how_much_room_a_save_needs(serv
     args = [*train_args(corpus, data_cache, 4 * SAVE_EVERY), f"hydra.run.dir={run_dir}"]
     script = ON_A_FULL_DISK.format(fail_at=3, args=args, script=str(REPO / "scripts" / "train.py"))
     out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300,
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO),
-                                                                                        os.environ.get("PYTHONPATH")]))})
+                         env=checkout_env())
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
     size = (ckpts / resume.LATEST).stat().st_size
     needed = re.search(r"^error: could not write a checkpoint into (\S+): the disk is full \(\d[\d.]* [kMG]B free "
@@ -496,8 +500,7 @@ def test_ctrl_c_before_training_ends_in_one_line_and_exit_130(corpus, tmp_path, 
     args = [*train_args(corpus, tmp_path / "cache", 2), "data.num_proc=2", f"hydra.run.dir={run}"]
     job = subprocess.Popen([sys.executable, str(REPO / "scripts" / "train.py"), *args], cwd=tmp_path,
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
-                           env={**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [
-                               str(REPO), os.environ.get("PYTHONPATH")]))})
+                           env=checkout_env())
     err = bytearray()
 
     def read():

@@ -133,9 +133,9 @@ def test_a_failed_write_leaves_both_checkpoints_and_no_temporary(tmp_path, monke
         raise OSError(errno.EIO, "Input/output error")
 
     monkeypatch.setattr(torch, "save", io_error)
-    with pytest.raises(CheckpointError, match=r"could not write a checkpoint into .*\(OSError: \[Errno 5\] Input/output "
-                                              r"error\); the checkpoints published before are untouched.*"
-                                              r"trainer.resume=auto"):
+    with pytest.raises(CheckpointError, match=r"could not write a checkpoint into .*\(OSError: \[Errno 5\] "
+                                              r"Input/output error\); the checkpoints published before are "
+                                              r"untouched.*trainer.resume=auto"):
         resume.save_checkpoint(state_at(3), tmp_path)
     ckpts = resume.checkpoint_dir(tmp_path)
     assert (saved_step(ckpts / resume.LATEST), saved_step(ckpts / resume.PREVIOUS)) == (2, 1)
@@ -199,8 +199,8 @@ def test_a_sharded_save_that_cannot_be_written_says_so_and_leaves_both_checkpoin
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(FileSystemWriter, "write_data", disk_full)
-    with pytest.raises(CheckpointError, match=r"could not write a checkpoint into .*: the disk is full \(.* free there; "
-                                              r"a checkpoint of this run needs about 16 bytes\)"):
+    with pytest.raises(CheckpointError, match=r"could not write a checkpoint into .*: the disk is full \(.* free "
+                                              r"there; a checkpoint of this run needs about 16 bytes\)"):
         resume.save_sharded(state_at(3), tmp_path, rank=0, mode="ddp")
     ckpts = resume.checkpoint_dir(tmp_path)
     assert sorted(p.name for p in ckpts.iterdir()) == [resume.LATEST_SHARDED, resume.PREVIOUS_SHARDED]
