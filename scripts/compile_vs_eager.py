@@ -29,7 +29,8 @@ def loss_and_grads(forward_loss, params: dict, x: torch.Tensor, y: torch.Tensor)
         p.grad = None
     loss = forward_loss(x, y)
     loss.backward()
-    return float(loss), {name: p.grad.detach().float().clone() for name, p in params.items() if p.grad is not None}
+    return float(loss.detach()), {name: p.grad.detach().float().clone() for name, p in params.items()
+                                  if p.grad is not None}
 
 
 def compare(model: str, batch: int, recipe: str, extra: list[str], out_dir: str) -> dict:
