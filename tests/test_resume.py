@@ -173,6 +173,22 @@ def test_a_full_disk_is_named_with_the_room_a_checkpoint_needs(tmp_path, monkeyp
     assert sorted(p.name for p in ckpts.iterdir()) == [resume.LATEST, resume.PREVIOUS]
 
 
+def test_a_full_disk_that_torch_reports_as_its_own_error_is_named_too(tmp_path, monkeypatch):
+    """On a disk that fills, the kernel takes part of a write and refuses the rest: torch.save raises a RuntimeError
+    of its own, the OSError only its context (what this fault's first report showed), and the file's close has
+    nothing left to fail on."""
+    def filling(obj, f):
+        try:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        except OSError:
+            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+
+    monkeypatch.setattr(torch, "save", filling)
+    with pytest.raises(CheckpointError, match=r": the disk is full \(\d[\d.]* [kMG]B free there; a checkpoint of this "
+                                              r"run needs about 1\.8 MB\)"):
+        resume.save_checkpoint(big_state(1), tmp_path)
+
+
 def test_a_write_error_that_names_no_cause_on_a_disk_without_room_is_a_full_disk(tmp_path, monkeypatch):
     """torch.save given a path reports ENOSPC as `basic_ios::clear: iostream error`: the room left tells."""
     def unexplained(obj, f):
