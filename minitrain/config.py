@@ -11,6 +11,7 @@ Checks that need more than a type (ranges, combinations) live in `__post_init__`
 from __future__ import annotations
 
 import difflib
+import errno
 import math
 import os
 import re
@@ -32,6 +33,16 @@ def error_reason(e: BaseException) -> str:
     """An exception as a few words for a one-line message: its type and its first sentence."""
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return f"{type(e).__name__}: {first.split('. ')[0]}" if first else type(e).__name__
+
+
+def unusable_run_dir(key: str, path, e: OSError) -> str:
+    """The one-line refusal of a run dir (or a sweep's dir) that cannot be made or written, naming the setting
+    that chose it."""
+    if key == "hydra.sweep.dir":
+        return (f"{key}: cannot use {path} as the sweep's dir ({error_reason(e)}); give the sweep a writable "
+                "directory (hydra.sweep.dir=...)")
+    return (f"{key}: cannot use {path} as the run dir ({error_reason(e)}); give the run a writable directory "
+            "(hydra.run.dir=... or trainer.out_dir=...)")
 
 
 def _require(ok: bool, key: str, message: str) -> None:
@@ -483,17 +494,67 @@ def check_override_values(overrides: list[str]) -> None:
                 raise ConfigError(f"{key}: {str(e).splitlines()[0]}") from None
 
 
+def _cannot_make(path: Path) -> Optional[OSError]:
+    """What making directory `path` (parents included) would fail with, found without making anything: its
+    nearest existing ancestor must be a directory this process may write into."""
+    ancestor = path.absolute()
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        return NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(ancestor))
+    if os.access(ancestor, os.W_OK | os.X_OK):
+        return None
+    code = errno.EROFS if os.statvfs(ancestor).f_flag & os.ST_RDONLY else errno.EACCES
+    return OSError(code, os.strerror(code), str(ancestor))
+
+
+def _require_makeable_hydra_dir(argv: list[str], given: dict[str, str], multirun: bool) -> None:
+    """Hydra makes its run dir (a sweep's dir under -m) before any code of ours runs, and where it cannot, fails
+    with a traceback: the dir is checked here instead, by its part before any interpolation (runs/ of
+    runs/${now:...}), and refused in one line naming the setting that chose it. `argv`: as completed by
+    _with_run_dir; `given`: the user's own overrides by key."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    override = next((a for a in reversed(argv) if (_key_and_value(a) or ("",))[0] == key), None)
+    if override is None:  # configs/config.yaml's, as written: runs/${now:...}
+        hydra = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "config.yaml").hydra, resolve=False)
+        value = hydra[key.split(".")[1]]["dir"]
+    else:
+        try:
+            value = OverridesParser.create().parse_override(override).value()
+        except HydraException:  # malformed: Hydra says so itself
+            return
+    if not isinstance(value, str):  # a sweep over run dirs: Hydra's to check
+        return
+    fixed = value.split("${", 1)[0]
+    if "${" in value and not fixed.endswith("/"):  # runs/x-${...}: the last name is not known yet
+        fixed = os.path.dirname(fixed)
+    if (problem := _cannot_make(Path(os.path.expanduser(fixed)))) is not None:
+        derived = override is not None and key not in given  # hydra.run.dir following trainer.out_dir
+        raise ConfigError(unusable_run_dir("trainer.out_dir" if derived else key, value, problem))
+
+
 def command_line(argv: list[str]) -> list[str]:
     """scripts/train.py's arguments, checked and completed before Hydra reads them: an unknown key or a value
-    of the wrong type raises ConfigError (check_override_keys, check_override_values). A single run given
-    trainer.out_dir=X (and no hydra.run.dir) gets hydra.run.dir=X too: Hydra makes its run dir before any code
-    of ours runs, so the default runs/<date>/<time>/ would be left behind empty, and the wandb run's name,
-    which reads Hydra's run dir, would name it. A -m sweep given one fixed trainer.out_dir raises: every cell
-    would write to that one directory, and each after the first would refuse to overwrite the first's
-    checkpoints."""
+    of the wrong type raises ConfigError (check_override_keys, check_override_values), as does a run dir that
+    cannot be made (_require_makeable_hydra_dir). A single run given trainer.out_dir=X (and no hydra.run.dir)
+    gets hydra.run.dir=X too: Hydra makes its run dir before any code of ours runs, so the default
+    runs/<date>/<time>/ would be left behind empty, and the wandb run's name, which reads Hydra's run dir,
+    would name it. A -m sweep given one fixed trainer.out_dir raises: every cell would write to that one
+    directory, and each after the first would refuse to overwrite the first's checkpoints."""
     check_override_keys(argv)
     check_override_values(argv)
     keys = {kv[0]: a for a in argv if (kv := _key_and_value(a))}
+    multirun = any(a in ("-m", "--multirun") or a.startswith("hydra.mode=") for a in argv)
+    completed = _with_run_dir(argv, keys, multirun)
+    _require_makeable_hydra_dir(completed, keys, multirun)
+    return completed
+
+
+def _with_run_dir(argv: list[str], keys: dict[str, str], multirun: bool) -> list[str]:
+    """`argv` with hydra.run.dir following a fixed trainer.out_dir (command_line)."""
     out_dir = keys.get("trainer.out_dir")
     if out_dir is None:
         return list(argv)
@@ -506,7 +567,7 @@ def command_line(argv: list[str]) -> list[str]:
         return list(argv)
     value, path = out_dir.split("=", 1)[1], parsed.value()
     fixed = not parsed.is_sweep_override() and path is not None and "${" not in value
-    if any(a in ("-m", "--multirun") or a.startswith("hydra.mode=") for a in argv):
+    if multirun:
         if fixed:
             raise ConfigError(f"{out_dir} would put every cell of this -m sweep in one directory; leave it out "
                               "(each cell gets its own under hydra.sweep.dir=...) or make it differ per cell "

@@ -124,7 +124,8 @@ def load_corpus(cfg: DataConfig, notify: Optional[Callable[[str], None]] = None)
         if cfg.source == DataSource.files:  # the stdlib is known text, with other encodings in its test data
             _require_text(files, cfg, notify or _print_to_stderr)
         return datasets.load_dataset("text", data_files=files, sample_by="document", split="train",
-                                     encoding_errors="replace", cache_dir=cache_dir)
+                                     encoding_errors="replace", cache_dir=cache_dir,  # its bar, not "Downloading"
+                                     download_config=datasets.DownloadConfig(download_desc="checking local files"))
     try:
         ds = datasets.load_dataset(cfg.hub_name, cfg.hub_config, split=cfg.hub_split, cache_dir=cache_dir)
     except Exception as e:  # the hub's errors are long; say which setting to look at first

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Optional
 
 import psutil
@@ -34,6 +35,17 @@ HALF_RATE_TOKENS = 1024
 RECOMPUTE_COST = {"none": 0.0, "selective": 0.03, "full": 0.17}
 EVERY_K_CANDIDATES = (4, 2)  # every_k policies the auto-fit tries between selective and full
 CLOSE_TO_BUDGET = 0.95  # an explicit setting predicted above this share of the budget gets a warning
+CPUINFO = Path("/proc/cpuinfo")
+BF16_CPU_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # x86: AVX512-BF16, AMX-BF16; Arm: BF16
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU lists bf16 matmul instructions in /proc/cpuinfo, where bf16 runs faster than fp32 (without
+    them, many times slower). False where there is no /proc/cpuinfo (not Linux): unknown."""
+    try:
+        return bool(BF16_CPU_FLAGS & set(CPUINFO.read_text().split()))
+    except OSError:
+        return False
 
 
 class PlanError(ConfigError):
@@ -201,9 +213,9 @@ def make_plan(cfg: Config, tokenizer_vocab: int, device: torch.device, world_siz
     if device.type == "cpu" and precision.compute_dtype == torch.float16:
         notes.append(f"precision={precision.name} on a CPU: fp16 matmuls run tens of times slower than fp32 "
                      "there (precision=auto picks fp32 on a CPU)")
-    elif device.type == "cpu" and precision.compute_dtype == torch.bfloat16:
-        notes.append(f"precision={precision.name} on a CPU: bf16 is fast only on CPUs with bf16 instructions "
-                     "(AVX512-BF16, AMX), many times slower than fp32 elsewhere (precision=auto picks fp32)")
+    elif device.type == "cpu" and precision.compute_dtype == torch.bfloat16 and not cpu_has_bf16():
+        notes.append(f"precision={precision.name} on a CPU without bf16 instructions (AVX512-BF16, AMX): bf16 "
+                     "matmuls run many times slower than fp32 here (precision=auto picks fp32)")
 
     if t.batch_size % world_size:
         raise ConfigError(f"trainer.batch_size: the global batch of {t.batch_size} sequences does not split "

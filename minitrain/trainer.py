@@ -42,7 +42,9 @@ UNTIMED_STEPS_COMPILED, UNTIMED_STEPS_EAGER = 3, 1
 
 
 class NonFiniteLossError(RuntimeError):
-    """The run diverged (inf/NaN loss, or gradients skipped step after step); the last good checkpoint is kept."""
+    """The run diverged (inf/NaN loss, or gradients skipped step after step). Nothing from after the divergence was
+    saved; the message names the checkpoint kept, with its step and that step's training loss, or says there is
+    none (a finite loss can be an exploded one too: the user judges it from the number)."""
 
 
 class TrainingInterrupted(Exception):
@@ -85,6 +87,7 @@ class RunInfo:
     group: Optional[str] = None
     name: Optional[str] = None
     overrides: Optional[list[str]] = None
+    recorded: bool = field(default=False, init=False)  # this run's record is in its dir (write)
 
     @staticmethod
     def from_hydra() -> "RunInfo":
@@ -102,9 +105,10 @@ class RunInfo:
                        name=hc.job.override_dirname or f"job{hc.job.num}", overrides=overrides)
 
     def write_failure(self, out_dir: Path, message: str) -> None:
-        """A sweep cell that could not run: error.txt and its overrides beside it, for the sweep's report; in
-        a dir that holds no run only (a refused cell must not touch another run's record)."""
-        if self.overrides is None or (out_dir / "metrics.jsonl").exists():
+        """A sweep cell that could not run, or stopped (diverged): error.txt and its overrides beside it, for the
+        sweep's report; in a dir that holds no run, or this run's own record (a cell refused at start must not
+        touch another run's)."""
+        if self.overrides is None or ((out_dir / "metrics.jsonl").exists() and not self.recorded):
             return
         self._write_overrides(out_dir)
         (out_dir / "error.txt").write_text(message + "\n")
@@ -116,6 +120,8 @@ class RunInfo:
         if self.overrides is None:
             return
         self._write_overrides(out_dir).joinpath("config.yaml").write_text(OmegaConf.to_yaml(config))
+        (out_dir / "error.txt").unlink(missing_ok=True)  # of an earlier start that failed: this one may finish
+        self.recorded = True
 
     def _write_overrides(self, out_dir: Path) -> Path:
         folder = out_dir / ".hydra"
@@ -137,7 +143,8 @@ class RunInfo:
 @dataclass
 class Progress:
     """The loop's own state, checkpointed with the parts so a resumed run logs what an unbroken one logs:
-    the step, the wandb run id, the losses summed since the last log step, and the run of skipped steps."""
+    the step, the wandb run id, the losses summed since the last log step, and the run of skipped steps; and
+    the last step's loss, the one a checkpoint's weights were trained to (a diverged run's message names it)."""
 
     device: torch.device
     step: int = 0
@@ -148,10 +155,11 @@ class Progress:
     skipped_seen: torch.Tensor = None  # the optimizer's skipped-step count after the last step
     skip_run: torch.Tensor = None  # optimizer steps skipped in a row, ending at the last step
     longest_skip_run: torch.Tensor = None
+    last_loss: torch.Tensor = None
 
     def __post_init__(self):
         zeros = lambda dtype=torch.float32: torch.zeros((), dtype=dtype, device=self.device)  # noqa: E731
-        self.loss_sum, self.nonfinite_loss = zeros(), zeros(torch.bool)
+        self.loss_sum, self.last_loss, self.nonfinite_loss = zeros(), zeros(), zeros(torch.bool)
         self.skipped_seen, self.skip_run, self.longest_skip_run = (zeros(torch.int32) for _ in range(3))
 
     def record(self, loss: torch.Tensor, skipped_total: torch.Tensor) -> None:
@@ -159,6 +167,7 @@ class Progress:
         self.step += 1
         self.steps_since_log += 1
         self.loss_sum += loss
+        self.last_loss.copy_(loss)
         self.nonfinite_loss |= ~torch.isfinite(loss)
         skipped_now = skipped_total - self.skipped_seen  # 0 or 1
         self.skip_run.add_(1).mul_(skipped_now)
@@ -175,12 +184,14 @@ class Progress:
         return {"step": self.step, "wandb_id": self.wandb_id, "loss_sum": self.loss_sum,
                 "steps_since_log": self.steps_since_log, "nonfinite_loss": self.nonfinite_loss,
                 "skipped_seen": self.skipped_seen, "skip_run": self.skip_run,
-                "longest_skip_run": self.longest_skip_run}
+                "longest_skip_run": self.longest_skip_run, "last_loss": self.last_loss}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step, self.wandb_id, self.steps_since_log = state["step"], state["wandb_id"], state["steps_since_log"]
         for key in ("loss_sum", "nonfinite_loss", "skipped_seen", "skip_run", "longest_skip_run"):
             getattr(self, key).copy_(state[key])
+        # A checkpoint saved before the last loss was recorded: unknown (NaN), said so if the run diverges.
+        self.last_loss.copy_(state.get("last_loss", torch.tensor(float("nan"))))
 
 
 class _Interrupts:
@@ -269,8 +280,10 @@ class Trainer:
         self.config_dict = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True)
         loaded = resume.load_checkpoint(t.resume, self.out_dir, self.device, template=self._state(),
                                         sharded=self.dist.enabled, rank=self.dist.rank)
+        self.kept: Optional[tuple[Path, int, float]] = None  # the last checkpoint loaded or saved: path, step, loss
         if loaded is not None:
             self._load_state(loaded.state)
+            self.kept = (loaded.path, self.progress.step, self._last_loss())
         elif t.resume == "none" and resume.holds_checkpoint(self.out_dir):
             raise resume.CheckpointError(
                 f"{self.out_dir} already holds the checkpoints of a run; trainer.resume=none would overwrite them. "
@@ -321,9 +334,19 @@ class Trainer:
             part.load_state_dict(state[name])
 
     def save(self) -> Path:
+        """Publish every part's state as the latest checkpoint; never a diverged one (it would replace the last
+        checkpoint worth resuming from): a divergence since the last log step stops the run here instead."""
+        self._check_diverged()
         if self.dist.enabled:
-            return resume.save_sharded(self._state(), self.out_dir, self.dist.rank, mode=self.dist.mode.value)
-        return resume.save_checkpoint(self._state(), self.out_dir)
+            path = resume.save_sharded(self._state(), self.out_dir, self.dist.rank, mode=self.dist.mode.value)
+        else:
+            path = resume.save_checkpoint(self._state(), self.out_dir)
+        self.kept = (path, self.progress.step, self._last_loss())
+        return path
+
+    def _last_loss(self) -> float:
+        """The last step's training loss (over all ranks): the loss a checkpoint taken now was trained to."""
+        return distributed.mean(self.progress.last_loss, self.dist).item()
 
     # -- the loop ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -339,7 +362,7 @@ class Trainer:
     def _check_diverged(self) -> None:
         """At log and save steps (host reads happen there only): stop a run whose loss went inf/NaN without loss
         scaling to absorb it, or whose optimizer skipped max_skipped_steps steps in a row."""
-        p, where = self.progress, resume.checkpoint_dir(self.out_dir)
+        p = self.progress
         nonfinite = bool(distributed.mean(p.nonfinite_loss.float(), self.dist).item()) \
             and not self.plan.precision.loss_scaling
         longest = int(p.longest_skip_run.item())
@@ -347,10 +370,20 @@ class Trainer:
             what = "the training loss became inf/NaN" if nonfinite else \
                 f"{longest} optimizer steps in a row were skipped (inf/NaN gradients)"
             raise NonFiniteLossError(
-                f"{what} by step {p.step} (precision={self.plan.precision.name}); stopping with the last good "
-                f"checkpoint kept in {where} — try a lower trainer.lr"
+                f"{what} by step {p.step} (precision={self.plan.precision.name}); stopping, {self._kept_checkpoint()}"
+                " — try a lower trainer.lr"
                 + (", or precision=fp16 only if fp16 overflow is the cause" if not self.plan.precision.loss_scaling
                    else ""))
+
+    def _kept_checkpoint(self) -> str:
+        """Which checkpoint a diverged run leaves to resume from, with the loss it was trained to: a finite loss
+        can still be an exploded one, which the user judges from the number."""
+        if self.kept is None:
+            t = self.cfg.trainer
+            first = f"{t.save_every}" if t.save_every < t.max_steps else f"{t.max_steps}, the last"
+            return f"with no checkpoint saved (the first was due at step {first})"
+        path, step, loss = self.kept
+        return f"keeping the checkpoint of step {step} ({path}), whose training loss at that step was {loss:.4g}"
 
     def _log_record(self, throughput: Throughput) -> dict[str, Any]:
         stats = self.optimizer.stats()
@@ -364,7 +397,7 @@ class Trainer:
         record.update(throughput.read())
         record.update(memory_stats(self.device))
         if self.dist.enabled:  # every rank's peak: under fsdp they should match, under imbalance they do not
-            key = "mem/peak_allocated_gb" if self.device.type == "cuda" else "mem/rss_gb"
+            key = "mem/peak_allocated_gb" if self.device.type == "cuda" else "mem/peak_rss_gb"
             for rank, value in enumerate(distributed.gather(record[key], self.dist)):
                 record[f"mem/rank{rank}/{key[4:]}"] = value
         return record
@@ -434,7 +467,6 @@ class Trainer:
                         bar.set_postfix(loss=f"{record.get('train/loss', float('nan')):.3f}")
                     stop = self._interrupt_agreed(interrupts, logging)
                     if saving or stop:
-                        self._check_diverged()
                         path = self.save()
                     if stop:
                         raise TrainingInterrupted(

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from minitrain import data as data_mod
-from minitrain.config import DataConfig
+from minitrain.config import DataConfig, DataSource
 from minitrain.data import Batches, DataError, prepare_data, stdlib_files
 
 
@@ -318,3 +318,15 @@ def test_a_hub_corpus_is_cached_under_data_cache_dir(tmp_path, monkeypatch):
     data = prepare_data(cfg, block_size=16, progress=False)
     assert asked == {"name": "someone/stories", "cache_dir": str(tmp_path / "cache" / "hf-datasets")}
     assert "quick brown fox" in data.decode(data.tokens[:64])
+
+
+def test_local_files_are_not_said_to_be_downloaded(tmp_path, capfd):
+    """The datasets library shows a bar over the files it fetches (from 16 files on), named "Downloading data" even
+    for local files, where nothing goes over the network."""
+    for i in range(20):
+        (tmp_path / f"doc{i}.txt").write_text(f"document {i}\n")
+    cfg = DataConfig(name="local", source=DataSource.files, paths=str(tmp_path / "*.txt"),
+                     cache_dir=str(tmp_path / "cache"))
+    assert len(data_mod.load_corpus(cfg)) == 20
+    err = capfd.readouterr().err
+    assert "checking local files" in err and "Downloading" not in err, err

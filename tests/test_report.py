@@ -40,7 +40,7 @@ def test_a_cell_that_did_not_run_is_listed_under_the_table(tmp_path):
     cells, not_run = load_sweep(tmp_path)
     assert len(cells) == 2 and not_run == [("precision=fp16,checkpointing=none", "the step does not fit")]
     md = write_report(tmp_path, out_dir=tmp_path / "out", wandb_mode=None)["report"].read_text()
-    assert "Did not run:\n- precision=fp16,checkpointing=none: the step does not fit\n" in md
+    assert "Did not finish:\n- precision=fp16,checkpointing=none: the step does not fit\n" in md
 
 
 def test_report_from_fabricated_sweep(tmp_path):
@@ -62,13 +62,13 @@ def test_a_cpu_runs_rss_is_shown_as_such_and_not_divided_into_the_prediction(tmp
     fabricate_sweep(tmp_path)
     cpu = tmp_path / "1_precision=bf16,checkpointing=full" / "memory.json"
     memory = json.loads(cpu.read_text())
-    memory["mem/rss_gb"] = memory.pop("mem/peak_allocated_gb")
+    memory["mem/peak_rss_gb"] = memory.pop("mem/peak_allocated_gb")
     cpu.write_text(json.dumps(memory))
     cells, _ = load_sweep(tmp_path)
     assert [c.measured_is_rss for c in cells] == [False, True] and cells[1].measured_gb == 2.2
     md = write_report(tmp_path, out_dir=tmp_path / "out", wandb_mode=None)["report"].read_text()
     assert "| precision=fp32,checkpointing=none | 1,000 | 10.0% | 12.5% | 6.000 | 5.500 | 1.091 | 3.0000 |" in md
-    assert "| precision=bf16,checkpointing=full | 2,500 | 25.0% | 31.2% | 2.000 | 2.200 (RSS) | — | 3.0000 |" in md
+    assert "| precision=bf16,checkpointing=full | 2,500 | 25.0% | 31.2% | 2.000 | 2.200 (peak RSS) | — | 3.0000 |" in md
     assert RSS_NOTE in md
 
 

@@ -165,9 +165,9 @@ def test_wandb_offline_run_holds_the_metrics(make_cfg, tmp_path):
     train(make_cfg("logger.mode=offline", "trainer.max_steps=4", "trainer.log_every=2"), progress=False)
     run_dir = tmp_path / "run"
     records = read_jsonl(run_dir / "metrics.jsonl")
-    for key in ("train/loss", "opt/lr", "opt/grad_norm", "perf/tokens_per_s", "perf/step_ms", "mem/rss_gb"):
+    for key in ("train/loss", "opt/lr", "opt/grad_norm", "perf/tokens_per_s", "perf/step_ms", "mem/peak_rss_gb"):
         assert key in records[-1], key
-    assert records[-1]["perf/tokens_per_s"] > 0 and records[-1]["mem/rss_gb"] > 0
+    assert records[-1]["perf/tokens_per_s"] > 0 and records[-1]["mem/peak_rss_gb"] > 0
     # Offline runs keep their history in the run's binary .wandb log (protobuf records), where the
     # metric keys are stored verbatim. wandb's service may still be writing it after run.finish() (under
     # load the file once held only its header); its shutdown, which atexit runs in train.py, flushes it.
@@ -177,7 +177,7 @@ def test_wandb_offline_run_holds_the_metrics(make_cfg, tmp_path):
     logs = list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(logs) == 1, logs
     history = logs[0].read_bytes()
-    for key in ("train/loss", "perf/tokens_per_s", "mem/rss_gb"):
+    for key in ("train/loss", "perf/tokens_per_s", "mem/peak_rss_gb"):
         assert key.encode() in history, key
 
 
@@ -235,6 +235,30 @@ def test_a_sweep_cell_that_cannot_run_leaves_the_others_running(data_cache, tmp_
     cells, failed = load_sweep(sweep)  # the report names the cell that did not run, and why
     assert [c.name for c in cells] == ["model.n_head=4"]
     assert failed == [("model.n_head=5", "model.n_embd: 128 is not divisible by model.n_head=5")]
+
+
+def test_a_sweep_cell_that_diverged_is_in_the_report_with_its_reason(data_cache, tmp_path):
+    """It ran, so its logged steps are a row of the table; why it stopped is listed under it. Run again into the
+    same sweep dir, a cell that then finishes is no longer listed."""
+    from minitrain.tools.report import load_sweep, write_report
+
+    sweep = tmp_path / "sweep"
+    cmd = [sys.executable, str(REPO / "scripts" / "train.py"), "-m", "trainer.lr=1e4,1e-3", "trainer.max_steps=10",
+           "trainer.log_every=5", "trainer.save_every=100", "trainer.batch_size=4", "model.block_size=32",
+           "trainer.eval_batches=1", "trainer.sample_tokens=0", f"data.cache_dir={data_cache}", "logger.mode=disabled",
+           f"hydra.sweep.dir={sweep}"]
+    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
+    cells, failed = load_sweep(sweep)
+    assert [c.name for c in cells] == ["trainer.lr=10000.0", "trainer.lr=0.001"]
+    assert [name for name, _ in failed] == ["trainer.lr=10000.0"]
+    assert "by step 5 (precision=fp32); stopping, with no checkpoint saved" in failed[0][1]
+    assert f"Did not finish:\n- trainer.lr=10000.0: {failed[0][1]}\n" in write_report(sweep)["report"].read_text()
+    (sweep / "0" / ".hydra" / "overrides.yaml").write_text("- trainer.lr=1e-3\n")  # the cell, fixed, run again
+    (sweep / "0" / "metrics.jsonl").unlink()
+    subprocess.run([*cmd[:2], "trainer.lr=1e-3", *cmd[4:-1], f"hydra.run.dir={sweep / '0'}"], cwd=tmp_path, check=True,
+                   capture_output=True, timeout=600)
+    assert not (sweep / "0" / "error.txt").exists()
 
 
 def test_a_sweep_cell_refused_by_anothers_lock_leaves_that_runs_record_alone(data_cache, tmp_path):
@@ -498,7 +522,7 @@ def test_a_run_ends_with_where_its_results_are_and_a_finished_run_started_again_
     assert last == (f"finished: step 4 of 4, loss {record['train/loss']:.4f}, val {record['val/loss']:.4f} | "
                     f"checkpoint {run / 'checkpoints' / 'latest.pt'} | metrics {run / 'metrics.jsonl'}")
     memory_json, sample = (run / "memory.json").read_text(), (run / "sample.txt").read_text()
-    assert "mem/rss_gb" in memory_json
+    assert "mem/peak_rss_gb" in memory_json
     again = train(make_cfg("trainer.max_steps=4", "trainer.resume=auto"), progress=False)
     assert again == {"step": 4}
     assert "nothing to train: the checkpoint is at step 4 and trainer.max_steps=4" in (run / "train.log").read_text()

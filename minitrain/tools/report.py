@@ -20,8 +20,8 @@ import yaml
 # The stacked bar's segments: `mem_pred/<key>_gb` keys of memory.MemoryEstimate.as_dict().
 BREAKDOWN = ("weights", "grads", "masters", "adam_m", "adam_v", "activations_total", "transient")
 PLOTS_SKIPPED = "plots skipped: matplotlib is not installed (pip install -e '.[plots]')"
-RSS_NOTE = ("RSS: a CPU run's resident memory, the interpreter, torch and the data included; it is no measure of "
-            "the tensors the memory model predicts, so no ratio is given.")
+RSS_NOTE = ("peak RSS: a CPU run's largest resident memory over the process's life, the interpreter, torch and the "
+            "data included; it is no measure of the tensors the memory model predicts, so no ratio is given.")
 
 
 class ReportError(ValueError):
@@ -58,7 +58,7 @@ class Cell:
         return self.memory.get("mem_pred/peak_gb")
 
     def _measured(self) -> tuple[Optional[str], Optional[float]]:
-        for key in ("mem/peak_allocated_gb", "mem/rss_gb"):
+        for key in ("mem/peak_allocated_gb", "mem/peak_rss_gb"):
             value = self.memory.get(key, max((r[key] for r in self.records if key in r), default=None))
             if value is not None:
                 return key, value
@@ -66,13 +66,13 @@ class Cell:
 
     @property
     def measured_gb(self) -> Optional[float]:
-        """The allocator's peak (CUDA), else the largest process RSS seen (CPU)."""
+        """The allocator's peak (CUDA), else the process's peak RSS (CPU)."""
         return self._measured()[1]
 
     @property
     def measured_is_rss(self) -> bool:
-        """The measured figure is a CPU run's process RSS, not the allocator's peak of its tensors."""
-        return self._measured()[0] == "mem/rss_gb"
+        """The measured figure is a CPU run's process peak RSS, not the allocator's peak of its tensors."""
+        return self._measured()[0] == "mem/peak_rss_gb"
 
     @property
     def final_loss(self) -> Optional[float]:
@@ -86,7 +86,8 @@ def is_run_dir(path: Path) -> bool:
 
 def load_sweep(sweep_dir: Path) -> tuple[list[Cell], list[tuple[str, str]]]:
     """Every job dir with a metrics.jsonl, in job order, named by the overrides that vary across the sweep;
-    and (name, error) of each cell that did not run (its error.txt, written by scripts/train.py). A run dir
+    and (name, error) of each cell that did not run or stopped early (its error.txt, written by scripts/train.py;
+    one that stopped, diverged, is also a cell, with what it logged before). A run dir
     is its own one cell, named by the dir (all of a run's overrides would make a name too long to plot)."""
     if is_run_dir(sweep_dir):
         jobs = [Path(sweep_dir)]
@@ -101,7 +102,7 @@ def load_sweep(sweep_dir: Path) -> tuple[list[Cell], list[tuple[str, str]]]:
                   memory=json.loads((job / "memory.json").read_text()) if (job / "memory.json").exists() else {})
              for job, name in zip(jobs, names) if (job / "metrics.jsonl").exists()]
     failed = [(name, (job / "error.txt").read_text().strip()) for job, name in zip(jobs, names)
-              if not (job / "metrics.jsonl").exists()]
+              if (job / "error.txt").exists()]
     return cells, failed
 
 
@@ -133,7 +134,7 @@ def markdown_table(cells: list[Cell]) -> str:
     for c in cells:
         comparable = c.predicted_gb and c.measured_gb and not c.measured_is_rss
         ratio = c.predicted_gb / c.measured_gb if comparable else None
-        measured = _fmt(c.measured_gb, '.3f') + (" (RSS)" if c.measured_is_rss else "")
+        measured = _fmt(c.measured_gb, '.3f') + (" (peak RSS)" if c.measured_is_rss else "")
         rows.append(f"| {c.name} | {_fmt(c.tokens_per_s, ',.0f')} | {_fmt(c.mfu, '.1%')} | {_fmt(c.hfu, '.1%')} "
                     f"| {_fmt(c.predicted_gb, '.3f')} | {measured} | {_fmt(ratio, '.3f')} "
                     f"| {_fmt(c.final_loss, '.4f')} |")
@@ -193,7 +194,7 @@ def plot_memory_breakdown(cells: list[Cell], path: Path) -> Path:
     if measured:
         rss = any(c.measured_is_rss for c in cells)
         ax.scatter(*zip(*measured), marker="_", s=600, color="black", zorder=3,
-                   label="measured: process RSS (CPU)" if rss else "measured peak")
+                   label="measured: process peak RSS (CPU)" if rss else "measured peak")
     ax.set_xticks(list(x), [c.name for c in cells], rotation=35, ha="right", fontsize=7)
     ax.set(ylabel="GB", title="Peak memory by term (predicted) and measured")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))  # beside the bars: none hidden
@@ -232,7 +233,7 @@ def write_report(sweep_dir: Path, out_dir: Optional[Path] = None, wandb_mode: Op
                           "(`train.py -m ...` writes runs/multirun/<date>/<time>/<job>/) or of a run")
     table = markdown_table(cells)
     if failed:
-        table += "\n\nDid not run:\n" + "".join(f"- {name}: {error}\n" for name, error in failed)
+        table += "\n\nDid not finish:\n" + "".join(f"- {name}: {error}\n" for name, error in failed)
     plots = {}
     if plotting_available():
         plots = {"throughput_vs_memory": plot_throughput_vs_memory(cells, out_dir / "throughput_vs_memory.png"),
