@@ -12,7 +12,7 @@ from minitrain.compile_check import CompileMismatchError
 from minitrain.config import ConfigError, command_line, register_configs
 from minitrain.data import DataError
 from minitrain.resume import RunDirBusyError, RunDirError, remove_if_empty
-from minitrain.sweep import FAILED_CELL_EXIT_CODE
+from minitrain.sweep import FAILED_CELL_EXIT_CODE, stop_cells
 from minitrain.trainer import NonFiniteLossError, RunInfo, TrainingInterrupted, train
 
 register_configs()
@@ -63,4 +63,11 @@ if __name__ == "__main__":
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(FAILED_CELL_EXIT_CODE)
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # only in the process that started a sweep of cells in processes of their own
+        stop_cells()
+        print("minitrain: sweep interrupted (Ctrl-C): its running cells stopped (submitit gives each a second to save "
+              "a checkpoint; one that cannot keeps its last periodic one); the cells after them did not run",
+              file=sys.stderr)
+        sys.exit(ABORTED_EXIT_CODE)
