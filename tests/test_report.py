@@ -81,6 +81,24 @@ def test_a_cpu_runs_rss_is_shown_as_such_and_not_divided_into_the_prediction(tmp
     assert RSS_NOTE in md
 
 
+def test_a_cuda_graphed_cell_is_measured_by_its_peak_reserved(tmp_path):
+    """Under CUDA graphs the graphs' tensors sit in a pool the allocated counter misses (the trainer's memory line
+    compares reserved then); the report must set the prediction beside the same counter."""
+    fabricate_sweep(tmp_path)
+    graphed = tmp_path / "1_precision=bf16,checkpointing=full"
+    lines = (graphed / "metrics.jsonl").read_text().splitlines()
+    (graphed / "metrics.jsonl").write_text("\n".join([json.dumps({"plan": {**PLAN["plan"], "cuda_graphs": True}}),
+                                                      *lines[1:]]) + "\n")
+    memory = json.loads((graphed / "memory.json").read_text())
+    (graphed / "memory.json").write_text(json.dumps({**memory, "mem/peak_reserved_gb": 2.5}))
+    cells, _ = load_sweep(tmp_path)
+    assert [c.measured_is_reserved for c in cells] == [False, True] and cells[1].measured_gb == 2.5
+    md = write_report(tmp_path, out_dir=tmp_path / "out", wandb_mode=None)["report"].read_text()
+    assert "| precision=bf16,checkpointing=full | 2,500 | 25.0% | 31.2% | 2.000 | 2.500 (reserved) | 0.800 |" in md
+    assert "| precision=fp32,checkpointing=none | 1,000 | 10.0% | 12.5% | 6.000 | 5.500 | 1.091 |" in md
+    assert report.RESERVED_NOTE in md
+
+
 def test_report_without_matplotlib_writes_the_table(tmp_path, monkeypatch):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
     fabricate_sweep(tmp_path)

@@ -22,6 +22,7 @@ from minitrain.tools.report import load_sweep
 
 from conftest import REPO
 
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}  # the cells' steps: a loaded CPU's spinning threads slow them
 SMALL = ["trainer.max_steps=2", "trainer.log_every=1", "trainer.batch_size=4", "model.block_size=32",
          "trainer.warmup_steps=1", "trainer.eval_batches=1", "trainer.sample_tokens=0", "logger.mode=disabled"]
 
@@ -41,7 +42,7 @@ def test_each_cell_runs_in_a_process_of_its_own_and_a_cell_that_cannot_run_is_na
     the sweep ends with the one that could not, and why, and exits 2."""
     sweep_dir = tmp_path / "sweep"
     out = subprocess.run(sweep_command(data_cache, sweep_dir, "model.n_head=5,4,2"), cwd=tmp_path,
-                         capture_output=True, text=True, timeout=900)
+                         capture_output=True, text=True, timeout=900, env=ONE_THREAD)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
     overrides = " ".join(["model.n_head=5", *SMALL, f"data.cache_dir={data_cache}"])
     assert (f"sweep {sweep_dir}: 3 cells, 2 ran, 1 could not:\n  0 ({overrides}): model.n_embd: 128 is not "
@@ -59,7 +60,7 @@ def test_each_cell_runs_in_a_process_of_its_own_and_a_cell_that_cannot_run_is_na
 def test_the_basic_launcher_runs_the_cells_in_the_sweeps_own_process(data_cache, tmp_path):
     sweep_dir = tmp_path / "sweep"
     out = subprocess.run(sweep_command(data_cache, sweep_dir, "hydra/launcher=basic", "model.n_layer=1,2"),
-                         cwd=tmp_path, capture_output=True, text=True, timeout=600)
+                         cwd=tmp_path, capture_output=True, text=True, timeout=600, env=ONE_THREAD)
     assert out.returncode == 0, out.stderr[-3000:]
     assert f"sweep {sweep_dir}: 2 cells, 2 ran\n" in out.stderr
     plans = plan_records(sweep_dir)
@@ -70,7 +71,8 @@ def start(command, cwd):
     """The sweep as a terminal's job: a process group of its own, with Ctrl-C's default action (a shell running
     tests in the background may have left SIGINT ignored, and Python then keeps it so)."""
     return subprocess.Popen(command, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            env=ONE_THREAD, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def wait_until_training(cell_dir, sweep_process, timeout_s=300):

@@ -24,6 +24,8 @@ BREAKDOWN = ("weights", "grads", "masters", "adam_m", "adam_v", "activations_tot
 PLOTS_SKIPPED = "plots skipped: matplotlib is not installed (pip install -e '.[plots]')"
 RSS_NOTE = ("RSS: a CPU run's resident memory, the interpreter, torch and the data included; it is no measure of "
             "the tensors the memory model predicts, so no ratio is given.")
+RESERVED_NOTE = ("reserved: a run replaying CUDA graphs keeps their tensors in a pool that only the allocator's "
+                 "reserved counter sees, so its peak reserved is the measure (as in the run's own memory line).")
 
 
 class ReportError(ValueError):
@@ -35,6 +37,7 @@ class Cell:
     name: str
     records: list[dict]
     memory: dict = field(default_factory=dict)
+    plan: dict = field(default_factory=dict)  # metrics.jsonl's first record
 
     def _median(self, key: str) -> Optional[float]:
         values = [r[key] for r in self.records if key in r]
@@ -73,7 +76,8 @@ class Cell:
         return self.memory.get("mem_pred/peak_gb")
 
     def _measured(self) -> tuple[Optional[str], Optional[float]]:
-        for key in ("mem/peak_allocated_gb", "mem/rss_gb"):
+        keys = ("mem/peak_reserved_gb",) if self.plan.get("cuda_graphs") else ("mem/peak_allocated_gb", "mem/rss_gb")
+        for key in keys:
             value = self.memory.get(key, max((r[key] for r in self.records if key in r), default=None))
             if value is not None:
                 return key, value
@@ -81,8 +85,13 @@ class Cell:
 
     @property
     def measured_gb(self) -> Optional[float]:
-        """The allocator's peak (CUDA), else the largest process RSS seen (CPU)."""
+        """The allocator's peak (CUDA: reserved under CUDA graphs, else allocated), else the largest process RSS
+        seen (CPU)."""
         return self._measured()[1]
+
+    @property
+    def measured_is_reserved(self) -> bool:
+        return self._measured()[0] == "mem/peak_reserved_gb"
 
     @property
     def measured_is_rss(self) -> bool:
@@ -120,7 +129,8 @@ def load_sweep(sweep_dir: Path) -> tuple[list[Cell], list[tuple[str, str]]]:
         names = [",".join(o for o in ov if o not in shared) or job.name for job, ov in zip(jobs, overrides)]
         names = [f"{name} #{job.name}" if names.count(name) > 1 else name for job, name in zip(jobs, names)]
     cells = [Cell(name=name, records=read_step_records(job / "metrics.jsonl"),
-                  memory=json.loads((job / "memory.json").read_text()) if (job / "memory.json").exists() else {})
+                  memory=json.loads((job / "memory.json").read_text()) if (job / "memory.json").exists() else {},
+                  plan=read_plan(job / "metrics.jsonl"))
              for job, name in zip(jobs, names) if (job / "metrics.jsonl").exists()]
     failed = [(name, (job / "error.txt").read_text().strip()) for job, name in zip(jobs, names)
               if not (job / "metrics.jsonl").exists()]
@@ -132,6 +142,12 @@ def read_step_records(path: Path) -> list[dict]:
     first) describes the run, not a log step."""
     records = (json.loads(line) for line in Path(path).read_text().splitlines() if line.strip())
     return [r for r in records if "step" in r]
+
+
+def read_plan(path: Path) -> dict:
+    """The run's plan: metrics.jsonl's first record (empty for a file without one)."""
+    lines = Path(path).read_text().splitlines()
+    return json.loads(lines[0]).get("plan", {}) if lines else {}
 
 
 def _overrides(job: Path) -> list[str]:
@@ -153,11 +169,13 @@ def markdown_table(cells: list[Cell]) -> str:
             "| final loss |\n|---|---:|---:|---:|---:|---:|---:|---:|")
     rows = []
     for c in cells:
-        measured = _fmt(c.measured_gb, '.3f') + (" (RSS)" if c.measured_is_rss else "")
+        counter = " (RSS)" if c.measured_is_rss else " (reserved)" if c.measured_is_reserved else ""
+        measured = _fmt(c.measured_gb, '.3f') + counter
         rows.append(f"| {c.name} | {_fmt(c.tokens_per_s, ',.0f')} | {_fmt(c.mfu, '.1%')} | {_fmt(c.hfu, '.1%')} "
                     f"| {_fmt(c.predicted_gb, '.3f')} | {measured} | {_fmt(c.predicted_over_measured, '.3f')} "
                     f"| {_fmt(c.final_loss, '.4f')} |")
-    notes = [f"\n{RSS_NOTE}"] if any(c.measured_is_rss for c in cells) else []
+    notes = [f"\n{note}" for note, shown in ((RSS_NOTE, any(c.measured_is_rss for c in cells)),
+                                             (RESERVED_NOTE, any(c.measured_is_reserved for c in cells))) if shown]
     return "\n".join([head, *rows, *notes])
 
 
@@ -262,7 +280,7 @@ def plot_loss_scale(cells: list[Cell], path: Path) -> Path:
 
 
 TABLE_COLUMNS = ("cell", "tokens_per_s", "mfu", "hfu", "predicted_gb", "measured_gb", "measured_is_rss",
-                 "predicted_over_measured", "final_loss")
+                 "measured_is_reserved", "predicted_over_measured", "final_loss")
 
 
 def log_to_wandb(sweep_dir: Path, files: dict[str, Path], cells: list[Cell], table_md: str, mode: str,
