@@ -43,7 +43,10 @@ def outcomes_path(config: DictConfig) -> Path:
 
 class SweepSummary(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        """In the process that starts the sweep. A SIGTERM (a scheduler's stop, `timeout`'s) ends it as Ctrl-C does,
+        through scripts/train.py's stop_cells(): the default action would leave the cells' processes running."""
         outcomes_path(config).unlink(missing_ok=True)  # a sweep dir used again: its earlier cells are not this sweep's
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
         if config.hydra.mode != RunMode.MULTIRUN:  # a single run speaks for itself

@@ -76,8 +76,8 @@ def test_the_loss_rows_do_not_depend_on_how_many_programs_stream_them(programs):
     """On a GPU the row kernel's grid is a multiple of the SM count (another per GPU model): each row's loss,
     log-sum-exp and gradient must come out the same bits whatever the grid."""
     gen = torch.Generator().manual_seed(0)
-    logits = (torch.randn(7, 300, generator=gen) * 4).to(torch.get_default_device())
-    targets = torch.randint(0, 300, (7,), generator=gen).to(logits.device)
+    logits = (torch.randn(7, 300, generator=gen, device="cpu") * 4).to(torch.get_default_device())
+    targets = torch.randint(0, 300, (7,), generator=gen, device="cpu").to(logits.device)
     targets[2] = -100
 
     def rows(programs):
@@ -94,7 +94,8 @@ def test_the_loss_rows_do_not_depend_on_how_many_programs_stream_them(programs):
 def run_args(device: str, data_cache: Path) -> list[str]:
     short = [f"trainer.max_steps={MAX_STEPS}", f"trainer.log_every={LOG_EVERY}", f"trainer.save_every={SAVE_EVERY}",
              f"trainer.eval_every={SAVE_EVERY}", "trainer.eval_batches=2", "trainer.sample_tokens=0",
-             "trainer.deterministic=true", "trainer.resume=auto", "logger.mode=disabled", f"data.cache_dir={data_cache}"]
+             "trainer.deterministic=true", "trainer.resume=auto", "logger.mode=disabled",
+             f"data.cache_dir={data_cache}"]
     if device == "cuda":  # the default path: bf16, compiled, CUDA graphs, the fused kernels
         return ["model=gpt2-124m", "trainer.device=cuda", *short]
     return ["trainer.device=cpu", "trainer.batch_size=8", "model.block_size=64", *short]

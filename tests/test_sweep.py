@@ -102,15 +102,17 @@ def test_ctrl_c_stops_the_sweep_and_leaves_no_cell_running(data_cache, tmp_path)
     assert not (sweep_dir / "1").exists()
 
 
-def test_a_sigint_to_the_sweeps_process_alone_stops_its_cells(data_cache, tmp_path):
-    """`kill -INT` of the starting process only (no terminal): it passes the interrupt on before it exits."""
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
+def test_a_signal_to_the_sweeps_process_alone_stops_its_cells(data_cache, tmp_path, signum):
+    """`kill -INT` of the starting process only (no terminal), or `kill` / a scheduler's SIGTERM: it passes the
+    interrupt on to its cells before it exits."""
     sweep_dir = tmp_path / "sweep"
     command = sweep_command(data_cache, sweep_dir, "model.n_layer=1", "trainer.max_steps=100000",
                             "trainer.log_every=1000", "trainer.eval_every=100000")
     sweep_process = start(command, tmp_path)
     wait_until_training(sweep_dir / "0", sweep_process)
     processes = psutil.Process(sweep_process.pid).children(recursive=True)
-    sweep_process.send_signal(signal.SIGINT)
+    sweep_process.send_signal(signum)
     _, stderr = sweep_process.communicate(timeout=120)
     assert sweep_process.returncode == 130, stderr[-3000:]
     _, alive = psutil.wait_procs(processes, timeout=5)
@@ -163,7 +165,8 @@ def test_a_cell_in_a_process_of_its_own_on_the_sweeps_host_is_given_its_gpu(monk
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,6"
 
 
-def test_the_summary_reads_what_each_cells_process_recorded(tmp_path, capsys):
+def test_the_summary_reads_what_each_cells_process_recorded(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(signal, "signal", lambda signum, handler: None)  # this process's own handlers stay
     config = cell_config(0, 1)
     config.hydra.sweep.dir = str(tmp_path)
     (tmp_path / sweep.OUTCOMES).write_text('{"num": 7, "overrides": "old sweep", "failure": null}\n')
