@@ -36,9 +36,8 @@ HALF_RATE_TOKENS = 1024
 RECOMPUTE_COST = {"none": 0.0, "selective": 0.03, "full": 0.17}
 EVERY_K_CANDIDATES = (4, 2)  # every_k policies the auto-fit tries between selective and full
 CLOSE_TO_BUDGET = 0.95  # an explicit setting predicted above this share of the budget gets a warning
-DETERMINISM = {True: "yes: two runs of this config compute the same bits (slower kernels where the fastest vary)",
-               False: "no: the fastest kernels, whose sums may round differently from run to run "
-                      "(trainer.deterministic=true to pin them)"}
+DETERMINISM = {True: "yes: two runs of this config compute the same bits",
+               False: "no: the fastest kernels, whose sums may round differently from run to run"}
 
 
 class PlanError(ConfigError):
