@@ -130,8 +130,8 @@ def placement(device: torch.device) -> dict[str, Any]:
     """Where this process runs, so that the cells of a sweep (and the ranks of a torchrun) can be told apart in
     their records: the host, the process id, the devices CUDA lets it see and the index of the one it uses."""
     index = None
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
+    if device.type == "cuda":  # an unnumbered "cuda" is torch's current device: 0 (only torchrun's ranks set theirs)
+        index = 0 if device.index is None else device.index
     return {"host": socket.gethostname(), "pid": os.getpid(),
             "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "device_index": index}
 

@@ -44,7 +44,7 @@ def outcomes_path(config: DictConfig) -> Path:
 class SweepSummary(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         """In the process that starts the sweep. A SIGTERM (a scheduler's stop, `timeout`'s) ends it as Ctrl-C does,
-        through scripts/train.py's stop_cells(): the default action would leave the cells' processes running."""
+        through stop_cells() (scripts/train.py): its default action would leave the cells' processes running."""
         outcomes_path(config).unlink(missing_ok=True)  # a sweep dir used again: its earlier cells are not this sweep's
         signal.signal(signal.SIGTERM, signal.default_int_handler)
 

@@ -63,6 +63,18 @@ def test_an_explicit_cublas_workspace_is_kept(switches_restored, monkeypatch):
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
 
 
+def test_a_trainer_sets_them_as_its_config_says_and_its_plan_tells(make_cfg, tmp_path, switches_restored):
+    from minitrain.trainer import Trainer
+
+    for on in (True, False):  # one process, two trainers: the second one's default takes the switches back
+        trainer = Trainer(make_cfg(f"trainer.deterministic={str(on).lower()}", f"trainer.out_dir={tmp_path / str(on)}"),
+                          progress=False)
+        trainer.close()
+        assert torch.are_deterministic_algorithms_enabled() == on
+        assert ("deterministic  yes" in trainer.plan.describe()) == on
+        assert trainer.plan.as_dict()["deterministic"] == on
+
+
 def test_no_triton_kernel_of_minitrain_adds_with_atomics():
     """An atomic add sums in the order the hardware finishes: such a kernel would need an ordered variant under
     trainer.deterministic (minitrain/determinism.py says none does)."""

@@ -28,8 +28,9 @@ SMALL = ["trainer.max_steps=2", "trainer.log_every=1", "trainer.batch_size=4", "
 
 
 def sweep_command(data_cache, sweep_dir, *overrides):
-    return [sys.executable, str(REPO / "scripts" / "train.py"), "-m", *overrides, *SMALL,
-            f"data.cache_dir={data_cache}", f"hydra.sweep.dir={sweep_dir}"]
+    """`overrides` after the small defaults: the last value of a key wins."""
+    return [sys.executable, str(REPO / "scripts" / "train.py"), "-m", *SMALL, f"data.cache_dir={data_cache}",
+            *overrides, f"hydra.sweep.dir={sweep_dir}"]
 
 
 def plan_records(sweep_dir):
@@ -44,7 +45,7 @@ def test_each_cell_runs_in_a_process_of_its_own_and_a_cell_that_cannot_run_is_na
     out = subprocess.run(sweep_command(data_cache, sweep_dir, "model.n_head=5,4,2"), cwd=tmp_path,
                          capture_output=True, text=True, timeout=900, env=ONE_THREAD)
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
-    overrides = " ".join(["model.n_head=5", *SMALL, f"data.cache_dir={data_cache}"])
+    overrides = " ".join([*SMALL, f"data.cache_dir={data_cache}", "model.n_head=5"])
     assert (f"sweep {sweep_dir}: 3 cells, 2 ran, 1 could not:\n  0 ({overrides}): model.n_embd: 128 is not "
             f"divisible by model.n_head=5\ncompare them: python scripts/report.py {sweep_dir}") in out.stderr
     plans = plan_records(sweep_dir)
@@ -122,14 +123,20 @@ def test_a_signal_to_the_sweeps_process_alone_stops_its_cells(data_cache, tmp_pa
 
 def test_the_plan_record_says_where_the_cell_ran(monkeypatch):
     """host, pid and the devices CUDA lets the process see: what tells a sweep's cells apart in their records."""
+    from minitrain import plan as plan_module
     from minitrain.config import compose_config, resolve
     from minitrain.plan import make_plan
 
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3")
-    record = make_plan(resolve(compose_config(["trainer.out_dir=."])), 4096, torch.device("cpu")).as_dict()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")
+    config = resolve(compose_config(["trainer.out_dir=."]))
+    record = make_plan(config, 4096, torch.device("cpu")).as_dict()
     assert (record["host"], record["pid"], record["cuda_visible_devices"], record["device_index"]) == \
-        (socket.gethostname(), os.getpid(), "3", None)
+        (socket.gethostname(), os.getpid(), "3,5", None)
     json.dumps(record)
+    monkeypatch.setattr(plan_module, "device_memory", lambda device: 80 * 2**30)  # a GPU, of which only the type
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a GPU")  # and index are read
+    assert make_plan(config, 4096, torch.device("cuda")).as_dict()["device_index"] == 0  # torch's current device
+    assert make_plan(config, 4096, torch.device("cuda", 1)).as_dict()["device_index"] == 1  # a torchrun rank's
 
 
 def cell_config(num, at_a_time, mode=RunMode.MULTIRUN):
