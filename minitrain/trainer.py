@@ -245,7 +245,7 @@ class Trainer:
         self.plan = plan = make_plan(cfg, self.data.vocab_size, self.device, self.dist.world_size)
         self.model_cfg = plan.model
         plan.precision.apply_matmul_precision()
-        determinism.apply(plan.deterministic, plan.compiled)  # before the first GEMM
+        determinism.apply(plan.deterministic)  # before the first GEMM
 
         with torch.device(self.device):
             self.model = GPT(plan.model)

@@ -46,20 +46,20 @@ def switches_restored(monkeypatch):
 def test_the_switches_are_set_and_cleared(switches_restored):
     inductor_config = switches_restored
     torch.backends.cudnn.benchmark = True
-    determinism.apply(True, compiled=True)
+    determinism.apply(True)
     assert torch.are_deterministic_algorithms_enabled() and not torch.is_deterministic_algorithms_warn_only_enabled()
+    assert inductor_config.deterministic  # the same call switches Inductor's mode (torch >= 2.10)
     assert torch.backends.cudnn.deterministic and not torch.backends.cudnn.benchmark
     assert not torch.backends.cuda.cudnn_sdp_enabled()  # its backward sums dQ in no fixed order
-    assert inductor_config.deterministic
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == determinism.CUBLAS_WORKSPACE
-    determinism.apply(False, compiled=True)  # the next trainer of this process is a default one
+    determinism.apply(False)  # the next trainer of this process is a default one
     assert not torch.are_deterministic_algorithms_enabled() and not torch.backends.cudnn.deterministic
     assert torch.backends.cuda.cudnn_sdp_enabled() and not inductor_config.deterministic
 
 
 def test_an_explicit_cublas_workspace_is_kept(switches_restored, monkeypatch):
     monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", ":16:8")
-    determinism.apply(True, compiled=False)
+    determinism.apply(True)
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":16:8"
 
 

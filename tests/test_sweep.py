@@ -191,5 +191,6 @@ def test_the_summary_reads_what_each_cells_process_recorded(tmp_path, capsys, mo
     assert capsys.readouterr().err == (f"sweep {tmp_path}: 3 cells, 2 ran, 1 could not:\n"
                                        f"  2 (model.n_layer=2): it does not fit\n"
                                        f"compare them: python scripts/report.py {tmp_path}\n")
-    summary.on_job_end(cell_config(0, 1, mode=RunMode.RUN), JobReturn(overrides=["x=1"], status=JobStatus.COMPLETED))
-    assert len(read_outcomes(tmp_path / sweep.OUTCOMES)) == 3  # a single run records nothing
+    config.hydra.mode = RunMode.RUN  # a single run records nothing (its sweep dir is Hydra's default, unmade)
+    summary.on_job_end(config, JobReturn(overrides=["x=1"], status=JobStatus.COMPLETED))
+    assert len(read_outcomes(tmp_path / sweep.OUTCOMES)) == 3
