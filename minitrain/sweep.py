@@ -100,6 +100,8 @@ class CellDevices(Callback):
         """In the cell's process, before anything there touches CUDA."""
         devices = [d for d in os.environ.get(DEVICES_ENV, "").split(",") if d.strip()]
         host, _, pid = os.environ.get(STARTER_ENV, "").partition(":")
+        if config.hydra.mode != RunMode.MULTIRUN:  # a single run started from a cell's environment
+            return
         if not devices or host != socket.gethostname() or pid == str(os.getpid()):
             return
         at_a_time = OmegaConf.select(config, "hydra.sweeper.max_batch_size")

@@ -157,7 +157,8 @@ def test_cells_run_at_a_time_take_distinct_gpus_while_there_are_enough(devices, 
 
 def test_a_cell_in_a_process_of_its_own_on_the_sweeps_host_is_given_its_gpu(monkeypatch):
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,6")
-    monkeypatch.delenv(sweep.DEVICES_ENV, raising=False)
+    for name in (sweep.DEVICES_ENV, sweep.STARTER_ENV):  # what the hooks set is undone after the test
+        monkeypatch.setenv(name, "")
     CellDevices().on_multirun_start(cell_config(0, 2))
     assert os.environ[sweep.DEVICES_ENV] == "4,6"
     monkeypatch.setenv(sweep.STARTER_ENV, f"{socket.gethostname()}:{os.getpid() + 1}")  # another process started it
@@ -169,6 +170,9 @@ def test_a_cell_in_a_process_of_its_own_on_the_sweeps_host_is_given_its_gpu(monk
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,6"
     monkeypatch.setenv(sweep.STARTER_ENV, f"login-node:{os.getpid() + 1}")  # a cluster's node: its scheduler decides
     CellDevices().on_job_start(cell_config(3, 2))
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,6"
+    monkeypatch.setenv(sweep.STARTER_ENV, f"{socket.gethostname()}:{os.getpid() + 1}")
+    CellDevices().on_job_start(OmegaConf.create({"hydra": {"mode": RunMode.RUN}}))  # a single run, in a cell's env
     assert os.environ["CUDA_VISIBLE_DEVICES"] == "4,6"
 
 
