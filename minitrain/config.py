@@ -289,6 +289,9 @@ class TrainerConfig:
     # forwards draw different masks).
     compile_check: bool = True
     tf32: bool = True  # fp32 matmuls on TF32 tensor cores (CUDA only)
+    # Two runs of one config compute the same bits, a resumed run those of an unbroken one: kernels whose sums
+    # run in a varying order are swapped for ordered ones (minitrain/determinism.py). Costs tokens/s on a GPU.
+    deterministic: bool = False
     memory_budget: float = 0.9  # fraction of the device's memory (a CPU: of available RAM) the plan may fill
     # A run stops after this many optimizer steps skipped in a row (inf/NaN gradients); None: 3 without
     # loss scaling (a diverged run), 25 with it (fp16 backs off once per skip; 25 halvings is a diverged run).

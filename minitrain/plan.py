@@ -11,6 +11,8 @@ predicted throughput that fits `trainer.memory_budget`. Everything downstream re
 from __future__ import annotations
 
 import math
+import os
+import socket
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Optional
@@ -46,6 +48,8 @@ def cpu_has_bf16() -> bool:
         return bool(BF16_CPU_FLAGS & set(CPUINFO.read_text().split()))
     except OSError:
         return False
+DETERMINISM = {True: "yes: two runs of this config compute the same bits",
+               False: "no: the fastest kernels, whose sums may round differently from run to run"}
 
 
 class PlanError(ConfigError):
@@ -71,6 +75,8 @@ class Plan:
     memory: MemoryEstimate
     memory_budget: int  # bytes
     device_memory: int  # bytes: the device's total (CUDA) or the RAM available at start (CPU)
+    deterministic: bool  # trainer.deterministic: bit-identical runs (minitrain/determinism.py)
+    placement: dict[str, Any]  # where this process runs: placement()
     auto: tuple[str, ...] = ()  # the settings resolved from `auto`
     notes: tuple[str, ...] = field(default=())
 
@@ -114,6 +120,7 @@ class Plan:
             f"  memory         predicted peak {self.memory.peak / GB:.2f} GB of a {self.memory_budget / GB:.1f} GB "
             f"budget ({self.memory_budget / self.device_memory:.0%} of {self.device_memory / GB:.1f} GB"
             f"{' available' if self.device.type == 'cpu' else ''})",
+            f"  deterministic  {DETERMINISM[self.deterministic]}",
         ]
         return "\n".join(lines + [f"  note: {n}" for n in self.notes])
 
@@ -127,7 +134,18 @@ class Plan:
                 "grad_accum": self.grad_accum, "checkpointing": self.checkpointing.policy.value,
                 "every_k": self.checkpointing.every_k, "warmup_steps": self.schedule.warmup_steps,
                 "max_skipped_steps": self.max_skipped_steps, "predicted_peak_gb": self.memory.peak / GB,
-                "memory_budget_gb": self.memory_budget / GB, "auto": list(self.auto)}
+                "memory_budget_gb": self.memory_budget / GB, "deterministic": self.deterministic,
+                **self.placement, "auto": list(self.auto)}
+
+
+def placement(device: torch.device) -> dict[str, Any]:
+    """Where this process runs, so that the cells of a sweep (and the ranks of a torchrun) can be told apart in
+    their records: the host, the process id, the devices CUDA lets it see and the index of the one it uses."""
+    index = None
+    if device.type == "cuda":  # an unnumbered "cuda" is torch's current device: 0 (only torchrun's ranks set theirs)
+        index = 0 if device.index is None else device.index
+    return {"host": socket.gethostname(), "pid": os.getpid(),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "device_index": index}
 
 
 def pick_device(name: str) -> torch.device:
@@ -267,7 +285,8 @@ def make_plan(cfg: Config, tokenizer_vocab: int, device: torch.device, world_siz
                 model=model, precision=precision, compile_mode=compile_mode, loss_impl=loss_impl,
                 optimizer_impl=optimizer_impl, batch_size=t.batch_size, micro_batch=micro, checkpointing=policy,
                 schedule=LRSchedule(t.lr, t.min_lr, warmup, t.max_steps), max_skipped_steps=max_skipped,
-                memory=estimate, memory_budget=budget, device_memory=total, auto=tuple(auto), notes=tuple(notes))
+                memory=estimate, memory_budget=budget, device_memory=total, deterministic=t.deterministic,
+                placement=placement(device), auto=tuple(auto), notes=tuple(notes))
 
 
 def _no_fit_message(cfg: Config, precision: Precision, smallest: MemoryEstimate, micro: int, budget: int,

@@ -552,6 +552,7 @@ ALLOWED_CHANGES: dict[str, str] = {
     "trainer.compile": "the same graph, compiled or not",
     "trainer.compile_mode": "the same graph, compiled differently",
     "trainer.compile_check": "a check at the first step, not what a step computes",
+    "trainer.deterministic": "the order in which the same sums are added (kernel rounding aside)",
     "trainer.peak_flops": "the MFU denominator only",
     "trainer.memory_budget": "a check of the plan before allocating",
     "trainer.micro_batch": "how the global batch is split into micro-batches; the sum is the same",

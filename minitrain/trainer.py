@@ -25,7 +25,7 @@ from typing import Any, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from . import checkpointing, compile_check, distributed, memory, resume
+from . import checkpointing, compile_check, determinism, distributed, memory, resume
 from .config import Config, ConfigError, resolve
 from .data import DeviceBatches, TokenData, prepare_data
 from .logger import RunLogger
@@ -256,6 +256,7 @@ class Trainer:
         self.plan = plan = make_plan(cfg, self.data.vocab_size, self.device, self.dist.world_size, device_memory_bytes)
         self.model_cfg = plan.model
         plan.precision.apply_matmul_precision()
+        determinism.apply(plan.deterministic)  # before the first GEMM
 
         with torch.device(self.device):
             self.model = GPT(plan.model)

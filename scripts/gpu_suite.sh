@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The GPU tests and the measurements of docs/benchmarks.md, by section name, on a machine with an NVIDIA GPU.
 # Usage: scripts/gpu_suite.sh OUT_DIR [tests] [optimizer] [cross_entropy] [ce_rows] [ce_chunks] [gelu] [train]
-#        [step] [step_ablate] [step15b] [step_sizes] [curve] [sweep] [defaults] [defaults15b] [plan] [attention]
-#        [diverge15b] [compile15b] [compile_check] [smoke]
+#        [step] [step_ablate] [step15b] [step_sizes] [curve] [sweep] [sweep_alone] [defaults] [defaults15b] [plan]
+#        [attention] [diverge15b] [compile15b] [compile_check] [determinism] [determinism_cost]
+#        [determinism_cost15b] [smoke]
 # smoke: every benchmark script once in its quickest mode (the tiny model, one small shape), a few minutes: each
 #   still runs end to end on this GPU; its figures are not results
 # plan: PLAN_MODELS and PLAN_BATCHES (space-separated) pick the grid, default gpt2-124m at 16 64 512; it starts no
@@ -97,14 +98,53 @@ for what in "$@"; do
         --out "$s/plan.json" 2>&1 | tail -4
       timeout 150 python3 scripts/bench_distributed.py --gpus 1 --models tiny --modes ddp --steps 12 \
         --out "$s/distributed.json" 2>&1 | tail -2 ;;
-    sweep)  # the 12-cell precision x checkpointing sweep, one process per cell so each cell's peak memory is its own
-      sw=/tmp/sweep-124m; rm -rf $sw; i=0
-      for p in fp32 bf16 fp16; do for c in none full every_k selective; do
-        timeout 120 python3 scripts/train.py model=gpt2-124m precision=$p checkpointing=$c trainer.batch_size=16 \
-          trainer.max_steps=30 trainer.log_every=10 trainer.eval_every=1000 trainer.save_every=1000 \
-          trainer.sample_tokens=0 trainer.warmup_steps=5 logger.group=sweep-124m hydra.run.dir=$sw/$i \
-          2>&1 | grep -E "^(step|memory|= pred|measured|predicted)" | tail -3
-        i=$((i+1)); done; done
-      python3 scripts/report.py $sw --out $out/sweep 2>&1 | tail -20 ;;
+    sweep|sweep_alone)  # the README's sweep through `train.py -m`: gpt2-124m, precision x checkpointing, each cell a
+      # process of its own; `sweep` runs three side by side on the one GPU (each process's allocator counts its own
+      # peak), `sweep_alone` one at a time (after `sweep`: its compiled graphs come from the cache) and sets each
+      # cell's peak beside the side-by-side one
+      at_a_time=$([ $what = sweep ] && echo 3 || echo 1); sw=/tmp/$what-124m; rm -rf $sw
+      timeout 580 python3 scripts/train.py -m model=gpt2-124m precision=fp32,bf16,fp16 \
+        checkpointing=none,selective,every_k,full trainer.batch_size=16 trainer.max_steps=20 trainer.log_every=5 \
+        trainer.eval_every=1000 trainer.eval_batches=2 trainer.save_every=1000 trainer.sample_tokens=0 \
+        trainer.warmup_steps=5 hydra.sweeper.max_batch_size=$at_a_time hydra.sweep.dir=$sw 2>&1 | tail -3
+      python3 scripts/report.py $sw --out $out/$what 2>&1 | sed -n 1,18p
+      [ $what = sweep_alone ] && python3 - /tmp/sweep-124m $sw <<'PY' 2>&1 | tail -14
+import sys
+from minitrain.tools.report import load_sweep
+side, alone = ({c.name: c for c in load_sweep(d)[0]} for d in sys.argv[1:])
+for name, cell in alone.items():
+    if name in side:
+        print(f"{name}: measured peak side by side / alone {side[name].measured_gb / cell.measured_gb:.4f}")
+PY
+      ;;
+    determinism)  # trainer.deterministic=true: two 30-step gpt2-124m runs (compiled, CUDA graphs) and one SIGKILLed
+      # and resumed end with the same bits; the loss rows' kernel gives the same bits on any grid
+      MINITRAIN_TEST_DEVICE=cuda timeout 580 python3 -m pytest -q tests/test_determinism.py -k "not cpu" 2>&1 \
+        | grep -E "^(E  |FAILED|[0-9]+ (passed|failed))" | tail -30 ;;
+    determinism_cost|determinism_cost15b)  # tokens/s with trainer.deterministic=true against the default (the
+      # report's table); for gpt2-124m also how far two default runs of one config drift apart
+      if [ $what = determinism_cost ]; then
+        args="model=gpt2-124m trainer.deterministic=false,false,true trainer.max_steps=100 trainer.log_every=10"
+      else
+        args="model=gpt2-1.5b trainer.batch_size=32 trainer.deterministic=false,true trainer.max_steps=10"
+        args="$args trainer.log_every=2"
+      fi
+      sw=/tmp/$what; rm -rf $sw
+      timeout 580 python3 scripts/train.py -m $args trainer.eval_every=50 trainer.save_every=1000 \
+        trainer.sample_tokens=0 hydra.sweep.dir=$sw 2>&1 | tail -3
+      python3 scripts/report.py $sw --out $out/$what 2>&1 | sed -n 1,9p
+      [ $what = determinism_cost ] && python3 - $sw <<'PY' 2>&1 | tail -4
+import sys
+from pathlib import Path
+from minitrain.tools.report import read_step_records
+# cells 0 and 1: the default config twice
+first, second = (read_step_records(Path(sys.argv[1]) / cell / "metrics.jsonl") for cell in ("0", "1"))
+for key in ("train/loss", "val/loss"):
+    pairs = [(a["step"], a[key] - b[key]) for a, b in zip(first, second) if key in a and key in b]
+    differs = next((step for step, d in pairs if d != 0), None)
+    print(f"{key}, two default runs: first differs at step {differs}, largest |difference| "
+          f"{max(abs(d) for _, d in pairs):.6f} over steps {pairs[0][0]}-{pairs[-1][0]}")
+PY
+      ;;
   esac
 done

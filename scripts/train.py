@@ -32,7 +32,7 @@ try:  # the imports take seconds (torch): a Ctrl-C in them ends in one line, not
     from minitrain.config import ConfigError, command_line, register_configs
     from minitrain.data import DataError
     from minitrain.resume import RunDirBusyError, RunDirError, remove_if_empty
-    from minitrain.sweep import FAILED_CELL_EXIT_CODE
+    from minitrain.sweep import FAILED_CELL_EXIT_CODE, stop_cells
     from minitrain.trainer import NonFiniteLossError, RunInfo, TrainingInterrupted, train
 
     register_configs()
@@ -95,6 +95,13 @@ if __name__ == "__main__":
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(FAILED_CELL_EXIT_CODE)
-    except KeyboardInterrupt:  # in the command line's check or Hydra's composing, before main's own handler
-        print(ABORTED_STARTING, file=sys.stderr)
+    except KeyboardInterrupt:  # in the command line's check or Hydra's composing, before main's own handler; or in
+        # the process that started a -m sweep of cells in processes of their own
+        if any(a in ("-m", "--multirun") for a in sys.argv[1:]):
+            stop_cells()
+            print("minitrain: sweep interrupted (Ctrl-C): its running cells stopped (submitit gives each a second to "
+                  "save a checkpoint; one that cannot keeps its last periodic one); the cells after them did not run",
+                  file=sys.stderr)
+        else:
+            print(ABORTED_STARTING, file=sys.stderr)
         sys.exit(ABORTED_EXIT_CODE)

@@ -181,20 +181,6 @@ def test_wandb_offline_run_holds_the_metrics(make_cfg, tmp_path):
         assert key.encode() in history, key
 
 
-def test_multirun_sweep_gives_one_run_per_cell(data_cache, tmp_path):
-    sweep = tmp_path / "sweep"
-    cmd = [sys.executable, str(REPO / "scripts" / "train.py"), "-m", "precision=fp32,bf16",
-           "checkpointing=none,full", "trainer.max_steps=2", "trainer.log_every=1", "trainer.batch_size=4",
-           "model.block_size=32", "trainer.warmup_steps=1", "trainer.eval_batches=1", "trainer.sample_tokens=0",
-           f"data.cache_dir={data_cache}", "logger.mode=disabled", f"hydra.sweep.dir={sweep}"]
-    out = subprocess.run(cmd, check=True, cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert f"sweep {sweep}: 4 cells, 4 ran\ncompare them: python scripts/report.py {sweep}" in out.stderr
-    runs = sorted(sweep.glob("*/metrics.jsonl"))
-    assert len(runs) == 4, runs
-    cells = {tuple(sorted((run.parent / ".hydra" / "overrides.yaml").read_text().split("\n")[:2])) for run in runs}
-    assert ("- checkpointing=full", "- precision=bf16") in cells and len(cells) == 4
-
-
 def test_a_run_refused_by_the_lock_leaves_the_holders_record_alone(data_cache, tmp_path):
     """.hydra/ holds the config of the run that owns the dir: a second run, refused at the lock, must not
     overwrite it (Hydra writes its copy before any code of ours runs)."""
@@ -210,55 +196,6 @@ def test_a_run_refused_by_the_lock_leaves_the_holders_record_alone(data_cache, t
     assert out.returncode == 2 and "pid" in out.stderr, out.stderr[-2000:]
     assert sorted(p.name for p in (run_dir / ".hydra").iterdir()) == ["overrides.yaml"]
     assert (run_dir / ".hydra" / "overrides.yaml").read_text() == "- the holder's\n"
-
-
-def test_a_sweep_cell_that_cannot_run_leaves_the_others_running(data_cache, tmp_path):
-    """One cell's bad config (or a step that does not fit) is that cell's failure: it says why, the next
-    cells still run, and the sweep ends non-zero."""
-    sweep = tmp_path / "sweep"
-    out = subprocess.run([sys.executable, str(REPO / "scripts" / "train.py"), "-m", "model.n_head=5,4",
-                          "trainer.max_steps=2", "trainer.log_every=1", "trainer.batch_size=4", "model.block_size=32",
-                          "trainer.warmup_steps=1", "trainer.eval_batches=1", "trainer.sample_tokens=0",
-                          f"data.cache_dir={data_cache}", "logger.mode=disabled", f"hydra.sweep.dir={sweep}"],
-                         cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
-    assert "error: model.n_embd: 128 is not divisible by model.n_head=5" in out.stderr
-    # the sweep's end names every cell that could not run (Hydra itself would re-raise the first one's error)
-    assert (f"sweep {sweep}: 2 cells, 1 ran, 1 could not:\n  0 (model.n_head=5 trainer.max_steps=2 "
-            "trainer.log_every=1 trainer.batch_size=4 model.block_size=32 trainer.warmup_steps=1 "
-            f"trainer.eval_batches=1 trainer.sample_tokens=0 data.cache_dir={data_cache} logger.mode=disabled): "
-            "model.n_embd: 128 is not divisible by model.n_head=5\n"
-            f"compare them: python scripts/report.py {sweep}") in out.stderr
-    assert [r["step"] for r in read_jsonl(sweep / "1" / "metrics.jsonl") if "train/loss" in r] == [1, 2]
-    from minitrain.tools.report import load_sweep
-
-    cells, failed = load_sweep(sweep)  # the report names the cell that did not run, and why
-    assert [c.name for c in cells] == ["model.n_head=4"]
-    assert failed == [("model.n_head=5", "model.n_embd: 128 is not divisible by model.n_head=5")]
-
-
-def test_a_sweep_cell_that_diverged_is_in_the_report_with_its_reason(data_cache, tmp_path):
-    """It ran, so its logged steps are a row of the table; why it stopped is listed under it. Run again into the
-    same sweep dir, a cell that then finishes is no longer listed."""
-    from minitrain.tools.report import load_sweep, write_report
-
-    sweep = tmp_path / "sweep"
-    cmd = [sys.executable, str(REPO / "scripts" / "train.py"), "-m", "trainer.lr=1e4,1e-3", "trainer.max_steps=10",
-           "trainer.log_every=5", "trainer.save_every=100", "trainer.batch_size=4", "model.block_size=32",
-           "trainer.eval_batches=1", "trainer.sample_tokens=0", f"data.cache_dir={data_cache}", "logger.mode=disabled",
-           f"hydra.sweep.dir={sweep}"]
-    out = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-2000:]
-    cells, failed = load_sweep(sweep)
-    assert [c.name for c in cells] == ["trainer.lr=10000.0", "trainer.lr=0.001"]
-    assert [name for name, _ in failed] == ["trainer.lr=10000.0"]
-    assert "by step 5 (precision=fp32); stopping, with no checkpoint saved" in failed[0][1]
-    assert f"Did not finish:\n- trainer.lr=10000.0: {failed[0][1]}\n" in write_report(sweep)["report"].read_text()
-    (sweep / "0" / ".hydra" / "overrides.yaml").write_text("- trainer.lr=1e-3\n")  # the cell, fixed, run again
-    (sweep / "0" / "metrics.jsonl").unlink()
-    subprocess.run([*cmd[:2], "trainer.lr=1e-3", *cmd[4:-1], f"hydra.run.dir={sweep / '0'}"], cwd=tmp_path, check=True,
-                   capture_output=True, timeout=600)
-    assert not (sweep / "0" / "error.txt").exists()
 
 
 def test_a_sweep_cell_refused_by_anothers_lock_leaves_that_runs_record_alone(data_cache, tmp_path):
