@@ -14,7 +14,7 @@ the whole sequence again: slower, and the reference the cached path is tested ag
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -43,11 +43,12 @@ class Sampling:
             raise GenerationError(f"top_p must be in (0, 1], got {self.top_p}")
 
 
-def next_token(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
-    """(B, V) logits -> (B,) token ids drawn as `s` says."""
+def filtered_logits(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """(B, V) logits -> the fp32 logits of the ids below s.vocab, tempered, -inf where top-k or top-p removes a
+    token (transformers' TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, in that order)."""
     logits = logits[:, : s.vocab].float()
     if s.temperature == 0:
-        return logits.argmax(-1)
+        return logits
     logits = logits / s.temperature
     if s.top_k is not None and s.top_k < logits.shape[-1]:
         kth = torch.topk(logits, s.top_k).values[:, -1:]
@@ -58,6 +59,14 @@ def next_token(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
         before = probs.cumsum(-1) - probs  # the probability of the tokens more likely than each
         logits = logits.masked_fill(torch.zeros_like(before, dtype=torch.bool).scatter(1, order, before >= s.top_p),
                                     float("-inf"))
+    return logits
+
+
+def next_token(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """(B, V) logits -> (B,) token ids drawn as `s` says."""
+    logits = filtered_logits(logits, s)
+    if s.temperature == 0:
+        return logits.argmax(-1)
     probs = logits.softmax(-1)
     race = torch.empty_like(probs).exponential_().clamp_min_(torch.finfo(probs.dtype).tiny)
     return (probs / race).argmax(-1)
@@ -150,3 +159,18 @@ def generate(model: GPT, prompt: torch.Tensor, max_new_tokens: int, sampling: Sa
     """`prompt` (B, T) continued by `max_new_tokens` tokens (a Sampler of exactly that length, used once)."""
     sampler = Sampler(model, prompt.shape[0], prompt.shape[1] + max_new_tokens, sampling, kv_cache, graphs)
     return sampler.generate(prompt, max_new_tokens, seed)
+
+
+def sample_texts(model: GPT, tokenizer, prompt: str, num_samples: int, max_new_tokens: int, sampling: Sampling,
+                 seed: Optional[int] = None, kv_cache: bool = True,
+                 graphs: Optional[bool] = None) -> tuple[list[str], Generation]:
+    """`num_samples` continuations of `prompt` (an empty one starts from `<|endoftext|>`, as a new document), as
+    text; the ids beyond the tokenizer's vocabulary are never drawn."""
+    from .data import EOT
+
+    ids = tokenizer.encode(prompt).ids or [tokenizer.token_to_id(EOT)]
+    prompt_ids = torch.tensor([ids] * num_samples)
+    sampling = replace(sampling, vocab=tokenizer.get_vocab_size())
+    sampler = Sampler(model, num_samples, len(ids) + max_new_tokens, sampling, kv_cache, graphs)
+    out = sampler.generate(prompt_ids, max_new_tokens, seed)
+    return [tokenizer.decode(row.tolist()) for row in out.tokens.cpu()], out

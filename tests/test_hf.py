@@ -175,6 +175,53 @@ def test_fine_tuning_runs_in_each_precision_and_policy(make_cfg, hf_gpt2, gpt2_c
     assert not torch.equal(trainer.model.wte.weight.detach().float(), before)
 
 
+def distributed_worker(rank, port, configs):
+    import os
+
+    from minitrain import distributed
+
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    for cfg in configs:
+        Trainer(cfg, progress=False).fit()
+    distributed.teardown(finished=True)
+
+
+def test_ddp_and_fsdp_fine_tunes_match_one_process_and_export_from_their_sharded_checkpoints(
+        make_cfg, hf_gpt2, gpt2_corpus, tmp_path):
+    """Two gloo processes, ddp then fsdp, from the imported weights: the single process's losses, and each sharded
+    checkpoint (checkpoints/latest/) exported is the single process's model in transformers."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    steps = ("trainer.max_steps=3", "trainer.log_every=1", "trainer.save_every=3", "trainer.eval_every=3")
+    single = Trainer(finetune(make_cfg, hf_gpt2, gpt2_corpus, *steps, f"trainer.out_dir={tmp_path / 'single'}"),
+                     progress=False)
+    single.fit()  # builds the data cache, so the ranks only read it
+    configs = [finetune(make_cfg, hf_gpt2, gpt2_corpus, *steps, f"distributed={mode}", "distributed.timeout_s=60",
+                        f"trainer.out_dir={tmp_path / mode}") for mode in ("ddp", "fsdp")]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(distributed_worker, args=(port, configs), nprocs=2, join=True, start_method="spawn")
+    idx = windows()
+    with torch.no_grad():
+        expected = single.model(idx)
+    reference = logged_losses(tmp_path / "single")
+    for mode in ("ddp", "fsdp"):
+        losses = logged_losses(tmp_path / mode)
+        assert [r["step"] for r in losses] == [r["step"] for r in reference] == [1, 2, 3]
+        torch.testing.assert_close([r["train/loss"] for r in losses], [r["train/loss"] for r in reference],
+                                   rtol=0, atol=1e-5)
+        assert (tmp_path / mode / "checkpoints" / "latest" / ".metadata").is_file()
+        hf.export(hf.open_weights(str(tmp_path / mode / "checkpoints" / "latest")), tmp_path / f"{mode}-hf")
+        with torch.no_grad():
+            torch.testing.assert_close(transformers_model(tmp_path / f"{mode}-hf")(idx).logits, expected,
+                                       rtol=0, atol=1e-4)
+
+
 # -- the shape and the vocab ----------------------------------------------------------------------------------
 @pytest.mark.parametrize("key, value, message", [
     ("model.n_layer", "3", r"model.n_layer=3 conflicts with .* n_layer=2\)"),
