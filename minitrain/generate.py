@@ -114,8 +114,11 @@ class Sampler:
             dtype = torch.get_autocast_dtype(device.type) if autocast else model.wte.weight.dtype
         self.model, self.sampling, self.length, self.device = model, sampling, length, device
         self.cache = KVCache(model.cfg, batch, length, dtype, device) if kv_cache else None
-        graphs = device.type == "cuda" if graphs is None else graphs
-        self.step = _decode_graphed if graphs and kv_cache else _decode
+        self.graphs = kv_cache and (device.type == "cuda" if graphs is None else graphs)
+        self.step = _decode_graphed if self.graphs else _decode
+        if self.graphs:  # written in place by every replay: the graph's inputs at fixed addresses, not copies
+            for buffer in self.cache.buffers():
+                torch._dynamo.mark_static_address(buffer)
 
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, seed: Optional[int] = None) -> Generation:

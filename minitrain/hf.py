@@ -19,7 +19,7 @@ import json
 import re
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Mapping
 
 import torch
 
@@ -136,6 +136,11 @@ def settle_shape(cfg: ModelConfig) -> ModelConfig:
                    vocab_size=cfg.vocab_size or -(-rows // 64) * 64)
 
 
+def with_weights_shape(cfg):
+    """The run's config (a minitrain.config.Config) with the model's shape settled from model.init_from's weights."""
+    return replace(cfg, model=settle_shape(cfg.model)) if cfg.model.init_from != SCRATCH else cfg
+
+
 # -- weights ------------------------------------------------------------------------------------------------
 def layout(cfg: ModelConfig) -> list[tuple[str, str]]:
     """(transformers' name, minitrain's name) of every GPT-2 tensor, biases included."""
@@ -148,6 +153,11 @@ def layout(cfg: ModelConfig) -> list[tuple[str, str]]:
 
 def _transposed(name: str) -> bool:
     return name.endswith(_CONV1D)
+
+
+def _from_conv1d(name: str, tensor: torch.Tensor) -> torch.Tensor:
+    """A Conv1D weight (in, out) as nn.Linear's (out, in); any other tensor as it is."""
+    return tensor.T if name.endswith(_CONV1D) else tensor
 
 
 @torch.no_grad()
@@ -165,8 +175,7 @@ def load_hf_state(targets: Mapping[str, torch.Tensor], cfg: ModelConfig, tensors
     for hf_name, name in expected.items():
         if hf_name not in names:
             raise WeightsError(f"{where} has no {hf_name}: it is not the checkpoint its config.json describes")
-        tensor, target = tensors[names[hf_name]], targets[name]
-        tensor = tensor.T if name.endswith(_CONV1D) else tensor
+        tensor, target = _from_conv1d(name, tensors[names[hf_name]]), targets[name]
         rows = cfg.head_vocab if name == "wte.weight" else target.shape[0]
         cut = name == "wpe.weight"  # n_positions rows, of which block_size are kept
         if tensor.shape[1:] != target.shape[1:] or (tensor.shape[0] < rows if cut else tensor.shape[0] != rows):
@@ -218,7 +227,7 @@ def hf_state(state: Mapping[str, torch.Tensor], cfg: ModelConfig) -> dict[str, t
         else:  # bias=false: a zero bias as long as its layer's output
             weight = state[name.removesuffix("bias") + "weight"]
             tensor = weight.new_zeros(weight.shape[0])
-        tensor = tensor.T if name.endswith(_CONV1D) else tensor
+        tensor = _from_conv1d(name, tensor)  # and back: the transpose is its own inverse
         out[f"transformer.{hf_name}"] = tensor[: head_rows(cfg)] if name == "wte.weight" else tensor
     return {k: v.detach().cpu().contiguous() for k, v in out.items()}
 
@@ -366,8 +375,3 @@ def export(weights: Weights, out_dir: Path) -> list[Path]:
          "model_max_length": cfg.block_size, "clean_up_tokenization_spaces": False}, indent=2) + "\n")
     files["special_tokens_map.json"].write_text(json.dumps(special, indent=2) + "\n")
     return list(files.values())
-
-
-def with_weights_shape(cfg):
-    """The run's config (a minitrain.config.Config) with the model's shape settled from model.init_from's weights."""
-    return replace(cfg, model=settle_shape(cfg.model)) if cfg.model.init_from != SCRATCH else cfg

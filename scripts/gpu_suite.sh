@@ -2,7 +2,7 @@
 # The GPU tests and the measurements of docs/benchmarks.md, by section name, on a machine with an NVIDIA GPU.
 # Usage: scripts/gpu_suite.sh OUT_DIR [tests] [optimizer] [cross_entropy] [ce_rows] [ce_chunks] [gelu] [train]
 #        [step] [step_ablate] [step15b] [step_sizes] [curve] [sweep] [defaults] [defaults15b] [plan] [attention]
-#        [diverge15b] [compile15b] [compile_check]
+#        [diverge15b] [compile15b] [compile_check] [sample]
 # plan: PLAN_MODELS and PLAN_BATCHES (space-separated) pick the grid, default gpt2-124m at 16 64 512; it starts no
 #   point after PLAN_TIME_LIMIT_S and goes on from the JSON files in PLAN_MEASURED
 set -uo pipefail
@@ -74,6 +74,10 @@ for what in "$@"; do
           trainer.sample_tokens=0 hydra.run.dir=/tmp/compile-check 2>&1 | grep -aE "^error"
         grep -h "^compile check" /tmp/compile-check/*.log
       done ;;
+    sample)  # decode tokens/s beside transformers' generate (same weights, bf16, greedy): gpt2-124m and gpt2-1.5b
+      # shapes at batch 1 and 16, after an fp32 check that the graphed decode gives transformers' greedy tokens
+      timeout 590 python3 scripts/bench_sample.py --out "$out/bench_sample.json" 2>&1 | grep -v "Loading weights" \
+        | tail -24 ;;
     gelu) timeout 60 python3 scripts/bench_gelu.py --out "$out/bench_gelu.json" 2>&1 | tail -6 ;;
     attention) timeout 120 python3 scripts/bench_attention.py --out "$out/bench_attention.json" 2>&1 | tail -24 ;;
     ce_rows) timeout 200 python3 scripts/tune_cross_entropy_rows.py --out "$out/tune_ce_rows.json" 2>&1 | tail -60 ;;

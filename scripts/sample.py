@@ -29,7 +29,8 @@ def main() -> None:
     p.add_argument("--num-samples", type=int, default=1, help="continuations, drawn as one batch")
     p.add_argument("--seed", type=int, default=1337)
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto", help="auto: bf16 on a GPU, fp32 on a CPU")
+    p.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto",
+                   help="auto: bf16 on a GPU, fp32 on a CPU")
     p.add_argument("--no-kv-cache", action="store_true", help="rerun the whole sequence at every token")
     p.add_argument("--no-compile", action="store_true",
                    help="on a GPU: decode eagerly, without compiling the step into CUDA graphs (which takes a minute "

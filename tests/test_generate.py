@@ -119,3 +119,16 @@ def test_settings_and_lengths_that_cannot_work_are_refused(gpt2):
         generate(model, prompts(length=10), 120)
     with pytest.raises(GenerationError, match="6 prompt tokens \\+ 30 new ones: between 1 and 24 new tokens fit"):
         Sampler(model, 2, 30, Sampling()).generate(prompts(), 30)
+
+
+def test_sample_texts_continue_the_prompt_or_a_new_document(hf_gpt2, gpt2):
+    from minitrain.generate import sample_texts
+    from minitrain.tokenizer import pretrained_tokenizer
+
+    model, _ = gpt2
+    tokenizer = pretrained_tokenizer(str(hf_gpt2))
+    texts, out = sample_texts(model, tokenizer, "def wrap(", 3, 12, Sampling(temperature=1.0, top_k=20), seed=0)
+    assert len(texts) == 3 and all(t.startswith("def wrap(") for t in texts) and len(set(texts)) == 3
+    assert out.tokens.shape == (3, len(tokenizer.encode("def wrap(").ids) + 12)
+    texts, out = sample_texts(model, tokenizer, "", 1, 5, Sampling(temperature=0))
+    assert out.tokens[0, 0] == tokenizer.token_to_id("<|endoftext|>") and out.tokens.shape == (1, 6)

@@ -246,15 +246,17 @@ def test_a_preset_that_matches_the_weights_is_accepted_and_one_that_does_not_is_
 
 
 def test_a_tokenizer_larger_than_the_weights_vocab_is_refused(make_cfg, hf_gpt2, gpt2_corpus, tmp_path):
-    folder = tmp_path / "gpt2"
+    """Weights of 300 tokens (padded to 320 rows) with the fixture's tokenizer of 320: ids 300-319 would index
+    padding, which the head never scores."""
+    folder = tmp_path / "gpt2-300"
     shutil.copytree(hf_gpt2, folder)
-    tokenizer = pretrained_tokenizer(str(folder))
-    tokenizer.add_tokens(["<|extra|>"])
-    tokenizer.save(str(folder / "tokenizer.json"))
+    theirs = transformers_model(folder)
+    theirs.resize_token_embeddings(300)
+    theirs.save_pretrained(folder)
     with pytest.raises(ConfigError) as refused:
         Trainer(finetune(make_cfg, folder, gpt2_corpus), progress=False)
-    assert str(refused.value) == (f"model.head_vocab=320 (model.init_from={folder}'s vocab) is smaller than the "
-                                  f"tokenizer's vocabulary (321, from data.tokenizer={folder})")
+    assert str(refused.value) == (f"model.head_vocab=300 (model.init_from={folder}'s vocab) is smaller than the "
+                                  f"tokenizer's vocabulary (320, from data.tokenizer={folder})")
 
 
 # -- errors: one line, naming the file or key -------------------------------------------------------------------
@@ -338,8 +340,9 @@ def test_train_py_refuses_an_unknown_name_offline_in_one_line(tmp_path):
                          timeout=120)
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip().splitlines() == [
-        f"error: model.init_from=gpt2-nowhere: not a local directory, not in the Hugging Face cache ({tmp_path / 'hub'}), "
-        "and the hub cannot be reached; run once online to download it, or give a directory holding its files"]
+        f"error: model.init_from=gpt2-nowhere: not a local directory, not in the Hugging Face cache "
+        f"({tmp_path / 'hub'}), and the hub cannot be reached; run once online to download it, or give a directory "
+        "holding its files"]
     assert not (tmp_path / "run").exists()
 
 
@@ -374,3 +377,16 @@ def test_a_tokenizer_that_is_not_a_byte_level_bpe_with_eot_is_refused(tmp_path):
     (tmp_path / "empty").mkdir()
     with pytest.raises(TokenizerError, match=r"empty: holds neither tokenizer.json nor vocab.json \+ merges.txt"):
         pretrained_tokenizer(str(tmp_path / "empty"))
+
+
+def test_the_data_cache_is_keyed_by_the_tokenizer(hf_gpt2, gpt2_corpus, data_cache):
+    """The same corpus tokenised by the fixture's tokenizer and by one trained on it: two caches, each with its own."""
+    from minitrain.config import DataConfig, DataSource
+    from minitrain.data import prepare_data
+
+    files = dict(name="files", source=DataSource.files, paths=f"{gpt2_corpus}/*.txt", val_fraction=0.05,
+                 cache_dir=str(data_cache))
+    trained = prepare_data(DataConfig(**files, vocab_size=300), 64, progress=False)
+    pretrained = prepare_data(DataConfig(**files, vocab_size=300, tokenizer=str(hf_gpt2)), 64, progress=False)
+    assert (trained.vocab_size, pretrained.vocab_size) == (300, GPT2_VOCAB) and trained.path != pretrained.path
+    assert pretrained.tokenizer.to_str() == pretrained_tokenizer(str(hf_gpt2)).to_str()
