@@ -131,7 +131,8 @@ def settle_shape(cfg: ModelConfig) -> ModelConfig:
     if cfg.head_vocab not in (None, rows):
         raise conflict("head_vocab", rows, "vocab_size")
     if not cfg.bias:
-        raise conflict("bias", True, "GPT-2's layout has biases")
+        raise ConfigError(f"model.bias=false conflicts with {where}): every GPT-2 layer has biases; leave model.bias "
+                          "out")
     return replace(cfg, **shape, block_size=cfg.block_size or positions, head_vocab=rows,
                    vocab_size=cfg.vocab_size or -(-rows // 64) * 64)
 
@@ -149,10 +150,6 @@ def layout(cfg: ModelConfig) -> list[tuple[str, str]]:
         for part in ("ln_1", "attn.c_attn", "attn.c_proj", "ln_2", "mlp.c_fc", "mlp.c_proj"):
             pairs += [(f"h.{i}.{part}.{kind}", f"blocks.{i}.{part}.{kind}") for kind in ("weight", "bias")]
     return pairs + [("ln_f.weight", "ln_f.weight"), ("ln_f.bias", "ln_f.bias")]
-
-
-def _transposed(name: str) -> bool:
-    return name.endswith(_CONV1D)
 
 
 def _from_conv1d(name: str, tensor: torch.Tensor) -> torch.Tensor:

@@ -2,7 +2,7 @@
 # The GPU tests and the measurements of docs/benchmarks.md, by section name, on a machine with an NVIDIA GPU.
 # Usage: scripts/gpu_suite.sh OUT_DIR [tests] [optimizer] [cross_entropy] [ce_rows] [ce_chunks] [gelu] [train]
 #        [step] [step_ablate] [step15b] [step_sizes] [curve] [sweep] [defaults] [defaults15b] [plan] [attention]
-#        [diverge15b] [compile15b] [compile_check] [sample]
+#        [diverge15b] [compile15b] [compile_check] [sample] [sample_run]
 # plan: PLAN_MODELS and PLAN_BATCHES (space-separated) pick the grid, default gpt2-124m at 16 64 512; it starts no
 #   point after PLAN_TIME_LIMIT_S and goes on from the JSON files in PLAN_MEASURED
 set -uo pipefail
@@ -78,6 +78,16 @@ for what in "$@"; do
       # shapes at batch 1 and 16, after an fp32 check that the graphed decode gives transformers' greedy tokens
       timeout 590 python3 scripts/bench_sample.py --out "$out/bench_sample.json" 2>&1 | grep -v "Loading weights" \
         | tail -24 ;;
+    sample_run)  # scripts/sample.py as a user runs it, on a run just trained: top-p draws with the graphed decode and
+      # eagerly (--no-compile; another random stream, so other texts), then greedy both ways (the same text until
+      # bf16 rounding in different kernels parts them); each prints its decode tokens/s
+      rm -rf /tmp/sample-run
+      timeout 300 python3 scripts/train.py trainer.max_steps=100 trainer.sample_tokens=0 hydra.run.dir=/tmp/sample-run \
+        2>&1 | grep -aE "^(error|finished)"
+      for extra in "" "--no-compile" "--temperature 0" "--temperature 0 --no-compile"; do
+        timeout 300 python3 scripts/sample.py /tmp/sample-run --num-samples 4 --max-new-tokens 100 --top-p 0.95 $extra \
+          2>&1 | tail -3
+      done ;;
     gelu) timeout 60 python3 scripts/bench_gelu.py --out "$out/bench_gelu.json" 2>&1 | tail -6 ;;
     attention) timeout 120 python3 scripts/bench_attention.py --out "$out/bench_attention.json" 2>&1 | tail -24 ;;
     ce_rows) timeout 200 python3 scripts/tune_cross_entropy_rows.py --out "$out/tune_ce_rows.json" 2>&1 | tail -60 ;;

@@ -110,6 +110,8 @@ def test_a_trained_checkpoint_round_trips_through_the_export(make_cfg, gpt2_corp
     trainer.fit()
     trained = hf.open_weights(str(tmp_path / "run"))
     assert trained.cfg.vocab_size == 320 and trained.cfg.head_vocab is None
+    assert trained.source == tmp_path / "run" / "checkpoints" / "latest.pt"
+    assert hf.open_weights(str(trained.source)).state.keys() == trained.state.keys()  # the file itself
     hf.export(trained, tmp_path / "out")
     assert json.loads((tmp_path / "out" / "config.json").read_text())["vocab_size"] == 320
     again = hf.open_weights(str(tmp_path / "out"))
@@ -228,7 +230,7 @@ def test_ddp_and_fsdp_fine_tunes_match_one_process_and_export_from_their_sharded
     ("model.n_embd", "32", r"model.n_embd=32 conflicts with .* n_embd=64\)"),
     ("model.block_size", "256", r"model.block_size=256 conflicts with .* n_positions=128\) \(a lower"),
     ("model.vocab_size", "256", r"model.vocab_size=256 conflicts with .* vocab_size=320\)"),
-    ("model.bias", "false", r"model.bias=False conflicts with"),
+    ("model.bias", "false", r"model.bias=false conflicts with .*\): every GPT-2 layer has biases"),
 ])
 def test_a_shape_key_that_contradicts_the_weights_is_refused_naming_both(make_cfg, hf_gpt2, gpt2_corpus, key, value,
                                                                         message):
