@@ -9,9 +9,10 @@ tokens that agree is printed (rounding differs between kernels, so bf16 greedy t
 Timed: generate with N new tokens and with 1 (the prompt's prefill and the first token), decode tokens/s =
 batch x (N - 1) / (t_N - t_1), the same arithmetic for every implementation, in rounds that alternate them;
 medians with their min-max. Implementations: minitrain (KV cache, decode step under torch.compile
-mode=reduce-overhead: CUDA graphs), transformers with its static cache (generate compiles the forward itself,
-transformers >= 4.48; older versions get torch.compile(forward, mode="reduce-overhead", fullgraph=True), the
-recipe of their docs), and transformers' default (dynamic cache, eager).
+mode=reduce-overhead: CUDA graphs, one sampler per cell), transformers with one static cache per cell, reset and
+passed to each call (generate compiles the forward itself, transformers >= 4.48; older versions get
+torch.compile(forward, mode="reduce-overhead", fullgraph=True), the recipe of their docs), and transformers'
+default (dynamic cache, eager).
 
     python scripts/bench_sample.py --out bench_sample.json
 """
@@ -63,19 +64,35 @@ def ours_from(theirs) -> GPT:
     return model
 
 
-class Transformers:
-    """transformers' generate, greedy, to exactly N new tokens (no stop at EOS)."""
+def static_cache(model, batch: int, length: int):
+    """transformers' StaticCache for `batch` sequences of `length` tokens (its constructor differs by version)."""
+    from transformers import StaticCache
 
-    def __init__(self, model, static: bool):
+    try:
+        return StaticCache(config=model.config, max_cache_len=length)  # >= 5: shapes and device from first use
+    except TypeError:
+        return StaticCache(config=model.config, max_batch_size=batch, max_cache_len=length, device=model.device,
+                           dtype=model.dtype)
+
+
+class Transformers:
+    """transformers' generate, greedy, to exactly N new tokens (no stop at EOS). static: one StaticCache, reset and
+    passed to every call (so the compiled forward's CUDA graphs are recorded once, not per call), which generate
+    compiles itself on a GPU (transformers >= 4.48; before, forward is compiled as their docs did)."""
+
+    def __init__(self, model, static: bool, batch: int, length: int):
         from transformers import GenerationConfig
 
-        self.model, self.static = model, static
-        self.manual_compile = static and not hasattr(GenerationConfig(), "compile_config")
-        if self.manual_compile:
+        self.model = model
+        self.cache = static_cache(model, batch, length) if static else None
+        if static and not hasattr(GenerationConfig(), "compile_config"):
             model.forward = torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)
 
     def __call__(self, prompt: torch.Tensor, n: int) -> torch.Tensor:
-        extra = {"cache_implementation": "static"} if self.static else {}
+        extra = {}
+        if self.cache is not None:
+            self.cache.reset()
+            extra = {"past_key_values": self.cache}
         with torch.no_grad():
             return self.model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=n,
                                        do_sample=False, pad_token_id=0, eos_token_id=None, **extra)
@@ -115,7 +132,7 @@ def check_fp32(name: str, init_from, prompt_len: int, n: int, device: torch.devi
     ours = ours_from(theirs)
     prompt = random_prompt(2, prompt_len, device, seed=1)
     a = Minitrain(ours, 2, prompt_len + n)(prompt, n)
-    b = Transformers(theirs, static=False)(prompt, n)
+    b = Transformers(theirs, False, 2, prompt_len + n)(prompt, n)
     share = agreement(a, b, prompt_len)
     distinct = len(set(a[0, prompt_len:].tolist()))
     print(f"check {name} fp32: {share:.0%} of {n} greedy tokens equal to transformers' ({distinct} distinct)",
@@ -129,8 +146,9 @@ def check_fp32(name: str, init_from, prompt_len: int, n: int, device: torch.devi
 def bench_cell(name: str, theirs, ours: GPT, batch: int, args) -> dict:
     P, N = args.prompt_len, args.new_tokens
     prompt = random_prompt(batch, P, theirs.device, seed=batch)
-    impls = {"minitrain": Minitrain(ours, batch, P + N), "transformers static+compile": Transformers(theirs, True),
-             "transformers eager": Transformers(theirs, False)}
+    impls = {"minitrain": Minitrain(ours, batch, P + N),
+             "transformers static+compile": Transformers(theirs, True, batch, P + N),
+             "transformers eager": Transformers(theirs, False, batch, P + N)}
     outputs = {}
     for label, fn in impls.items():  # compile, record the graphs, warm the allocator
         start = time.perf_counter()
@@ -153,7 +171,7 @@ def bench_cell(name: str, theirs, ours: GPT, batch: int, args) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--models", nargs="+", default=list(SHAPES), choices=list(SHAPES))
+    ap.add_argument("--models", nargs="+", default=["gpt2-124m", "gpt2-1.5b"], choices=list(SHAPES))
     ap.add_argument("--init-from", nargs="*", default=None, help="per model: a Hugging Face name or directory "
                     "(e.g. gpt2 gpt2-xl) instead of random weights")
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 16])
@@ -163,9 +181,12 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (--models tiny)")
     ap.add_argument("--out", default="bench_sample.json")
     args = ap.parse_args()
+    import warnings
+
     import transformers
     from torch._dynamo.utils import counters
 
+    warnings.filterwarnings("ignore", message=".*past_key_values.*", category=FutureWarning)  # renamed in 5.x
     started = time.perf_counter()
     sources = dict(zip(args.models, args.init_from or [None] * len(args.models)))
     device = torch.device(args.device)
