@@ -2,9 +2,9 @@
 
 For each model (GPT-2 shapes, random weights, or --init-from a name or directory) and batch: transformers'
 GPT2LMHeadModel is built on the GPU and minitrain's GPT imports its tensors (minitrain/hf.py), so both hold the
-same weights. Before any timing, the two must produce the same greedy tokens: in fp32 (TF32 off) for the
-first model, minitrain's compiled, graphed decode against transformers' eager generate; in bf16 the share of
-tokens that agree is printed (rounding differs between kernels, so bf16 greedy texts part after a while).
+same weights. Before any timing, the two must produce the same greedy tokens: in fp32 (TF32 off), gpt2-124m's
+shape, minitrain's compiled, graphed decode against transformers' eager generate; in bf16 the share of tokens
+that agree is printed (rounding differs between kernels, so bf16 greedy texts part after a while).
 
 Timed: generate with N new tokens and with 1 (the prompt's prefill and the first token), decode tokens/s =
 batch x (N - 1) / (t_N - t_1), the same arithmetic for every implementation, in rounds that alternate them;
@@ -14,7 +14,8 @@ passed to each call (generate compiles the forward itself, transformers >= 4.48;
 torch.compile(forward, mode="reduce-overhead", fullgraph=True), the recipe of their docs), and transformers'
 default (dynamic cache, eager).
 
-    python scripts/bench_sample.py --out bench_sample.json
+    python scripts/bench_sample.py --models gpt2-124m --out bench_sample_124m.json
+    python scripts/bench_sample.py --models gpt2-1.5b --out bench_sample_15b.json
 """
 
 from __future__ import annotations
@@ -178,7 +179,9 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=100)
     ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (--models tiny)")
+    ap.add_argument("--check-model", default="gpt2-124m", choices=list(SHAPES),
+                    help="the shape (random weights) of the fp32 greedy check run before any timing")
+    ap.add_argument("--device", default="cuda", help="cpu: a smoke run of the script (--models tiny --check-model tiny)")
     ap.add_argument("--out", default="bench_sample.json")
     args = ap.parse_args()
     import warnings
@@ -192,7 +195,7 @@ def main() -> None:
     device = torch.device(args.device)
     device_name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"{device_name}, torch {torch.__version__}, transformers {transformers.__version__}", flush=True)
-    check_fp32(args.models[0], sources[args.models[0]], args.prompt_len, 32, device)
+    check_fp32(args.check_model, None, args.prompt_len, 32, device)
     rows = []
     for name in args.models:
         theirs = transformers_model(name, sources[name], torch.bfloat16, device)

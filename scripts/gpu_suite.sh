@@ -2,7 +2,7 @@
 # The GPU tests and the measurements of docs/benchmarks.md, by section name, on a machine with an NVIDIA GPU.
 # Usage: scripts/gpu_suite.sh OUT_DIR [tests] [optimizer] [cross_entropy] [ce_rows] [ce_chunks] [gelu] [train]
 #        [step] [step_ablate] [step15b] [step_sizes] [curve] [sweep] [defaults] [defaults15b] [plan] [attention]
-#        [diverge15b] [compile15b] [compile_check] [sample] [sample_run]
+#        [diverge15b] [compile15b] [compile_check] [sample] [sample15b] [sample_run]
 # plan: PLAN_MODELS and PLAN_BATCHES (space-separated) pick the grid, default gpt2-124m at 16 64 512; it starts no
 #   point after PLAN_TIME_LIMIT_S and goes on from the JSON files in PLAN_MEASURED
 set -uo pipefail
@@ -74,10 +74,12 @@ for what in "$@"; do
           trainer.sample_tokens=0 hydra.run.dir=/tmp/compile-check 2>&1 | grep -aE "^error"
         grep -h "^compile check" /tmp/compile-check/*.log
       done ;;
-    sample)  # decode tokens/s beside transformers' generate (same weights, bf16, greedy): gpt2-124m and gpt2-1.5b
-      # shapes at batch 1 and 16, after an fp32 check that the graphed decode gives transformers' greedy tokens
-      timeout 590 python3 scripts/bench_sample.py --out "$out/bench_sample.json" 2>&1 | grep -v "Loading weights" \
-        | tail -24 ;;
+    sample|sample15b)  # decode tokens/s beside transformers' generate (same weights, bf16, greedy) at batch 1 and 16,
+      # after an fp32 check that the graphed decode gives transformers' greedy tokens; each model compiles four
+      # decode steps (two per side and batch), so each has a target of its own
+      model=$([ "$what" = sample ] && echo gpt2-124m || echo gpt2-1.5b)
+      timeout 590 python3 scripts/bench_sample.py --models $model --out "$out/bench_$what.json" 2>&1 \
+        | grep -v "Loading weights" | tail -12 ;;
     sample_run)  # scripts/sample.py as a user runs it, on a run just trained: top-p draws with the graphed decode and
       # eagerly (--no-compile; another random stream, so other texts), then greedy both ways (the same text until
       # bf16 rounding in different kernels parts them); each prints its decode tokens/s
