@@ -114,27 +114,51 @@ class DistributedMode(str, Enum):
     fsdp = "fsdp"
 
 
+SCRATCH = "scratch"  # model.init_from's value for random weights
+SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size")
+
+
 @dataclass
 class ModelConfig:
     name: str = "tiny"
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    block_size: int = 256
-    # None: the tokenizer's vocab rounded up to a multiple of 64 (tensor-core friendly).
+    # scratch (random weights), a Hugging Face GPT-2 name (gpt2, gpt2-medium, gpt2-large, gpt2-xl) or a local
+    # directory in its layout (config.json + model.safetensors): then the shape comes from the weights
+    # (minitrain/hf.py) and a shape key set here must agree with them.
+    init_from: str = SCRATCH
+    n_layer: Optional[int] = 4  # the shape keys: None only with init_from (the weights' value)
+    n_head: Optional[int] = 4
+    n_embd: Optional[int] = 128
+    block_size: Optional[int] = 256  # with init_from: at most the weights' n_positions
+    # None: the tokenizer's vocab rounded up to a multiple of 64 (tensor-core friendly); with init_from the
+    # weights' vocab rounded up.
     vocab_size: Optional[int] = None
+    # The first rows of vocab_size that are tokens: the LM head scores these only (in the loss and in
+    # sampling); the rest is padding. None: every row. init_from sets it to the weights' vocab, so the
+    # loss is the one the checkpoint was trained with.
+    head_vocab: Optional[int] = None
     bias: bool = True
     dropout: float = 0.0
     gelu: KernelImpl = KernelImpl.auto  # fused: one Triton pass each way instead of inductor's tanh
 
     def __post_init__(self):
-        for key in ("n_layer", "n_head", "n_embd", "block_size"):
-            _require(getattr(self, key) >= 1, f"model.{key}", f"must be >= 1, got {getattr(self, key)}")
-        _require(self.n_embd % self.n_head == 0, "model.n_embd",
-                 f"{self.n_embd} is not divisible by model.n_head={self.n_head}")
+        for key in SHAPE_KEYS:
+            value = getattr(self, key)
+            _require(value is not None or self.init_from != SCRATCH, f"model.{key}",
+                     "needs a value to build a model from scratch (a model preset sets it, e.g. model=tiny), "
+                     "or weights to take it from (model.init_from=gpt2)")
+            _require(value is None or value >= 1, f"model.{key}", f"must be >= 1, got {value}")
+        if self.n_embd is not None and self.n_head is not None:
+            _require(self.n_embd % self.n_head == 0, "model.n_embd",
+                     f"{self.n_embd} is not divisible by model.n_head={self.n_head}")
         _require(self.vocab_size is None or self.vocab_size >= 2, "model.vocab_size",
                  f"must be >= 2, got {self.vocab_size}")
+        _require(self.head_vocab is None or self.head_vocab >= 2, "model.head_vocab",
+                 f"must be >= 2, got {self.head_vocab}")
+        _require(None in (self.head_vocab, self.vocab_size) or self.head_vocab <= self.vocab_size,
+                 "model.head_vocab", f"{self.head_vocab} rows are more than model.vocab_size={self.vocab_size}")
         _require(0.0 <= self.dropout < 1.0, "model.dropout", f"must be in [0, 1), got {self.dropout}")
+        _require(self.init_from.strip() != "", "model.init_from",
+                 "scratch, a Hugging Face GPT-2 name (gpt2) or a directory, got ''")
 
 
 @dataclass
@@ -148,6 +172,9 @@ class DataConfig:
     hub_config: Optional[str] = None
     hub_split: str = "train"
     text_column: str = "text"
+    # train: a byte-level BPE of data.vocab_size tokens trained on the corpus; else a pretrained one: a Hugging
+    # Face name (gpt2) or a directory holding tokenizer.json (or vocab.json + merges.txt) (minitrain/tokenizer.py).
+    tokenizer: str = "train"
     vocab_size: int = 4096
     val_fraction: float = 0.005
     num_proc: int = 2
@@ -357,7 +384,7 @@ class Config:
 
     def __post_init__(self):
         ck = self.checkpointing
-        if ck.policy == CheckpointPolicy.every_k:
+        if ck.policy == CheckpointPolicy.every_k and self.model.n_layer is not None:  # else once init_from's is known
             _require(1 <= ck.every_k <= self.model.n_layer, "checkpointing.every_k",
                      f"must be in [1, model.n_layer={self.model.n_layer}], got {ck.every_k}")
         if self.precision.name != "auto":  # else once the device's preset is known (precision.py)
@@ -539,16 +566,28 @@ def _require_makeable_hydra_dir(argv: list[str], given: dict[str, str], multirun
         raise ConfigError(unusable_run_dir("trainer.out_dir" if derived else key, value, problem))
 
 
+def with_pretrained_preset(overrides: list[str]) -> list[str]:
+    """`model.init_from=<weights>` without a model preset takes `model=pretrained`, whose shape keys are left to the
+    weights: the default preset's (tiny's) would otherwise be refused as conflicting with them. A preset chosen
+    on the command line stays, and its shape must then agree with the weights'."""
+    keys = {kv[0]: kv[1] for a in overrides if (kv := _key_and_value(a))}
+    if keys.get("model.init_from", SCRATCH) == SCRATCH or "model" in keys:
+        return list(overrides)
+    return [*overrides, "model=pretrained"]
+
+
 def command_line(argv: list[str]) -> list[str]:
     """scripts/train.py's arguments, checked and completed before Hydra reads them: an unknown key or a value
     of the wrong type raises ConfigError (check_override_keys, check_override_values), as does a run dir that
-    cannot be made (_require_makeable_hydra_dir). A single run given trainer.out_dir=X (and no hydra.run.dir)
-    gets hydra.run.dir=X too: Hydra makes its run dir before any code of ours runs, so the default
-    runs/<date>/<time>/ would be left behind empty, and the wandb run's name, which reads Hydra's run dir,
-    would name it. A -m sweep given one fixed trainer.out_dir raises: every cell would write to that one
-    directory, and each after the first would refuse to overwrite the first's checkpoints."""
+    cannot be made (_require_makeable_hydra_dir); model.init_from without a model preset gets model=pretrained
+    (with_pretrained_preset). A single run given trainer.out_dir=X (and no hydra.run.dir) gets hydra.run.dir=X
+    too: Hydra makes its run dir before any code of ours runs, so the default runs/<date>/<time>/ would be left
+    behind empty, and the wandb run's name, which reads Hydra's run dir, would name it. A -m sweep given one fixed
+    trainer.out_dir raises: every cell would write to that one directory, and each after the first would refuse
+    to overwrite the first's checkpoints."""
     check_override_keys(argv)
     check_override_values(argv)
+    argv = with_pretrained_preset(argv)
     keys = {kv[0]: a for a in argv if (kv := _key_and_value(a))}
     multirun = any(a in ("-m", "--multirun") or a.startswith("hydra.mode=") for a in argv)
     completed = _with_run_dir(argv, keys, multirun)
@@ -591,7 +630,7 @@ def compose_config(overrides: list[str]) -> DictConfig:
 
     register_configs()
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-        return compose("config", overrides=list(overrides))
+        return compose("config", overrides=with_pretrained_preset(list(overrides)))
 
 
 def resolve(cfg: DictConfig | Config) -> Config:

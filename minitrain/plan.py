@@ -22,8 +22,8 @@ import torch
 
 from . import memory
 from .checkpointing import recomputed_blocks
-from .config import CheckpointingConfig, CheckpointPolicy, Config, ConfigError, DistributedMode, KernelImpl, \
-    ModelConfig, OptimizerImpl
+from .config import SCRATCH, CheckpointingConfig, CheckpointPolicy, Config, ConfigError, DistributedMode, \
+    KernelImpl, ModelConfig, OptimizerImpl
 from .memory import GB, MemoryEstimate
 from .precision import Precision, resolve_precision
 from .schedule import LRSchedule, default_warmup
@@ -168,9 +168,14 @@ def model_config_for(cfg: Config, tokenizer_vocab: int, device: torch.device) ->
     gelu = KernelImpl.fused if cfg.model.gelu.fused_on(device.type) else KernelImpl.torch
     if cfg.model.vocab_size is None:
         return replace(cfg.model, vocab_size=-(-tokenizer_vocab // 64) * 64, gelu=gelu)
-    if cfg.model.vocab_size < tokenizer_vocab:
-        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
-                          f"({tokenizer_vocab}, from data.vocab_size={cfg.data.vocab_size})")
+    rows, key = (cfg.model.head_vocab, "model.head_vocab") if cfg.model.head_vocab else \
+        (cfg.model.vocab_size, "model.vocab_size")
+    if rows < tokenizer_vocab:
+        weights = f" (model.init_from={cfg.model.init_from}'s vocab)" if cfg.model.init_from != SCRATCH else ""
+        source = f"data.vocab_size={cfg.data.vocab_size}" if cfg.data.tokenizer == "train" else \
+            f"data.tokenizer={cfg.data.tokenizer}"
+        raise ConfigError(f"{key}={rows}{weights} is smaller than the tokenizer's vocabulary ({tokenizer_vocab}, "
+                          f"from {source})")
     return replace(cfg.model, gelu=gelu)
 
 

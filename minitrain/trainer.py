@@ -25,9 +25,10 @@ from typing import Any, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from . import checkpointing, compile_check, determinism, distributed, memory, resume
-from .config import Config, ConfigError, resolve
+from . import checkpointing, compile_check, determinism, distributed, hf, memory, resume
+from .config import SCRATCH, Config, ConfigError, resolve
 from .data import DeviceBatches, TokenData, prepare_data
+from .generate import Sampler, Sampling
 from .logger import RunLogger
 from .metrics import Throughput, memory_stats, peak_flops
 from .model import GPT
@@ -233,7 +234,7 @@ class _Interrupts:
 class Trainer:
     def __init__(self, cfg: Config | DictConfig, run: RunInfo = RunInfo(), progress: bool = True,
                  phase: Phase = record_function, device_memory_bytes: Optional[int] = None):
-        self.cfg = cfg = resolve(cfg)
+        self.cfg = cfg = hf.with_weights_shape(resolve(cfg))
         self.dist, self.device = distributed.init(cfg, pick_device(cfg.trainer.device.value))
         if self.device.type == "cuda":  # each job of a multirun reports its own peaks
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -260,6 +261,7 @@ class Trainer:
 
         with torch.device(self.device):
             self.model = GPT(plan.model)
+        weights = hf.load_weights(self.model) if cfg.model.init_from != SCRATCH else None
         self.model.to(dtype=plan.precision.stored_param_dtype(self.dist.sharded))
         checkpointing.apply_policy(self.model, plan.checkpointing, compiled=plan.compiled)
         self.loss_module = distributed.wrap(self.model, build_loss(plan, cfg), plan.precision, cfg.distributed,
@@ -297,7 +299,10 @@ class Trainer:
         self.progress.wandb_id = self.logger.run_id
         if self.dist.is_main:
             run.write(self.out_dir, self.config_dict)
+            self.data.tokenizer.save(str(self.out_dir / "tokenizer.json"))  # for sample.py and export_hf.py
         self.logger.print(plan.describe())
+        if weights is not None and loaded is None:
+            self.logger.print(f"weights: {cfg.model.init_from} ({weights})")
         self.logger.log_plan(plan.as_dict())
         if loaded is not None:
             for note in loaded.notes:
@@ -531,18 +536,20 @@ class Trainer:
         (self.out_dir / "memory.json").write_text(json.dumps({**self.plan.memory.as_dict(), **measured}, indent=1))
 
     def sample(self) -> str:
-        """A short continuation of a fixed prompt: a human-readable check of what the model learned."""
-        n = self.cfg.trainer.sample_tokens
-        if n == 0:
+        """A short continuation of a fixed prompt (at most what fits model.block_size): a human-readable check of
+        what the model learned. Without the KV cache: the training model may be sharded, or its blocks' forwards
+        swapped by a recompute policy, and a short sample costs little."""
+        ids = torch.tensor([self.data.tokenizer.encode("def ").ids], device=self.device)
+        n = min(self.cfg.trainer.sample_tokens, self.model_cfg.block_size - ids.shape[1])
+        if n <= 0:
             return ""
-        prompt = "def "
-        ids = torch.tensor([self.data.tokenizer.encode(prompt).ids], device=self.device)
-        gen = torch.Generator(device=self.device).manual_seed(self.cfg.trainer.seed)
+        sampling = Sampling(temperature=0.8, top_k=50, vocab=self.data.vocab_size)
         self.model.eval()
         with self.plan.precision.autocast(self.device.type):  # on every rank: under fsdp each forward all-gathers
-            out = self.model.generate(ids, n, generator=gen)
+            sampler = Sampler(self.model, 1, ids.shape[1] + n, sampling, kv_cache=False)
+            out = sampler.generate(ids, n, seed=self.cfg.trainer.seed)
         self.model.train()
-        text = self.data.decode(out[0].tolist())
+        text = self.data.decode(out.tokens[0].tolist())
         if self.dist.is_main:
             (self.out_dir / "sample.txt").write_text(text)
         self.logger.print(f"sample:\n{text}")

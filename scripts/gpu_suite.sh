@@ -3,7 +3,7 @@
 # Usage: scripts/gpu_suite.sh OUT_DIR [tests] [optimizer] [cross_entropy] [ce_rows] [ce_chunks] [gelu] [train]
 #        [step] [step_ablate] [step15b] [step_sizes] [curve] [sweep] [sweep_alone] [defaults] [defaults15b] [plan]
 #        [attention] [diverge15b] [compile15b] [compile_check] [determinism] [determinism_cost]
-#        [determinism_cost15b] [smoke]
+#        [determinism_cost15b] [sample] [sample15b] [sample_run] [smoke]
 # smoke: every benchmark script once in its quickest mode (the tiny model, one small shape), a few minutes: each
 #   still runs end to end on this GPU; its figures are not results
 # plan: PLAN_MODELS and PLAN_BATCHES (space-separated) pick the grid, default gpt2-124m at 16 64 512; it starts no
@@ -76,6 +76,22 @@ for what in "$@"; do
         timeout 280 python3 scripts/train.py $args trainer.max_steps=3 trainer.eval_every=1000 trainer.save_every=1000 \
           trainer.sample_tokens=0 hydra.run.dir=/tmp/compile-check 2>&1 | grep -aE "^error"
         grep -h "^compile check" /tmp/compile-check/*.log
+      done ;;
+    sample|sample15b)  # decode tokens/s beside transformers' generate (same weights, bf16, greedy) at batch 1 and 16,
+      # after an fp32 check that the graphed decode gives transformers' greedy tokens; each model compiles four
+      # decode steps (two per side and batch), so each has a target of its own
+      model=$([ "$what" = sample ] && echo gpt2-124m || echo gpt2-1.5b)
+      timeout 590 python3 scripts/bench_sample.py --models $model --out "$out/bench_$what.json" 2>&1 \
+        | grep -v "Loading weights" | tail -12 ;;
+    sample_run)  # scripts/sample.py as a user runs it, on a run just trained: top-p draws with the graphed decode and
+      # eagerly (--no-compile; another random stream, so other texts), then greedy both ways (the same text until
+      # bf16 rounding in different kernels parts them); each prints its decode tokens/s
+      rm -rf /tmp/sample-run
+      timeout 300 python3 scripts/train.py trainer.max_steps=100 trainer.sample_tokens=0 hydra.run.dir=/tmp/sample-run \
+        2>&1 | grep -aE "^(error|finished)"
+      for extra in "" "--no-compile" "--temperature 0" "--temperature 0 --no-compile"; do
+        timeout 300 python3 scripts/sample.py /tmp/sample-run --num-samples 4 --max-new-tokens 100 --top-p 0.95 $extra \
+          2>&1 | tail -3
       done ;;
     gelu) timeout 60 python3 scripts/bench_gelu.py --out "$out/bench_gelu.json" 2>&1 | tail -6 ;;
     attention) timeout 120 python3 scripts/bench_attention.py --out "$out/bench_attention.json" 2>&1 | tail -24 ;;
