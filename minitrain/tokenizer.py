@@ -1,48 +1,65 @@
-"""Pretrained tokenizers: `data.tokenizer=gpt2` (a Hugging Face model's) or a local directory's tokenizer.json."""
+"""A pretrained byte-level BPE tokenizer instead of one trained on the corpus (`data.tokenizer`).
+
+`pretrained_tokenizer("gpt2")` reads GPT-2's own tokenizer through the Hugging Face hub (its cache when
+offline); a directory gives its tokenizer.json, or the vocab.json + merges.txt pair of older checkpoints. Either
+way the result must be a byte-level BPE with `<|endoftext|>`, the token the data pipeline puts between
+documents, so that its ids mean what the weights they go with learned.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
-from .config import error_reason
-from .data import DataError
+from .data import EOT, DataError
+from .hf import SourceError, is_local, source_file
+
+KEY = "data.tokenizer"
+
+
+class TokenizerError(DataError):
+    """data.tokenizer names nothing usable; the message names the directory, file or name."""
 
 
 def pretrained_tokenizer(name_or_dir: str):
-    """The `tokenizers.Tokenizer` of a local directory holding tokenizer.json, else of the Hugging Face model of
-    that name (its tokenizer.json, downloaded once into the hub's cache; later starts need no network)."""
+    """The byte-level BPE `name_or_dir` names (a Hugging Face name or a local directory) as a
+    tokenizers.Tokenizer whose `<|endoftext|>` is its end of text; raises TokenizerError in one line."""
     from tokenizers import Tokenizer
 
-    local = Path(name_or_dir).expanduser()
-    if local.is_dir():
-        path = local / "tokenizer.json"
-        if not path.is_file():
-            raise DataError(f"data.tokenizer={name_or_dir!r}: the directory holds no tokenizer.json")
-    elif local.exists() or name_or_dir.startswith((".", "/", "~")):
-        raise DataError(f"data.tokenizer={name_or_dir!r}: not a directory holding tokenizer.json")
-    else:
-        path = _download(name_or_dir)
     try:
-        return Tokenizer.from_file(str(path))
+        if is_local(name_or_dir) and not (Path(name_or_dir).expanduser() / "tokenizer.json").is_file():
+            tokenizer, where = _from_vocab_and_merges(Path(name_or_dir).expanduser())
+        else:
+            path = source_file(name_or_dir, "tokenizer.json", KEY)
+            tokenizer, where = Tokenizer.from_file(str(path)), path
+    except SourceError as e:
+        raise TokenizerError(str(e)) from None
     except Exception as e:  # tokenizers reports a malformed file as a bare Exception
-        raise DataError(f"data.tokenizer={name_or_dir!r}: {path} is not a tokenizer ({error_reason(e)})") from None
+        raise TokenizerError(f"{KEY}={name_or_dir}: its tokenizer files are unreadable ({e})") from None
+    _require_byte_level_bpe(tokenizer, where)
+    return tokenizer
 
 
-def _download(name: str) -> Path:
-    from huggingface_hub import hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError
+def _from_vocab_and_merges(folder: Path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    try:
-        return Path(hf_hub_download(repo_id=name, filename="tokenizer.json"))
-    except LocalEntryNotFoundError:  # offline (no network, or HF_HUB_OFFLINE=1) and not in the hub's cache
-        raise DataError(f"data.tokenizer={name!r}: its tokenizer.json is not in the Hugging Face cache and the hub "
-                        "cannot be reached; downloading it once needs network, or point data.tokenizer at a "
-                        "directory holding a copy of tokenizer.json") from None
-    except RepositoryNotFoundError:
-        raise DataError(f"data.tokenizer={name!r}: no such model on the Hugging Face hub (or it is private: "
-                        "`huggingface-cli login`); give train, a model's name (gpt2) or a local directory") from None
-    except EntryNotFoundError:
-        raise DataError(f"data.tokenizer={name!r}: the model has no tokenizer.json (a slow tokenizer only); "
-                        "convert it with transformers and point data.tokenizer at the directory") from None
-    except (OSError, ValueError) as e:
-        raise DataError(f"data.tokenizer={name!r}: could not be downloaded ({error_reason(e)})") from None
+    vocab, merges = folder / "vocab.json", folder / "merges.txt"
+    if not (vocab.is_file() and merges.is_file()):
+        raise TokenizerError(f"{KEY}={folder}: holds neither tokenizer.json nor vocab.json + merges.txt")
+    tokenizer = Tokenizer(models.BPE.from_file(str(vocab), str(merges)))
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    tokenizer.add_special_tokens([EOT])  # the id vocab.json gives it; appended only where it has none
+    return tokenizer, vocab
+
+
+def _require_byte_level_bpe(tokenizer, where) -> None:
+    """GPT-2's tokenization: BPE over bytes (every text encodes; nothing maps to an unknown token)."""
+    from tokenizers import models, pre_tokenizers
+
+    pre = tokenizer.pre_tokenizer
+    parts = getattr(pre, "pretokenizers", None) or [pre]  # a Sequence, or one pre-tokenizer
+    if not isinstance(tokenizer.model, models.BPE) or not any(isinstance(p, pre_tokenizers.ByteLevel) for p in parts):
+        raise TokenizerError(f"{KEY}: {where} is a {type(tokenizer.model).__name__} tokenizer without byte-level "
+                             "pre-tokenization; GPT-2's weights need a byte-level BPE")
+    if tokenizer.token_to_id(EOT) is None:
+        raise TokenizerError(f"{KEY}: {where} has no {EOT} token, which the data pipeline puts between documents")

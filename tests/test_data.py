@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 import torch
 
-from minitrain.config import DataConfig
+from minitrain.config import DataConfig, resolve_data
 from minitrain.data import Batches, DataError, TokenStream, prepare_data, shards, stdlib_files
 from minitrain.data import prepare as prepare_mod
 
 
 @pytest.fixture(scope="session")
 def stdlib_data(data_cache):
-    return prepare_data(DataConfig(cache_dir=str(data_cache)), block_size=64, progress=False)
+    return prepare_data(resolve_data([f"data.cache_dir={data_cache}"]), block_size=64, progress=False)
 
 
 def test_stdlib_corpus_is_real_text(stdlib_data):
@@ -43,7 +43,7 @@ def test_cache_is_reused(data_cache, stdlib_data, monkeypatch):
         raise AssertionError("prepared the corpus again instead of using the cache")
 
     monkeypatch.setattr(prepare_mod._Preparation, "run", fail)
-    again = prepare_data(DataConfig(cache_dir=str(data_cache)), block_size=64, progress=False)
+    again = prepare_data(resolve_data([f"data.cache_dir={data_cache}"]), block_size=64, progress=False)
     assert again.path == stdlib_data.path
     np.testing.assert_array_equal(again.train[:1000], stdlib_data.train[:1000])
 
@@ -118,6 +118,18 @@ def test_windows_cross_shard_boundaries_as_in_one_array(shard_tokens):
     sharded = Batches(stream, 32, 16, seed=1, device=torch.device("cpu"))
     for step in range(3):
         assert torch.equal(whole.get(step)[0], sharded.get(step)[0])
+
+
+def test_windows_reach_the_last_token_and_stay_inside():
+    """T + 2 tokens hold two windows of T + 1: both are drawn, and none reads past the end."""
+    T = 8
+    batches = Batches(np.arange(T + 2, dtype=np.uint16), T, batch_size=16, seed=0, device=torch.device("cpu"))
+    firsts = set()
+    for step in range(4):
+        x, y = batches.get(step)
+        firsts |= set(x[:, 0].tolist())
+        assert torch.equal(y, x + 1)
+    assert firsts == {0, 1}
 
 
 # -- the token cache checks itself at every start ---------------------------------------------------------------

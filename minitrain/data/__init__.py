@@ -7,11 +7,11 @@
 """
 
 from .corpus import DataError, stdlib_files
-from .prepare import cache_path, prepare_data
+from .prepare import EOT, cache_path, prepare_data
 from .shards import TokenData, TokenStream
 
-__all__ = ["Batches", "DeviceBatches", "DataError", "TokenData", "TokenStream", "cache_path", "prepare_data",
-           "stdlib_files"]
+__all__ = ["Batches", "DeviceBatches", "DataError", "EOT", "TokenData", "TokenStream", "cache_path",
+           "prepare_data", "stdlib_files"]
 
 
 def __getattr__(name: str):

@@ -162,13 +162,6 @@ def encoded(batches: Iterator[Batch], tokenizer, eot: int, dtype: np.dtype) -> I
             yield pending[0], *token_ids(pending[2].result(), pending[0].docs, pending[1], eot, dtype)
 
 
-def _eot_id(tokenizer, cfg: DataConfig) -> int:
-    eot = tokenizer.token_to_id(EOT)
-    if eot is None:
-        raise DataError(f"data.tokenizer={cfg.tokenizer!r} has no {EOT} token to end each document with")
-    return eot
-
-
 def _fresh_state() -> dict[str, Any]:
     return {"format": FORMAT, "cursor": {"doc": 0, "piece": 0}, "done": False, "bytes": 0,
             "documents": {"train": 0, "val": 0}, "splits": {"train": None, "val": None}, "last_train_doc": 0}
@@ -184,7 +177,7 @@ class _Preparation:
         state = self._resume_or_start()
         corpus = open_corpus(self.cfg, self.notify, self.folder / "hf")
         tokenizer = self._tokenizer(corpus)
-        dtype, eot = token_dtype(vocab_size_of(tokenizer)), _eot_id(tokenizer, self.cfg)
+        dtype, eot = token_dtype(vocab_size_of(tokenizer)), tokenizer.token_to_id(EOT)  # pretrained_tokenizer refuses one without it
         writers = {split: ShardWriter(self.folder, split, dtype, self.cfg.shard_tokens, state["splits"][split])
                    for split in SPLITS}
         try:
