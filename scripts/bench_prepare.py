@@ -2,6 +2,9 @@
 (many files, one file), in alternating order per round (minitrain/tools/benchmarks/prepare.py says how).
 
     python scripts/bench_prepare.py --gb 1 --work /tmp/bench-prepare --rounds 2 --out bench_prepare.json
+
+Each run's output goes to WORK/ideal.log or WORK/minitrain.log; --rounds 0 builds the corpus (kept in WORK for the
+next runs) and measures nothing.
 """
 
 from __future__ import annotations
@@ -22,14 +25,18 @@ def parse() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gb", type=float, default=1.0, help="corpus size in GB (1e9 bytes)")
     ap.add_argument("--work", type=Path, default=Path("/tmp/bench-prepare"), help="corpus, caches and outputs")
-    ap.add_argument("--rounds", type=int, default=2, help="runs of each kind per layout, alternating their order")
+    ap.add_argument("--rounds", type=int, default=2,
+                    help="runs of each kind per layout, alternating their order (0: build the corpus only)")
     ap.add_argument("--layouts", default="many,one", help="many (one file per document), one (a single file)")
     ap.add_argument("--vocab-size", type=int, default=4096)
     ap.add_argument("--sample-mb", type=int, default=64, help="the tokenizer's training sample "
                                                               "(data.tokenizer_sample_mb)")
     ap.add_argument("--out", type=Path, help="write the runs and the summary as JSON")
     ap.add_argument("--ideal", nargs=2, metavar=("GLOB", "OUT"), help=argparse.SUPPRESS)  # one ideal run
-    return ap.parse_args()
+    args = ap.parse_args()
+    if args.rounds < 0:
+        ap.error(f"--rounds {args.rounds}: give 0 (build the corpus only) or more")
+    return args
 
 
 def commands(args: argparse.Namespace, paths: str) -> dict[str, list[str]]:
@@ -48,6 +55,8 @@ def main() -> int:
     corpus = prepare.build_corpus(args.work, args.gb)
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "true", "PYTHONPATH": str(REPO)}
     print(f"corpus: {int((corpus / 'done').read_text()) / 1e9:.2f} GB, {os.cpu_count()} cores", flush=True)
+    if not args.rounds:
+        return 0
     runs, summaries = [], {}
     for layout in args.layouts.split(","):
         cmds = commands(args, prepare.corpus_paths(corpus)[layout])
@@ -55,7 +64,7 @@ def main() -> int:
             for kind in prepare.KINDS[:: 1 if rnd % 2 == 0 else -1]:
                 shutil.rmtree(args.work / "cache", ignore_errors=True)
                 (args.work / "ideal-tokens.bin").unlink(missing_ok=True)
-                seconds, peak = prepare.measured(cmds[kind], env)
+                seconds, peak = prepare.measured(cmds[kind], env, args.work / f"{kind}.log")
                 extra = prepare.leftovers(args.work / "cache") if kind == "minitrain" else []
                 runs.append({"layout": layout, "round": rnd, "kind": kind, "seconds": seconds, "peak_gb": peak,
                              "leftovers": extra})

@@ -3,7 +3,7 @@
 # Usage: scripts/gpu_suite.sh OUT_DIR [tests] [optimizer] [cross_entropy] [ce_rows] [ce_chunks] [gelu] [train]
 #        [step] [step_ablate] [step15b] [step_sizes] [curve] [sweep] [sweep_alone] [defaults] [defaults15b] [plan]
 #        [attention] [diverge15b] [compile15b] [compile_check] [determinism] [determinism_cost]
-#        [determinism_cost15b] [sample] [sample15b] [sample_run] [smoke]
+#        [determinism_cost15b] [sample] [sample15b] [sample_run] [prepare_corpus] [prepare_many] [prepare_one] [smoke]
 # smoke: every benchmark script once in its quickest mode (the tiny model, one small shape), a few minutes: each
 #   still runs end to end on this GPU; its figures are not results
 # plan: PLAN_MODELS and PLAN_BATCHES (space-separated) pick the grid, default gpt2-124m at 16 64 512; it starts no
@@ -93,6 +93,16 @@ for what in "$@"; do
         timeout 300 python3 scripts/sample.py /tmp/sample-run --num-samples 4 --max-new-tokens 100 --top-p 0.95 $extra \
           2>&1 | tail -3
       done ;;
+    prepare_corpus|prepare_many|prepare_one)  # a 1 GB corpus's preparation on the host's cores against the
+      # tokenizers library alone (CPU only); prepare_corpus builds the corpus (kept in /tmp/bench-prepare), then each
+      # layout is a call of its own
+      layout=${what#prepare_}
+      if [ $layout = corpus ]; then
+        timeout 590 python3 scripts/bench_prepare.py --gb 1 --work /tmp/bench-prepare --rounds 0 2>&1 | tail -2
+      else
+        timeout 590 python3 scripts/bench_prepare.py --gb 1 --work /tmp/bench-prepare --rounds 2 --layouts $layout \
+          --out "$out/bench_prepare_$layout.json" 2>&1 | tail -6
+      fi ;;
     gelu) timeout 60 python3 scripts/bench_gelu.py --out "$out/bench_gelu.json" 2>&1 | tail -6 ;;
     attention) timeout 120 python3 scripts/bench_attention.py --out "$out/bench_attention.json" 2>&1 | tail -24 ;;
     ce_rows) timeout 200 python3 scripts/tune_cross_entropy_rows.py --out "$out/tune_ce_rows.json" 2>&1 | tail -60 ;;
@@ -113,7 +123,9 @@ for what in "$@"; do
       timeout 200 python3 scripts/bench_plan.py --models tiny --batches 8 --warmup 3 --steps 1 --rounds 2 \
         --out "$s/plan.json" 2>&1 | tail -4
       timeout 150 python3 scripts/bench_distributed.py --gpus 1 --models tiny --modes ddp --steps 12 \
-        --out "$s/distributed.json" 2>&1 | tail -2 ;;
+        --out "$s/distributed.json" 2>&1 | tail -2
+      timeout 150 python3 scripts/bench_prepare.py --gb 0.01 --work /tmp/bench-prepare-smoke --rounds 1 \
+        --out "$s/prepare.json" 2>&1 | tail -3 ;;
     sweep|sweep_alone)  # the README's sweep through `train.py -m`: gpt2-124m, precision x checkpointing, each cell a
       # process of its own; `sweep` runs three side by side on the one GPU (each process's allocator counts its own
       # peak), `sweep_alone` one at a time (after `sweep`: its compiled graphs come from the cache) and sets each

@@ -182,10 +182,12 @@ def ideal(paths: str, out: Path, vocab_size: int, sample_mb: int) -> None:
 
 # -- measuring ------------------------------------------------------------------------------------------------------
 
-def measured(cmd: list[str], env: dict) -> tuple[float, float]:
-    """Wall seconds and the peak GB of RSS summed over the process and its children, sampled every 50 ms."""
+def measured(cmd: list[str], env: dict, log: Path) -> tuple[float, float]:
+    """Wall seconds and the peak GB of RSS summed over the process and its children, sampled every 50 ms; its
+    output (progress bars, notes) goes to `log`, whose end is shown if it fails."""
     started = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL)
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
     root, peak = psutil.Process(proc.pid), 0
     while proc.poll() is None:
         try:
@@ -195,7 +197,8 @@ def measured(cmd: list[str], env: dict) -> tuple[float, float]:
         time.sleep(0.05)
     seconds = time.perf_counter() - started
     if proc.returncode:
-        raise SystemExit(f"{' '.join(cmd)} failed with exit code {proc.returncode}")
+        raise SystemExit(f"{' '.join(cmd)} failed with exit code {proc.returncode}; the end of {log}:\n"
+                         + log.read_text(errors="replace")[-2000:])
     return seconds, peak / 1e9
 
 
