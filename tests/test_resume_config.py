@@ -24,7 +24,7 @@ MAY_CHANGE = {
     "distributed": {"timeout_s"},
     "trainer": {"max_steps", "log_every", "eval_every", "eval_batches", "save_every", "sample_tokens", "out_dir",
                 "device", "compile", "compile_mode", "compile_check", "peak_flops", "memory_budget", "micro_batch",
-                "max_skipped_steps"},
+                "max_skipped_steps", "deterministic"},
     "plan": set(),  # what the plan resolved from `auto` on this device: precision, world size, mode, vocabulary
 }
 NOT_COMPARED = {"trainer.resume"}  # every resume changes how it finds its checkpoint
