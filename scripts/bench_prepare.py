@@ -64,15 +64,16 @@ def main() -> int:
             for kind in prepare.KINDS[:: 1 if rnd % 2 == 0 else -1]:
                 shutil.rmtree(args.work / "cache", ignore_errors=True)
                 (args.work / "ideal-tokens.bin").unlink(missing_ok=True)
-                seconds, peak = prepare.measured(cmds[kind], env, args.work / f"{kind}.log")
+                seconds, cpu, peak = prepare.measured(cmds[kind], env, args.work / f"{kind}.log")
                 extra = prepare.leftovers(args.work / "cache") if kind == "minitrain" else []
-                runs.append({"layout": layout, "round": rnd, "kind": kind, "seconds": seconds, "peak_gb": peak,
-                             "leftovers": extra})
-                print(f"{layout:4} round {rnd} {kind:9} {seconds:7.1f} s  peak {peak:5.2f} GB"
+                runs.append({"layout": layout, "round": rnd, "kind": kind, "seconds": seconds, "cpu_seconds": cpu,
+                             "peak_gb": peak, "leftovers": extra})
+                print(f"{layout:4} round {rnd} {kind:9} {seconds:7.1f} s  CPU {cpu:7.1f} s  peak {peak:5.2f} GB"
                       + (f"  LEFT BEHIND: {extra}" if extra else ""), flush=True)
         s = summaries[layout] = prepare.summary(runs, layout)
         print(f"{layout}: minitrain {s['minitrain']['seconds']['median']:.1f} s / ideal "
-              f"{s['ideal']['seconds']['median']:.1f} s = {s['time_ratio']:.3f}x (target <= {prepare.TIME_TARGET}x); "
+              f"{s['ideal']['seconds']['median']:.1f} s = {s['time_ratio']:.3f}x (target <= {prepare.TIME_TARGET}x; "
+              f"CPU time {s['cpu_ratio']:.3f}x); "
               f"peak {s['minitrain']['peak_gb']['high']:.2f} GB (ideal {s['ideal']['peak_gb']['high']:.2f} GB; "
               f"target < {prepare.MEMORY_TARGET_GB} GB): {'met' if s['met'] else 'MISSED'}", flush=True)
     if args.out:

@@ -52,10 +52,10 @@ def test_leftovers_are_what_a_published_cache_does_not_hold(tmp_path):
 
 
 def runs(minitrain_s, ideal_s, peaks, leftovers=()):
-    out = [{"layout": "many", "round": i, "kind": "ideal", "seconds": s, "peak_gb": 0.5, "leftovers": []}
-           for i, s in enumerate(ideal_s)]
-    return out + [{"layout": "many", "round": i, "kind": "minitrain", "seconds": s, "peak_gb": p,
-                   "leftovers": list(leftovers) if i == 0 else []}
+    out = [{"layout": "many", "round": i, "kind": "ideal", "seconds": s, "cpu_seconds": 2 * s, "peak_gb": 0.5,
+            "leftovers": []} for i, s in enumerate(ideal_s)]
+    return out + [{"layout": "many", "round": i, "kind": "minitrain", "seconds": s, "cpu_seconds": 3 * s,
+                   "peak_gb": p, "leftovers": list(leftovers) if i == 0 else []}
                   for i, (s, p) in enumerate(zip(minitrain_s, peaks))]
 
 
@@ -69,5 +69,6 @@ def test_the_verdict_is_the_median_time_ratio_the_highest_peak_and_nothing_left(
                                                                                 ratio, met):
     summary = bench_prepare.summary(runs(minitrain_s, [100, 90, 300], peaks, leftovers), "many")
     assert summary["time_ratio"] == pytest.approx(ratio)
+    assert summary["cpu_ratio"] == pytest.approx(1.5 * ratio)  # the CPU seconds' own medians
     assert summary["met"] is met
     assert summary["minitrain"]["peak_gb"]["high"] == max(peaks)

@@ -4,7 +4,8 @@
 The corpus is real text found on the machine (Python sources of the running interpreter, Perl modules,
 documentation and man pages), repeated until it holds the asked size with each repetition's lines shuffled per
 file (so that no document repeats), laid out both as many files and as one file. Each run is a fresh process
-tree, timed by the wall clock, its memory the peak of the RSS summed over its processes:
+tree, timed by the wall clock (its CPU seconds beside), its memory the peak of the RSS summed over its
+processes:
 
   ideal      the tokenizers library alone (`ideal`): the same byte-level BPE trained on the same bounded sample
              (windows of 1 MiB evenly spaced over the corpus), then every file read in chunks of 64 KiB cut at
@@ -182,24 +183,28 @@ def ideal(paths: str, out: Path, vocab_size: int, sample_mb: int) -> None:
 
 # -- measuring ------------------------------------------------------------------------------------------------------
 
-def measured(cmd: list[str], env: dict, log: Path) -> tuple[float, float]:
-    """Wall seconds and the peak GB of RSS summed over the process and its children, sampled every 50 ms; its
-    output (progress bars, notes) goes to `log`, whose end is shown if it fails."""
+def measured(cmd: list[str], env: dict, log: Path) -> tuple[float, float, float]:
+    """Wall seconds, CPU seconds (user and system, of the process's threads: neither side forks workers) and the
+    peak GB of RSS summed over the process and its children, sampled every 50 ms; its output (progress bars,
+    notes) goes to `log`, whose end is shown if it fails. On a machine shared with other work the wall time
+    grows with the others' load, the CPU time hardly."""
     started = time.perf_counter()
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT)
-    root, peak = psutil.Process(proc.pid), 0
-    while proc.poll() is None:
+    root, peak, ended = psutil.Process(proc.pid), 0, 0
+    while not ended:
         try:
             peak = max(peak, sum(p.memory_info().rss for p in [root, *root.children(recursive=True)]))
         except psutil.Error:  # a process ended between the listing and the read
             pass
         time.sleep(0.05)
+        ended, status, usage = os.wait4(proc.pid, os.WNOHANG)
     seconds = time.perf_counter() - started
+    proc.returncode = os.waitstatus_to_exitcode(status)  # reaped here: Popen must not wait for it again
     if proc.returncode:
         raise SystemExit(f"{' '.join(cmd)} failed with exit code {proc.returncode}; the end of {log}:\n"
                          + log.read_text(errors="replace")[-2000:])
-    return seconds, peak / 1e9
+    return seconds, usage.ru_utime + usage.ru_stime, peak / 1e9
 
 
 def leftovers(cache: Path) -> list[str]:
@@ -217,14 +222,16 @@ def leftovers(cache: Path) -> list[str]:
 
 
 def summary(runs: list[dict], layout: str) -> dict:
-    """A layout's medians (with the lowest and highest run) per kind, minitrain's time over the ideal's, and
-    whether the targets are met: time <= TIME_TARGET x, peak < MEMORY_TARGET_GB, nothing left behind."""
+    """A layout's medians (with the lowest and highest run) per kind, minitrain's wall and CPU time over the
+    ideal's, and whether the targets are met: wall time <= TIME_TARGET x, peak < MEMORY_TARGET_GB, nothing left
+    behind."""
     from minitrain.tools.bench import Spread
 
     mine = [r for r in runs if r["layout"] == layout]
     out = {kind: {key: Spread.of(r[key] for r in mine if r["kind"] == kind).__dict__
-                  for key in ("seconds", "peak_gb")} for kind in KINDS}
+                  for key in ("seconds", "cpu_seconds", "peak_gb")} for kind in KINDS}
     out["time_ratio"] = out["minitrain"]["seconds"]["median"] / out["ideal"]["seconds"]["median"]
+    out["cpu_ratio"] = out["minitrain"]["cpu_seconds"]["median"] / out["ideal"]["cpu_seconds"]["median"]
     out["met"] = (out["time_ratio"] <= TIME_TARGET and out["minitrain"]["peak_gb"]["high"] < MEMORY_TARGET_GB
                   and not any(r["leftovers"] for r in mine))
     return out
