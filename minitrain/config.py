@@ -651,9 +651,16 @@ def compose_config(overrides: list[str]) -> DictConfig:
 def resolve_data(overrides: list[str]) -> DataConfig:
     """The data group of `configs/` with `overrides`, checked as scripts/train.py checks them: for the scripts that
     need the data only (prepare_data.py, eval.py), which thus take train.py's command line as it is."""
+    from hydra.errors import OverrideParseException
+
     check_override_keys(overrides)
     check_override_values(overrides)
-    data = compose_config(overrides).data
+    try:
+        data = compose_config(overrides).data
+    except OverrideParseException as e:  # e.g. an unquoted ~, which Hydra's grammar does not allow in a value
+        override = str(e).splitlines()[0].split(": ", 1)[-1]
+        raise ConfigError(f"{override}: Hydra cannot parse this override; quote the value for Hydra inside the "
+                          f"shell's quotes, e.g. data.paths=\"'~/corpus/**/*.txt'\"") from None
     try:
         plain = OmegaConf.to_container(data, resolve=True)
     except InterpolationResolutionError as e:

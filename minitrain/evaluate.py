@@ -26,6 +26,7 @@ from omegaconf import OmegaConf
 from . import resume
 from .config import DataConfig, ModelConfig
 from .data import DataError, TokenData, TokenStream, prepare_data
+from .data.corpus import hub_quietly
 from .model import GPT
 from .precision import preset, resolve_precision
 
@@ -118,7 +119,8 @@ def _download_hellaswag() -> str:
     from huggingface_hub import hf_hub_download
 
     try:
-        return hf_hub_download(HELLASWAG_REPO, HELLASWAG_FILE, repo_type="dataset", revision=HELLASWAG_REVISION)
+        with hub_quietly():
+            return hf_hub_download(HELLASWAG_REPO, HELLASWAG_FILE, repo_type="dataset", revision=HELLASWAG_REVISION)
     except Exception as e:  # offline, or the hub moved it: either way the local copy is the way out
         raise DataError(f"HellaSwag could not be downloaded from the hub ({type(e).__name__}); it needs network "
                         "once. Offline, point at a local copy instead: hellaswag_val.jsonl from "

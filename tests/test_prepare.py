@@ -4,6 +4,7 @@ tokenizers, and what each failure says."""
 
 import hashlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -15,7 +16,7 @@ import numpy as np
 import psutil
 import pytest
 
-from minitrain.config import DataConfig, resolve_data
+from minitrain.config import ConfigError, DataConfig, resolve_data
 from minitrain.data import DataError, prepare_data
 from minitrain.data import corpus as corpus_mod
 from minitrain.data import prepare as prepare_mod
@@ -422,6 +423,31 @@ def test_an_unreachable_hub_dataset_says_it_needs_network_and_how_to_go_local(tm
                          env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)})
     assert "data.hub_name='someone/stories'" in out.stderr and "needs network" in out.stderr
     assert "point data.hub_name at a local copy of its files" in out.stderr
+
+
+def test_a_home_path_hydra_cannot_parse_is_one_line_and_its_quoted_form_works():
+    """Hydra's grammar refuses an unquoted ~ in a value: prepare_data.py and eval.py say how to quote it, and the
+    quoted value reaches the corpus as the user wrote it (the corpus expands ~)."""
+    with pytest.raises(ConfigError, match=r"^data.paths=~/corpus/\*\*/\*.txt: Hydra cannot parse this override; "
+                                          r"quote the value"):
+        resolve_data(["data=files", "data.paths=~/corpus/**/*.txt"])
+    assert resolve_data(["data=files", "data.paths='~/corpus/**/*.txt'"]).paths == "~/corpus/**/*.txt"
+
+
+def test_an_unreachable_hub_datasets_retries_are_not_logged_before_the_one_line(tmp_path, monkeypatch, caplog):
+    import datasets
+
+    def offline(*args, **kwargs):
+        logging.getLogger("huggingface_hub.utils._http").warning("Retrying in 1s [Retry 1/5].")
+        raise ConnectionError("Couldn't reach 'someone/stories' on the Hub")
+
+    monkeypatch.setattr(datasets, "load_dataset", offline)
+    with pytest.raises(DataError, match="needs network"):
+        prepare_data(DataConfig(name="hub", source="hub", hub_name="someone/stories", cache_dir=str(tmp_path)),
+                     progress=False)
+    assert not [r.getMessage() for r in caplog.records if "Retrying" in r.getMessage()]
+    logging.getLogger("huggingface_hub.utils._http").warning("Retrying later")  # only during the hub call
+    assert [r.getMessage() for r in caplog.records] == ["Retrying later"]
 
 
 # -- tokenizers --------------------------------------------------------------------------------------------------

@@ -14,8 +14,10 @@ import bisect
 import glob
 import hashlib
 import io
+import logging
 import os
 import sysconfig
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -217,6 +219,19 @@ class LocalFiles:
 
 # -- a hub dataset, streamed ------------------------------------------------------------------------------------
 
+@contextmanager
+def hub_quietly() -> Iterator[None]:
+    """The huggingface_hub library's warnings held back during a call to the hub: offline, each of its five
+    retries logs a line (twice under Hydra) before the one error of ours that says what to do."""
+    logger = logging.getLogger("huggingface_hub")
+    level = logger.level
+    logger.setLevel(logging.ERROR)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
 class HubStream:
     """A Hugging Face dataset's split, streamed: rows arrive as they are read, nothing is downloaded first and no
     arrow cache is written (the datasets library's own files go to `scratch`). A hub name needs network; a local
@@ -227,8 +242,9 @@ class HubStream:
 
         self.cfg, self.total_bytes = cfg, None
         try:
-            self.ds = datasets.load_dataset(cfg.hub_name, cfg.hub_config, split=cfg.hub_split, streaming=True,
-                                            cache_dir=str(scratch))
+            with hub_quietly():
+                self.ds = datasets.load_dataset(cfg.hub_name, cfg.hub_config, split=cfg.hub_split, streaming=True,
+                                                cache_dir=str(scratch))
         except Exception as e:  # no network, a wrong name, config or split: the library's messages are long
             raise DataError(
                 f"data.hub_name={cfg.hub_name!r} (config {cfg.hub_config!r}, split {cfg.hub_split!r}) could not be "
