@@ -25,7 +25,7 @@ from typing import Any, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from . import checkpointing, compile_check, distributed, memory, resume
+from . import checkpointing, compile_check, distributed, fp8, memory, resume
 from .config import Config, ConfigError, resolve
 from .data import DeviceBatches, TokenData, prepare_data
 from .logger import RunLogger
@@ -249,6 +249,7 @@ class Trainer:
         with torch.device(self.device):
             self.model = GPT(plan.model)
         self.model.to(dtype=plan.precision.stored_param_dtype(self.dist.sharded))
+        fp8.convert(self.model.blocks, plan.float8_linears, plan.precision.float8, plan.float8_all_gather)
         checkpointing.apply_policy(self.model, plan.checkpointing, compiled=plan.compiled)
         self.loss_module = distributed.wrap(self.model, build_loss(plan, cfg), plan.precision, cfg.distributed,
                                             self.dist)
