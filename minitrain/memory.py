@@ -16,8 +16,9 @@ holds it. Assumptions, checked by tests/test_memory.py on CPU and by the GPU swe
     (every tensor padded to ALIGN elements, one bucket per dtype); fp32 main grads live in that
     buffer from the first backward;
   - no torch.compile: Inductor's partitioner chooses its own saved set (for bf16 blocks the same bytes), except
-    for float8 linears (precision=fp8), where eager torchao keeps each linear's bf16 input as a bf16 linear does,
-    and the partitioner keeps float8 copies or nothing instead (`compiled`: _float8_saved_delta);
+    with float8 linears (precision=fp8, `compiled`): there the partitioner keeps float8 copies, or nothing, where
+    eager torchao keeps bf16 inputs (_float8_saved_delta), and fuses the casts that eager runs through fp32
+    temporaries (_float8_casts);
   - SDPA runs a fused kernel (CUDA flash/efficient, CPU flash) that saves q, k, v, the output and an
     fp32 logsumexp; only CPU with attention dropout takes the math path, which saves T x T matrices;
   - the allocator is not modelled: reserved exceeds allocated by fragmentation, `compare` shows by how much;
@@ -168,6 +169,19 @@ def _block_bytes(cfg: ModelConfig, tokens: int, seq_len: int, r: int, a: int, st
     return tokens * (2 * C * r + 4 * stats + 2 * C * a + attention + 8 * C * a + 2 * C * mask)
 
 
+def _float8_block_delta(cfg: ModelConfig, float8_linears: tuple[str, ...], tokens: int, a: int, compiled: bool,
+                        kind: str) -> int:
+    """What a block of `kind` saves with float8 linears beyond its bf16 twin. Eager, torchao keeps each linear's
+    bf16 input, as a bf16 linear does; `selective` runs on torch's save tags then (checkpointing.apply_policy),
+    which also keep mlp.c_proj's matmul output. Compiled, `selective` saves what bf16 does, a kept block less
+    (_float8_saved_delta)."""
+    if not float8_linears or kind == "recomputed":
+        return 0
+    if compiled:
+        return _float8_saved_delta(cfg, float8_linears, tokens, a) if kind == "kept" else 0
+    return tokens * cfg.n_embd * a if kind == "selective" else 0
+
+
 def _float8_casts(C: int, N: int, float8_linears: tuple[str, ...], a: int) -> int:
     """The MLP's backward in the last block with eager float8 linears, beyond the incoming gradient. torchao casts
     an operand of M elements to float8 through two fp32 temporaries (the upcast times the scale, then its clamp)
@@ -240,9 +254,8 @@ def predict(model_cfg: ModelConfig, precision: Precision, ckpt_cfg: Checkpointin
     recomputed = recomputed_blocks(ckpt_cfg, model_cfg.n_layer)
     selective = ckpt_cfg.policy == CheckpointPolicy.selective
     kinds = ["selective" if selective else "recomputed" if rec else "kept" for rec in recomputed]
-    block = {k: _block_bytes(model_cfg, N, T, p, a, stats, device, k) for k in set(kinds) | {"kept"}}
-    if compiled and float8_linears:
-        block["kept"] += _float8_saved_delta(model_cfg, float8_linears, N, a)
+    block = {k: _block_bytes(model_cfg, N, T, p, a, stats, device, k)
+             + _float8_block_delta(model_cfg, float8_linears, N, a, compiled, k) for k in set(kinds) | {"kept"}}
     # Autocast caches each weight's low-precision copy until the forward + loss region ends: with the
     # loss's peak inside that region, every block holds its 12·C² copies then, whatever the policy.
     per_layer = [block[k] + (12 * C * C * a if autocast else 0) for k in kinds]
