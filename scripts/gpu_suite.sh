@@ -2,7 +2,9 @@
 # The GPU tests and the measurements of docs/benchmarks.md, by section name, on a machine with an NVIDIA GPU.
 # Usage: scripts/gpu_suite.sh OUT_DIR [tests] [optimizer] [cross_entropy] [ce_rows] [ce_chunks] [gelu] [train]
 #        [step] [step_ablate] [step15b] [step_sizes] [curve] [sweep] [defaults] [defaults15b] [plan] [attention]
-#        [diverge15b] [compile15b] [compile_check]
+#        [diverge15b] [compile15b] [compile_check] [fp8_tests] [fp8_15b] [fp8_sizes] [fp8_defaults15b] [fp8_quality]
+# fp8_quality: QUALITY_MODEL (gpt2-124m), QUALITY_SEED (1337), QUALITY_PRECISIONS ("bf16 fp8") pick the runs; each run
+#   goes to /tmp/fp8-quality/<model>/<precision>-s<seed> and the comparison reads every run there so far
 # plan: PLAN_MODELS and PLAN_BATCHES (space-separated) pick the grid, default gpt2-124m at 16 64 512; it starts no
 #   point after PLAN_TIME_LIMIT_S and goes on from the JSON files in PLAN_MEASURED
 set -uo pipefail
@@ -74,6 +76,32 @@ for what in "$@"; do
           trainer.sample_tokens=0 hydra.run.dir=/tmp/compile-check 2>&1 | grep -aE "^error"
         grep -h "^compile check" /tmp/compile-check/*.log
       done ;;
+    fp8_tests)  # the fp8 tests on the GPU: compiled float8 kernels, a cuda trainer (the plan accepts an H200)
+      TRITON_INTERPRET=0 timeout 400 python3 -m pytest -q tests/test_fp8.py 2>&1 | grep -E "^(E  |FAILED|[0-9]+ (passed|failed))" | tail -20 ;;
+    fp8_15b)  # the issue's target: fp8 >= 1.12x bf16 at gpt2-1.5b, both resident, each planned in 45% of the GPU
+      timeout 590 python3 scripts/bench_fp8.py speed --models gpt2-1.5b --out "$out/bench_fp8_15b.json" 2>&1 | grep -E "^gpt2|Error" ;;
+    fp8_sizes)
+      timeout 590 python3 scripts/bench_fp8.py speed --models gpt2-774m gpt2-124m --out "$out/bench_fp8_sizes.json" 2>&1 | grep -E "^gpt2|Error" ;;
+    fp8_defaults15b)  # what a user gets: the plan's own micro-batch and policy on the whole GPU, its memory line
+      for p in fp8 bf16; do
+        rm -rf /tmp/fp8-defaults-15b
+        timeout 280 python3 scripts/train.py model=gpt2-1.5b precision=$p trainer.max_steps=8 trainer.log_every=4 \
+          trainer.eval_every=1000 trainer.save_every=1000 trainer.sample_tokens=0 hydra.run.dir=/tmp/fp8-defaults-15b \
+          2>&1 | grep -v "it/s\]\|step/s\]" | grep -aE "^(plan|  |step|memory|compile check|error)" | tail -16
+        cp /tmp/fp8-defaults-15b/metrics.jsonl "$out/fp8_defaults_15b_$p.jsonl"
+      done ;;
+    fp8_quality)  # one model and seed, bf16 and fp8 on the built-in corpus, 1000 steps; GPT-3's peak lr for the size
+      model=${QUALITY_MODEL:-gpt2-124m}; seed=${QUALITY_SEED:-1337}; q=/tmp/fp8-quality/$model
+      case $model in gpt2-124m) lr=6e-4 ;; gpt2-350m) lr=3e-4 ;; *) lr=2.5e-4 ;; esac
+      for p in ${QUALITY_PRECISIONS:-bf16 fp8}; do
+        rm -rf $q/$p-s$seed
+        timeout 560 python3 scripts/train.py model=$model precision=$p trainer.seed=$seed trainer.max_steps=1000 \
+          trainer.lr=$lr trainer.min_lr=$(python3 -c "print($lr / 10)") trainer.eval_every=100 trainer.eval_batches=20 \
+          trainer.log_every=50 trainer.save_every=1000 trainer.sample_tokens=0 hydra.run.dir=$q/$p-s$seed 2>&1 \
+          | grep -aE "^(error|finished)"
+        mkdir -p "$out/fp8_quality" && cp $q/$p-s$seed/metrics.jsonl "$out/fp8_quality/$model-$p-s$seed.jsonl"
+      done
+      python3 scripts/bench_fp8.py quality $q/* --out "$out/fp8_quality_$model.json" ;;
     gelu) timeout 60 python3 scripts/bench_gelu.py --out "$out/bench_gelu.json" 2>&1 | tail -6 ;;
     attention) timeout 120 python3 scripts/bench_attention.py --out "$out/bench_attention.json" 2>&1 | tail -24 ;;
     ce_rows) timeout 200 python3 scripts/tune_cross_entropy_rows.py --out "$out/tune_ce_rows.json" 2>&1 | tail -60 ;;
