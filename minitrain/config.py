@@ -11,6 +11,7 @@ Checks that need more than a type (ranges, combinations) live in `__post_init__`
 from __future__ import annotations
 
 import difflib
+import errno
 import math
 import os
 import re
@@ -32,6 +33,16 @@ def error_reason(e: BaseException) -> str:
     """An exception as a few words for a one-line message: its type and its first sentence."""
     first = str(e).strip().splitlines()[0] if str(e).strip() else ""
     return f"{type(e).__name__}: {first.split('. ')[0]}" if first else type(e).__name__
+
+
+def unusable_run_dir(key: str, path, e: OSError) -> str:
+    """The one-line refusal of a run dir (or a sweep's dir) that cannot be made or written, naming the setting
+    that chose it."""
+    if key == "hydra.sweep.dir":
+        return (f"{key}: cannot use {path} as the sweep's dir ({error_reason(e)}); give the sweep a writable "
+                "directory (hydra.sweep.dir=...)")
+    return (f"{key}: cannot use {path} as the run dir ({error_reason(e)}); give the run a writable directory "
+            "(hydra.run.dir=... or trainer.out_dir=...)")
 
 
 def _require(ok: bool, key: str, message: str) -> None:
@@ -111,27 +122,51 @@ class DistributedMode(str, Enum):
     fsdp = "fsdp"
 
 
+SCRATCH = "scratch"  # model.init_from's value for random weights
+SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size")
+
+
 @dataclass
 class ModelConfig:
     name: str = "tiny"
-    n_layer: int = 4
-    n_head: int = 4
-    n_embd: int = 128
-    block_size: int = 256
-    # None: the tokenizer's vocab rounded up to a multiple of 64 (tensor-core friendly).
+    # scratch (random weights), a Hugging Face GPT-2 name (gpt2, gpt2-medium, gpt2-large, gpt2-xl) or a local
+    # directory in its layout (config.json + model.safetensors): then the shape comes from the weights
+    # (minitrain/hf.py) and a shape key set here must agree with them.
+    init_from: str = SCRATCH
+    n_layer: Optional[int] = 4  # the shape keys: None only with init_from (the weights' value)
+    n_head: Optional[int] = 4
+    n_embd: Optional[int] = 128
+    block_size: Optional[int] = 256  # with init_from: at most the weights' n_positions
+    # None: the tokenizer's vocab rounded up to a multiple of 64 (tensor-core friendly); with init_from the
+    # weights' vocab rounded up.
     vocab_size: Optional[int] = None
+    # The first rows of vocab_size that are tokens: the LM head scores these only (in the loss and in
+    # sampling); the rest is padding. None: every row. init_from sets it to the weights' vocab, so the
+    # loss is the one the checkpoint was trained with.
+    head_vocab: Optional[int] = None
     bias: bool = True
     dropout: float = 0.0
     gelu: KernelImpl = KernelImpl.auto  # fused: one Triton pass each way instead of inductor's tanh
 
     def __post_init__(self):
-        for key in ("n_layer", "n_head", "n_embd", "block_size"):
-            _require(getattr(self, key) >= 1, f"model.{key}", f"must be >= 1, got {getattr(self, key)}")
-        _require(self.n_embd % self.n_head == 0, "model.n_embd",
-                 f"{self.n_embd} is not divisible by model.n_head={self.n_head}")
+        for key in SHAPE_KEYS:
+            value = getattr(self, key)
+            _require(value is not None or self.init_from != SCRATCH, f"model.{key}",
+                     "needs a value to build a model from scratch (a model preset sets it, e.g. model=tiny), "
+                     "or weights to take it from (model.init_from=gpt2)")
+            _require(value is None or value >= 1, f"model.{key}", f"must be >= 1, got {value}")
+        if self.n_embd is not None and self.n_head is not None:
+            _require(self.n_embd % self.n_head == 0, "model.n_embd",
+                     f"{self.n_embd} is not divisible by model.n_head={self.n_head}")
         _require(self.vocab_size is None or self.vocab_size >= 2, "model.vocab_size",
                  f"must be >= 2, got {self.vocab_size}")
+        _require(self.head_vocab is None or self.head_vocab >= 2, "model.head_vocab",
+                 f"must be >= 2, got {self.head_vocab}")
+        _require(None in (self.head_vocab, self.vocab_size) or self.head_vocab <= self.vocab_size,
+                 "model.head_vocab", f"{self.head_vocab} rows are more than model.vocab_size={self.vocab_size}")
         _require(0.0 <= self.dropout < 1.0, "model.dropout", f"must be in [0, 1), got {self.dropout}")
+        _require(self.init_from.strip() != "", "model.init_from",
+                 "scratch, a Hugging Face GPT-2 name (gpt2) or a directory, got ''")
 
 
 @dataclass
@@ -145,6 +180,9 @@ class DataConfig:
     hub_config: Optional[str] = None
     hub_split: str = "train"
     text_column: str = "text"
+    # train: a byte-level BPE of data.vocab_size tokens trained on the corpus; else a pretrained one: a Hugging
+    # Face name (gpt2) or a directory holding tokenizer.json (or vocab.json + merges.txt) (minitrain/tokenizer.py).
+    tokenizer: str = "train"
     vocab_size: int = 4096
     val_fraction: float = 0.005
     num_proc: int = 2
@@ -293,6 +331,9 @@ class TrainerConfig:
     # forwards draw different masks).
     compile_check: bool = True
     tf32: bool = True  # fp32 matmuls on TF32 tensor cores (CUDA only)
+    # Two runs of one config compute the same bits, a resumed run those of an unbroken one: kernels whose sums
+    # run in a varying order are swapped for ordered ones (minitrain/determinism.py). Costs tokens/s on a GPU.
+    deterministic: bool = False
     memory_budget: float = 0.9  # fraction of the device's memory (a CPU: of available RAM) the plan may fill
     # A run stops after this many optimizer steps skipped in a row (inf/NaN gradients); None: 3 without
     # loss scaling (a diverged run), 25 with it (fp16 backs off once per skip; 25 halvings is a diverged run).
@@ -358,7 +399,7 @@ class Config:
 
     def __post_init__(self):
         ck = self.checkpointing
-        if ck.policy == CheckpointPolicy.every_k:
+        if ck.policy == CheckpointPolicy.every_k and self.model.n_layer is not None:  # else once init_from's is known
             _require(1 <= ck.every_k <= self.model.n_layer, "checkpointing.every_k",
                      f"must be in [1, model.n_layer={self.model.n_layer}], got {ck.every_k}")
         if self.precision.name != "auto":  # else once the device's preset is known (precision.py)
@@ -498,17 +539,79 @@ def check_override_values(overrides: list[str]) -> None:
                 raise ConfigError(f"{key}: {str(e).splitlines()[0]}") from None
 
 
+def _cannot_make(path: Path) -> Optional[OSError]:
+    """What making directory `path` (parents included) would fail with, found without making anything: its
+    nearest existing ancestor must be a directory this process may write into."""
+    ancestor = path.absolute()
+    while not ancestor.exists() and ancestor != ancestor.parent:
+        ancestor = ancestor.parent
+    if not ancestor.is_dir():
+        return NotADirectoryError(errno.ENOTDIR, os.strerror(errno.ENOTDIR), str(ancestor))
+    if os.access(ancestor, os.W_OK | os.X_OK):
+        return None
+    code = errno.EROFS if os.statvfs(ancestor).f_flag & os.ST_RDONLY else errno.EACCES
+    return OSError(code, os.strerror(code), str(ancestor))
+
+
+def _require_makeable_hydra_dir(argv: list[str], given: dict[str, str], multirun: bool) -> None:
+    """Hydra makes its run dir (a sweep's dir under -m) before any code of ours runs, and where it cannot, fails
+    with a traceback: the dir is checked here instead, by its part before any interpolation (runs/ of
+    runs/${now:...}), and refused in one line naming the setting that chose it. `argv`: as completed by
+    _with_run_dir; `given`: the user's own overrides by key."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    key = "hydra.sweep.dir" if multirun else "hydra.run.dir"
+    override = next((a for a in reversed(argv) if (_key_and_value(a) or ("",))[0] == key), None)
+    if override is None:  # configs/config.yaml's, as written: runs/${now:...}
+        hydra = OmegaConf.to_container(OmegaConf.load(CONFIG_DIR / "config.yaml").hydra, resolve=False)
+        value = hydra[key.split(".")[1]]["dir"]
+    else:
+        try:
+            value = OverridesParser.create().parse_override(override).value()
+        except HydraException:  # malformed: Hydra says so itself
+            return
+    if not isinstance(value, str):  # a sweep over run dirs: Hydra's to check
+        return
+    fixed = value.split("${", 1)[0]
+    if "${" in value and not fixed.endswith("/"):  # runs/x-${...}: the last name is not known yet
+        fixed = os.path.dirname(fixed)
+    if (problem := _cannot_make(Path(os.path.expanduser(fixed)))) is not None:
+        derived = override is not None and key not in given  # hydra.run.dir following trainer.out_dir
+        raise ConfigError(unusable_run_dir("trainer.out_dir" if derived else key, value, problem))
+
+
+def with_pretrained_preset(overrides: list[str]) -> list[str]:
+    """`model.init_from=<weights>` without a model preset takes `model=pretrained`, whose shape keys are left to the
+    weights: the default preset's (tiny's) would otherwise be refused as conflicting with them. A preset chosen
+    on the command line stays, and its shape must then agree with the weights'."""
+    keys = {kv[0]: kv[1] for a in overrides if (kv := _key_and_value(a))}
+    if keys.get("model.init_from", SCRATCH) == SCRATCH or "model" in keys:
+        return list(overrides)
+    return [*overrides, "model=pretrained"]
+
+
 def command_line(argv: list[str]) -> list[str]:
     """scripts/train.py's arguments, checked and completed before Hydra reads them: an unknown key or a value
-    of the wrong type raises ConfigError (check_override_keys, check_override_values). A single run given
-    trainer.out_dir=X (and no hydra.run.dir) gets hydra.run.dir=X too: Hydra makes its run dir before any code
-    of ours runs, so the default runs/<date>/<time>/ would be left behind empty, and the wandb run's name,
-    which reads Hydra's run dir, would name it. A -m sweep given one fixed trainer.out_dir raises: every cell
-    would write to that one directory, and each after the first would refuse to overwrite the first's
-    checkpoints."""
+    of the wrong type raises ConfigError (check_override_keys, check_override_values), as does a run dir that
+    cannot be made (_require_makeable_hydra_dir); model.init_from without a model preset gets model=pretrained
+    (with_pretrained_preset). A single run given trainer.out_dir=X (and no hydra.run.dir) gets hydra.run.dir=X
+    too: Hydra makes its run dir before any code of ours runs, so the default runs/<date>/<time>/ would be left
+    behind empty, and the wandb run's name, which reads Hydra's run dir, would name it. A -m sweep given one fixed
+    trainer.out_dir raises: every cell would write to that one directory, and each after the first would refuse
+    to overwrite the first's checkpoints."""
     check_override_keys(argv)
     check_override_values(argv)
+    argv = with_pretrained_preset(argv)
     keys = {kv[0]: a for a in argv if (kv := _key_and_value(a))}
+    multirun = any(a in ("-m", "--multirun") or a.startswith("hydra.mode=") for a in argv)
+    completed = _with_run_dir(argv, keys, multirun)
+    _require_makeable_hydra_dir(completed, keys, multirun)
+    return completed
+
+
+def _with_run_dir(argv: list[str], keys: dict[str, str], multirun: bool) -> list[str]:
+    """`argv` with hydra.run.dir following a fixed trainer.out_dir (command_line)."""
     out_dir = keys.get("trainer.out_dir")
     if out_dir is None:
         return list(argv)
@@ -521,7 +624,7 @@ def command_line(argv: list[str]) -> list[str]:
         return list(argv)
     value, path = out_dir.split("=", 1)[1], parsed.value()
     fixed = not parsed.is_sweep_override() and path is not None and "${" not in value
-    if any(a in ("-m", "--multirun") or a.startswith("hydra.mode=") for a in argv):
+    if multirun:
         if fixed:
             raise ConfigError(f"{out_dir} would put every cell of this -m sweep in one directory; leave it out "
                               "(each cell gets its own under hydra.sweep.dir=...) or make it differ per cell "
@@ -542,7 +645,7 @@ def compose_config(overrides: list[str]) -> DictConfig:
 
     register_configs()
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-        return compose("config", overrides=list(overrides))
+        return compose("config", overrides=with_pretrained_preset(list(overrides)))
 
 
 def resolve(cfg: DictConfig | Config) -> Config:

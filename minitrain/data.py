@@ -124,7 +124,8 @@ def load_corpus(cfg: DataConfig, notify: Optional[Callable[[str], None]] = None)
         if cfg.source == DataSource.files:  # the stdlib is known text, with other encodings in its test data
             _require_text(files, cfg, notify or _print_to_stderr)
         return datasets.load_dataset("text", data_files=files, sample_by="document", split="train",
-                                     encoding_errors="replace", cache_dir=cache_dir)
+                                     encoding_errors="replace", cache_dir=cache_dir,  # its bar, not "Downloading"
+                                     download_config=datasets.DownloadConfig(download_desc="checking local files"))
     try:
         ds = datasets.load_dataset(cfg.hub_name, cfg.hub_config, split=cfg.hub_split, cache_dir=cache_dir)
     except Exception as e:  # the hub's errors are long; say which setting to look at first
@@ -298,7 +299,12 @@ def _build_cache(cfg: DataConfig, final: Path, progress: bool, notify: Callable[
         for leftover in (tmp, aside):  # of a build that crashed
             shutil.rmtree(leftover, ignore_errors=True)
         tmp.mkdir()
-        tokenizer = _train_tokenizer(ds, cfg.vocab_size, progress)
+        if cfg.tokenizer == "train":
+            tokenizer = _train_tokenizer(ds, cfg.vocab_size, progress)
+        else:
+            from .tokenizer import pretrained_tokenizer
+
+            tokenizer = pretrained_tokenizer(cfg.tokenizer)
         tokenizer.save(str(tmp / "tokenizer.json"))
         meta = _write_tokens(ds, tokenizer, tmp, cfg, progress)
         meta["tokenizer_checksum"] = hashlib.sha256((tmp / "tokenizer.json").read_bytes()).hexdigest()
@@ -321,7 +327,8 @@ def prepare_data(cfg: DataConfig, block_size: int, progress: bool = True,
     """Tokenizer and token file for `cfg`, built once and cached; checks the corpus fits `block_size`.
     `notify` receives the build's notes (default: stderr): an unusable cache rebuilt, files that are not clean
     UTF-8."""
-    key = _digest(_FORMAT_VERSION, corpus_identity(cfg), cfg.vocab_size, cfg.val_fraction)
+    tokenizer = [] if cfg.tokenizer == "train" else [cfg.tokenizer]  # a trained one's caches keep their keys
+    key = _digest(_FORMAT_VERSION, corpus_identity(cfg), cfg.vocab_size, cfg.val_fraction, *tokenizer)
     final = Path(os.path.expanduser(cfg.cache_dir)) / f"{cfg.name}-{key}"
     try:
         data = _open_cache(final)

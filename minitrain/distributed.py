@@ -130,7 +130,7 @@ def wrap(model: nn.Module, loss_fn, precision: Precision, cfg: DistributedConfig
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         device_ids = [d.local_rank] if next(model.parameters()).is_cuda else None
-        return DDP(loss_module, device_ids=device_ids, broadcast_buffers=False)
+        return DDP(loss_module, device_ids=device_ids)  # the model holds no buffers: nothing to broadcast
     if d.mode == DistributedMode.fsdp:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard, register_fsdp_forward_method
 

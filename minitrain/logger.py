@@ -25,7 +25,7 @@ _CONSOLE = [
     ("amp/skipped_steps", "skipped", "{:.0f}"), ("perf/step_ms", "ms", "{:.1f}"),
     ("perf/tokens_per_s", "tok/s", "{:,.0f}"), ("perf/mfu", "mfu", "{:.1%}"),
     ("perf/hfu", "hfu", "{:.1%}"),
-    ("mem/peak_allocated_gb", "peak", "{:.2f}GB"), ("mem/rss_gb", "rss", "{:.2f}GB"),
+    ("mem/peak_allocated_gb", "peak", "{:.2f}GB"), ("mem/peak_rss_gb", "peak rss", "{:.2f}GB"),
 ]
 
 

@@ -306,10 +306,13 @@ def predict(model_cfg: ModelConfig, precision: Precision, ckpt_cfg: Checkpointin
         optimizer_transient = max(gathered, upcast + low_no_master + 8 * largest)
 
     # Gradients appear as backward reaches each parameter and all exist only once the activations are
-    # gone, except when they were there before: later micro-batches, or fp32 main grads (allocated
-    # whole at the first gradient).
-    early = grads if grad_accum > 1 or (optimizer_impl != "torch" and g != p) else 0
+    # gone, except when they were there before: later micro-batches (through the whole step), or fp32 main
+    # grads (allocated whole at the first gradient: after the loss's peak, before the blocks' backward).
+    accumulated = grads if grad_accum > 1 else 0
+    main_grads = grads if optimizer_impl != "torch" and g != p else 0
     peak = weights + masters + adam_m + adam_v + max(
-        fsdp_gathered + activations + max(loss_workspace, backward_transient) + early, grads + optimizer_transient)
+        fsdp_gathered + activations + max(loss_workspace + accumulated,
+                                          backward_transient + max(accumulated, main_grads)),
+        grads + optimizer_transient)
     return MemoryEstimate(n_params, weights, grads, masters, adam_m, adam_v, per_layer, other, activations,
                           loss_workspace, backward_transient, optimizer_transient, peak, fsdp_gathered, notes)

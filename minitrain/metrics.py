@@ -1,4 +1,4 @@
-"""Throughput and memory numbers you can trust: tokens/s, MFU, and the allocator's own counters.
+"""Throughput and memory numbers you can trust: tokens/s, MFU, the allocator's own counters, a CPU run's peak.
 
 MFU = achieved model FLOP/s / peak FLOP/s of the device in the compute dtype, where model FLOPs per
 token = 6·N (N: parameters without the position table, the tied head once) + 12·n_layer·n_embd·T
@@ -8,10 +8,11 @@ not model work, so it never raises MFU.
 
 from __future__ import annotations
 
+import resource
+import sys
 import time
 from typing import Callable, Optional
 
-import psutil
 import torch
 
 # Dense peak FLOP/s per device by name fragment and compute dtype (vendor datasheets, SXM parts).
@@ -43,8 +44,16 @@ def is_gpu_work(event) -> bool:
     return event.device_type == torch.autograd.DeviceType.CUDA and not getattr(event, "is_user_annotation", False)
 
 
+def peak_rss_bytes() -> int:
+    """The largest resident size this process has had since it started (the kernel's own high-water mark): a
+    CPU run's peak, which the resident size at a log step is not (activations come and go within a step)."""
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return maxrss if sys.platform == "darwin" else maxrss * 1024  # bytes on macOS, KiB on Linux
+
+
 def memory_stats(device: torch.device) -> dict[str, float]:
-    """Allocator counters in GB on CUDA (peaks since the last reset); process RSS on CPU."""
+    """Allocator counters in GB on CUDA (peaks since the last reset); on a CPU the process's peak resident size
+    over its whole life (the interpreter, torch and the data included)."""
     if device.type == "cuda":
         s = torch.cuda.memory_stats(device)
         gb = 1e9
@@ -55,7 +64,7 @@ def memory_stats(device: torch.device) -> dict[str, float]:
             "mem/peak_reserved_gb": s.get("reserved_bytes.all.peak", 0) / gb,
             "mem/alloc_retries": float(s.get("num_alloc_retries", 0)),
         }
-    return {"mem/rss_gb": psutil.Process().memory_info().rss / 1e9}
+    return {"mem/peak_rss_gb": peak_rss_bytes() / 1e9}
 
 
 class Throughput:

@@ -3,11 +3,17 @@
 Pre-LayerNorm blocks, GELU MLP, learned positions, causal attention through SDPA (flash attention on
 the GPU), and the LM head tied to the token embedding. `forward_hidden` stops before the LM head so the
 loss can fuse the head matmul with cross-entropy and never hold the tokens x vocab logits.
+
+Given a `KVCache`, `forward_hidden` also runs the tokens at given positions of sequences whose earlier keys and
+values the cache holds, writing theirs into it: a prompt once (prefill), then one token per step (decode), the
+attention over fixed-size buffers under a mask, so a decode step has the same shapes at every position (what a
+CUDA graph needs). minitrain/generate.py drives it.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -29,18 +35,34 @@ class CausalSelfAttention(nn.Module):
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(self.attend(self.c_attn(x)))
+    def forward(self, x: torch.Tensor, kv: Optional[LayerKV] = None) -> torch.Tensor:
+        qkv = self.c_attn(x)
+        return self.c_proj(self.attend(qkv) if kv is None else self.attend_cached(qkv, kv))
+
+    def heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(B, T, 3C) projections -> q, k, v as (B, n_head, T, C / n_head)."""
+        B, T, C3 = qkv.shape
+        return tuple(t.view(B, T, self.n_head, C3 // 3 // self.n_head).transpose(1, 2) for t in qkv.split(C3 // 3, 2))
+
+    @staticmethod
+    def merge(y: torch.Tensor) -> torch.Tensor:
+        """(B, n_head, T, head size) -> (B, T, C), heads concatenated."""
+        B, _, T, _ = y.shape
+        return y.transpose(1, 2).contiguous().view(B, T, -1)
 
     def attend(self, qkv: torch.Tensor) -> torch.Tensor:
-        """(B, T, 3C) projections -> (B, T, C) causal attention output, heads concatenated."""
-        B, T, C3 = qkv.shape
-        C = C3 // 3
-        q, k, v = qkv.split(C, dim=2)
-        q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                           dropout_p=self.dropout if self.training else 0.0)
-        return y.transpose(1, 2).contiguous().view(B, T, C)
+        """(B, T, 3C) projections -> (B, T, C) causal attention output."""
+        q, k, v = self.heads(qkv)
+        return self.merge(F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                                         dropout_p=self.dropout if self.training else 0.0))
+
+    def attend_cached(self, qkv: torch.Tensor, kv: LayerKV) -> torch.Tensor:
+        """The tokens' keys and values written at their positions, then each query over the whole cache, the
+        keys after its own position masked (those not written yet, and the later tokens of a prefill)."""
+        q, k, v = self.heads(qkv)
+        kv.k.index_copy_(2, kv.pos, k)
+        kv.v.index_copy_(2, kv.pos, v)
+        return self.merge(F.scaled_dot_product_attention(q, kv.k, kv.v, attn_mask=kv.mask))
 
 
 class MLP(nn.Module):
@@ -72,13 +94,47 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.dropout(self.attn(self.ln_1(x)))
+    def forward(self, x: torch.Tensor, kv: Optional[LayerKV] = None) -> torch.Tensor:
+        x = x + self.dropout(self.attn(self.ln_1(x), kv))
         return x + self.dropout(self.mlp(self.ln_2(x)))
 
 
 def run_block(block: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return block(x)
+
+
+@dataclass
+class LayerKV:
+    """What one attention layer reads and writes in a cached forward: its (B, n_head, length, head size) key and
+    value buffers, the positions (T,) of this forward's tokens, and the (T, length) mask of the keys each sees."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    pos: torch.Tensor
+    mask: torch.Tensor
+
+
+class KVCache(nn.Module):
+    """Keys and values of every layer for `batch` sequences of up to `length` positions. Buffers of a module of
+    its own: no checkpoint of the model holds them, and they keep their addresses, which a CUDA graph replaying
+    the decode step reads and writes."""
+
+    def __init__(self, cfg: ModelConfig, batch: int, length: int, dtype: torch.dtype, device=None):
+        super().__init__()
+        if length > cfg.block_size:
+            raise ValueError(f"a cache of {length} positions exceeds model.block_size={cfg.block_size}")
+        self.length, self.n_layer = length, cfg.n_layer
+        shape = (batch, cfg.n_head, length, cfg.n_embd // cfg.n_head)
+        for i in range(cfg.n_layer):  # a buffer per layer: a compiled write into a view of one shared buffer
+            # could copy the whole of it
+            self.register_buffer(f"k{i}", torch.zeros(shape, dtype=dtype, device=device))
+            self.register_buffer(f"v{i}", torch.zeros(shape, dtype=dtype, device=device))
+
+    def layers(self, pos: torch.Tensor) -> list[LayerKV]:
+        """Each layer's view for tokens at positions `pos`: a query sees the keys at or before its position."""
+        mask = pos[:, None] >= torch.arange(self.length, device=pos.device)[None, :]
+        return [LayerKV(getattr(self, f"k{i}"), getattr(self, f"v{i}"), pos, mask)
+                for i in range(self.n_layer)]
 
 
 def attention_flops_per_token(n_layer: int, n_embd: int, seq_len: int) -> int:
@@ -116,22 +172,31 @@ class GPT(nn.Module):
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        """The LM head's (vocab, n_embd) weight: the token embedding, tied."""
-        return self.wte.weight
+        """The LM head's (head_vocab, n_embd) weight: the token embedding, tied; without its padding rows (when
+        model.head_vocab is set), so that they take no probability in the loss nor in a sample."""
+        rows = self.cfg.head_vocab
+        return self.wte.weight if rows is None or rows == self.cfg.vocab_size else self.wte.weight[:rows]
 
-    def forward_hidden(self, idx: torch.Tensor) -> torch.Tensor:
-        """Final hidden states (B, T, n_embd), after the last LayerNorm, before the LM head."""
+    def forward_hidden(self, idx: torch.Tensor, cache: Optional[KVCache] = None,
+                       pos: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """Final hidden states (B, T, n_embd), after the last LayerNorm, before the LM head. With `cache`: of the
+        tokens at positions `pos` (T,), attending to the cached ones before them, their keys and values cached."""
         T = idx.shape[1]
-        if T > self.cfg.block_size:
-            raise ValueError(f"sequence of {T} tokens exceeds model.block_size={self.cfg.block_size}")
-        pos = torch.arange(T, device=idx.device)
+        if cache is None:
+            if T > self.cfg.block_size:
+                raise ValueError(f"sequence of {T} tokens exceeds model.block_size={self.cfg.block_size}")
+            pos = torch.arange(T, device=idx.device)
         x = self.drop(self.wte(idx) + self.wpe(pos))
-        for block, runner in zip(self.blocks, self.block_runners):
-            x = runner(block, x)
+        if cache is None:
+            for block, runner in zip(self.blocks, self.block_runners):
+                x = runner(block, x)
+        else:
+            for block, kv in zip(self.blocks, cache.layers(pos)):
+                x = block(x, kv)
         return self.ln_f(x)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Logits (B, T, vocab); the trainer uses forward_hidden + a loss over the head instead."""
+        """Logits (B, T, head_vocab); the trainer uses forward_hidden + a loss over the head instead."""
         return F.linear(self.forward_hidden(idx), self.lm_head_weight)
 
     def num_params(self, exclude_positions: bool = True) -> int:
@@ -152,15 +217,3 @@ class GPT(nn.Module):
             (decay if is_matrix else no_decay).append(p)
         return [{"params": decay, "weight_decay": weight_decay},
                 {"params": no_decay, "weight_decay": 0.0}]
-
-    @torch.no_grad()
-    def generate(self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 0.8,
-                 top_k: Optional[int] = 50, generator: Optional[torch.Generator] = None) -> torch.Tensor:
-        for _ in range(max_new_tokens):
-            logits = self(idx[:, -self.cfg.block_size:])[:, -1, :].float() / temperature
-            if top_k is not None:
-                kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            nxt = torch.multinomial(F.softmax(logits, dim=-1), 1, generator=generator)
-            idx = torch.cat([idx, nxt], dim=1)
-        return idx

@@ -11,7 +11,10 @@ predicted throughput that fits `trainer.memory_budget`. Everything downstream re
 from __future__ import annotations
 
 import math
+import os
+import socket
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 from typing import Any, Optional
 
 import psutil
@@ -19,8 +22,8 @@ import torch
 
 from . import fp8, memory
 from .checkpointing import recomputed_blocks
-from .config import CheckpointingConfig, CheckpointPolicy, Config, ConfigError, DistributedMode, Float8Recipe, \
-    KernelImpl, ModelConfig, OptimizerImpl
+from .config import SCRATCH, CheckpointingConfig, CheckpointPolicy, Config, ConfigError, DistributedMode, \
+    Float8Recipe, KernelImpl, ModelConfig, OptimizerImpl
 from .memory import GB, MemoryEstimate
 from .precision import Precision, resolve_precision
 from .schedule import LRSchedule, default_warmup
@@ -34,6 +37,19 @@ HALF_RATE_TOKENS = 1024
 RECOMPUTE_COST = {"none": 0.0, "selective": 0.03, "full": 0.17}
 EVERY_K_CANDIDATES = (4, 2)  # every_k policies the auto-fit tries between selective and full
 CLOSE_TO_BUDGET = 0.95  # an explicit setting predicted above this share of the budget gets a warning
+CPUINFO = Path("/proc/cpuinfo")
+BF16_CPU_FLAGS = {"avx512_bf16", "amx_bf16", "bf16"}  # x86: AVX512-BF16, AMX-BF16; Arm: BF16
+
+
+def cpu_has_bf16() -> bool:
+    """Whether this CPU lists bf16 matmul instructions in /proc/cpuinfo, where bf16 runs faster than fp32 (without
+    them, many times slower). False where there is no /proc/cpuinfo (not Linux): unknown."""
+    try:
+        return bool(BF16_CPU_FLAGS & set(CPUINFO.read_text().split()))
+    except OSError:
+        return False
+DETERMINISM = {True: "yes: two runs of this config compute the same bits",
+               False: "no: the fastest kernels, whose sums may round differently from run to run"}
 
 
 class PlanError(ConfigError):
@@ -59,6 +75,8 @@ class Plan:
     memory: MemoryEstimate
     memory_budget: int  # bytes
     device_memory: int  # bytes: the device's total (CUDA) or the RAM available at start (CPU)
+    deterministic: bool  # trainer.deterministic: bit-identical runs (minitrain/determinism.py)
+    placement: dict[str, Any]  # where this process runs: placement()
     auto: tuple[str, ...] = ()  # the settings resolved from `auto`
     notes: tuple[str, ...] = field(default=())
     float8_linears: tuple[str, ...] = ()  # precision.float8: each block's linears that multiply in float8
@@ -106,6 +124,7 @@ class Plan:
             f"  memory         predicted peak {self.memory.peak / GB:.2f} GB of a {self.memory_budget / GB:.1f} GB "
             f"budget ({self.memory_budget / self.device_memory:.0%} of {self.device_memory / GB:.1f} GB"
             f"{' available' if self.device.type == 'cpu' else ''})",
+            f"  deterministic  {DETERMINISM[self.deterministic]}",
         ]
         return "\n".join(lines + [f"  note: {n}" for n in self.notes])
 
@@ -121,7 +140,18 @@ class Plan:
                 "grad_accum": self.grad_accum, "checkpointing": self.checkpointing.policy.value,
                 "every_k": self.checkpointing.every_k, "warmup_steps": self.schedule.warmup_steps,
                 "max_skipped_steps": self.max_skipped_steps, "predicted_peak_gb": self.memory.peak / GB,
-                "memory_budget_gb": self.memory_budget / GB, "auto": list(self.auto)}
+                "memory_budget_gb": self.memory_budget / GB, "deterministic": self.deterministic,
+                **self.placement, "auto": list(self.auto)}
+
+
+def placement(device: torch.device) -> dict[str, Any]:
+    """Where this process runs, so that the cells of a sweep (and the ranks of a torchrun) can be told apart in
+    their records: the host, the process id, the devices CUDA lets it see and the index of the one it uses."""
+    index = None
+    if device.type == "cuda":  # an unnumbered "cuda" is torch's current device: 0 (only torchrun's ranks set theirs)
+        index = 0 if device.index is None else device.index
+    return {"host": socket.gethostname(), "pid": os.getpid(),
+            "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES"), "device_index": index}
 
 
 def pick_device(name: str) -> torch.device:
@@ -144,9 +174,14 @@ def model_config_for(cfg: Config, tokenizer_vocab: int, device: torch.device) ->
     gelu = KernelImpl.fused if cfg.model.gelu.fused_on(device.type) else KernelImpl.torch
     if cfg.model.vocab_size is None:
         return replace(cfg.model, vocab_size=-(-tokenizer_vocab // 64) * 64, gelu=gelu)
-    if cfg.model.vocab_size < tokenizer_vocab:
-        raise ConfigError(f"model.vocab_size={cfg.model.vocab_size} is smaller than the tokenizer's vocabulary "
-                          f"({tokenizer_vocab}, from data.vocab_size={cfg.data.vocab_size})")
+    rows, key = (cfg.model.head_vocab, "model.head_vocab") if cfg.model.head_vocab else \
+        (cfg.model.vocab_size, "model.vocab_size")
+    if rows < tokenizer_vocab:
+        weights = f" (model.init_from={cfg.model.init_from}'s vocab)" if cfg.model.init_from != SCRATCH else ""
+        source = f"data.vocab_size={cfg.data.vocab_size}" if cfg.data.tokenizer == "train" else \
+            f"data.tokenizer={cfg.data.tokenizer}"
+        raise ConfigError(f"{key}={rows}{weights} is smaller than the tokenizer's vocabulary ({tokenizer_vocab}, "
+                          f"from {source})")
     return replace(cfg.model, gelu=gelu)
 
 
@@ -193,7 +228,10 @@ def predicted_rate(micro_tokens: int, policy: CheckpointingConfig, n_layer: int)
     return micro_tokens / (micro_tokens + HALF_RATE_TOKENS) / (1 + recompute_cost(policy, n_layer))
 
 
-def make_plan(cfg: Config, tokenizer_vocab: int, device: torch.device, world_size: int = 1) -> Plan:
+def make_plan(cfg: Config, tokenizer_vocab: int, device: torch.device, world_size: int = 1,
+              device_memory_bytes: Optional[int] = None) -> Plan:
+    """device_memory_bytes: what the budget is a fraction of, in place of the device's own (a benchmark plans
+    for a GPU it is not on, or lets the allocator decide what fits)."""
     t, auto = cfg.trainer, []
     if t.device.value == "auto":
         auto.append("device")
@@ -215,9 +253,9 @@ def make_plan(cfg: Config, tokenizer_vocab: int, device: torch.device, world_siz
     if device.type == "cpu" and precision.compute_dtype == torch.float16:
         notes.append(f"precision={precision.name} on a CPU: fp16 matmuls run tens of times slower than fp32 "
                      "there (precision=auto picks fp32 on a CPU)")
-    elif device.type == "cpu" and precision.compute_dtype == torch.bfloat16:
-        notes.append(f"precision={precision.name} on a CPU: bf16 is fast only on CPUs with bf16 instructions "
-                     "(AVX512-BF16, AMX), many times slower than fp32 elsewhere (precision=auto picks fp32)")
+    elif device.type == "cpu" and precision.compute_dtype == torch.bfloat16 and not cpu_has_bf16():
+        notes.append(f"precision={precision.name} on a CPU without bf16 instructions (AVX512-BF16, AMX): bf16 "
+                     "matmuls run many times slower than fp32 here (precision=auto picks fp32)")
     if precision.float8 != Float8Recipe.none and not float8_linears:
         notes.append(f"precision={precision.name}: no linear of {model.name} is wide enough for float8 to gain "
                      "(torchao's filter); every matmul runs in bf16")
@@ -229,7 +267,7 @@ def make_plan(cfg: Config, tokenizer_vocab: int, device: torch.device, world_siz
     sharded = cfg.distributed.mode == DistributedMode.fsdp
     float8_all_gather = sharded and precision.float8 == Float8Recipe.tensorwise and bool(float8_linears) \
         and cfg.distributed.fsdp_float8_all_gather
-    total = device_memory(device)
+    total = device_memory(device) if device_memory_bytes is None else device_memory_bytes
     budget = int(t.memory_budget * total)
 
     def predict(micro: int, policy: CheckpointingConfig) -> MemoryEstimate:
@@ -271,13 +309,14 @@ def make_plan(cfg: Config, tokenizer_vocab: int, device: torch.device, world_siz
         auto.append("warmup")
     warmup = default_warmup(t.max_steps) if t.warmup_steps is None else t.warmup_steps
     max_skipped = t.max_skipped_steps or (25 if precision.loss_scaling else 3)
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" and torch.cuda.is_available() else device.type
     return Plan(device=device, device_name=name, world_size=world_size, distributed=cfg.distributed.mode,
                 model=model, precision=precision, compile_mode=compile_mode, loss_impl=loss_impl,
                 optimizer_impl=optimizer_impl, batch_size=t.batch_size, micro_batch=micro, checkpointing=policy,
                 schedule=LRSchedule(t.lr, t.min_lr, warmup, t.max_steps), max_skipped_steps=max_skipped,
-                memory=estimate, memory_budget=budget, device_memory=total, auto=tuple(auto), notes=tuple(notes),
-                float8_linears=float8_linears, float8_all_gather=float8_all_gather)
+                memory=estimate, memory_budget=budget, device_memory=total, deterministic=t.deterministic,
+                placement=placement(device), auto=tuple(auto), notes=tuple(notes), float8_linears=float8_linears,
+                float8_all_gather=float8_all_gather)
 
 
 def _no_fit_message(cfg: Config, precision: Precision, smallest: MemoryEstimate, micro: int, budget: int,

@@ -6,7 +6,9 @@ keeps the last two: `checkpoints/latest.pt` and `checkpoints/previous.pt`. A sav
 file whose name is unique to the process, fsyncs it, renames `latest.pt` to `previous.pt`, then the
 temporary to `latest.pt`, and fsyncs the directory: a crash at any point leaves `latest.pt`, or else
 `previous.pt`, complete, and `resume=auto` tries them in that order, falling back past an unreadable
-one with a note.
+one with a note. The unreadable one is then kept aside as `latest.pt.unusable-<time>` (never deleted,
+never taken for a checkpoint): the next save must not rotate it into `previous.pt` over the checkpoint
+the run resumed from.
 
 Under torchrun (ddp, fsdp) a checkpoint is a directory written by torch.distributed.checkpoint: every
 rank writes its own shards (fsdp: its 1/N of the weights and Adam moments; ddp: replicated tensors are
@@ -22,6 +24,7 @@ metrics and overwrite each other's checkpoints.
 
 from __future__ import annotations
 
+import errno
 import fcntl
 import fnmatch
 import json
@@ -30,6 +33,7 @@ import random
 import secrets
 import shutil
 import socket
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
@@ -37,13 +41,14 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from .config import error_reason
+from .config import error_reason, unusable_run_dir
 
 LATEST, PREVIOUS = "latest.pt", "previous.pt"
 LATEST_SHARDED, PREVIOUS_SHARDED = "latest", "previous"  # torch.distributed.checkpoint directories
 JOB_INFO = "minitrain.json"  # in a sharded checkpoint: world_size, mode, config
 LOCK = ".lock"
 _TEMP_MARK = ".tmp"  # every temporary name holds it; no published name does
+UNUSABLE_MARK = ".unusable-"  # a checkpoint resume=auto fell back past, kept aside for the user to look at
 _PER_RANK = ("rng", "progress")  # differ by rank: each rank's generators, its running loss sums
 
 
@@ -70,7 +75,7 @@ def make_run_dir(out_dir: Path) -> Path:
     try:
         out_dir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
-        raise RunDirError(_unusable_run_dir(out_dir, e)) from None
+        raise RunDirError(unusable_run_dir("trainer.out_dir", out_dir, e)) from None
     return out_dir
 
 
@@ -89,11 +94,6 @@ def remove_if_empty(run_dir: Path, below: Path) -> None:
         d = d.parent
         if stop not in d.parents:
             return
-
-
-def _unusable_run_dir(out_dir: Path, e: OSError) -> str:
-    return (f"trainer.out_dir: cannot use {out_dir} as the run dir ({error_reason(e)}); give the run a writable "
-            "directory (hydra.run.dir=... or trainer.out_dir=...)")
 
 
 class RandomState:
@@ -138,7 +138,7 @@ class RunDirLock:
         try:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as e:  # a read-only run dir
-            raise RunDirError(_unusable_run_dir(self.out_dir, e)) from None
+            raise RunDirError(unusable_run_dir("trainer.out_dir", self.out_dir, e)) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -240,20 +240,58 @@ def save_checkpoint(state: dict[str, Any], out_dir: Path) -> Path:
                 f.flush()
                 os.fsync(f.fileno())
         except (OSError, RuntimeError) as e:  # a full disk, a quota: torch.save's writer says RuntimeError
-            raise _unwritable(ckpts, e) from None
+            tmp.unlink(missing_ok=True)  # first: the free space the message gives is what the next try will have
+            raise _unwritable(ckpts, e, state_bytes(state)) from None
         _publish(tmp, latest, ckpts / PREVIOUS)
     finally:
         tmp.unlink(missing_ok=True)  # still there only when the save failed
     return latest
 
 
-def _unwritable(ckpts: Path, e: BaseException) -> "CheckpointError":
-    """A save that could not be written: what happened, that nothing published is lost, and what to do."""
+def state_bytes(state: Any) -> int:
+    """The bytes of every tensor in a (nested) checkpoint state: what its file or shards take on disk, near
+    enough. A DTensor counts whole (its numel is the global one): every rank's shards are written."""
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(state_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(state_bytes(v) for v in state)
+    return 0
+
+
+def _disk_full(e: BaseException) -> bool:
+    """ENOSPC or EDQUOT in `e` or what it was raised from (torch.save reports the write's OSError as the context
+    of a RuntimeError of its own)."""
+    while e is not None:
+        if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
+            return True
+        e = e.__cause__ or e.__context__
+    return False
+
+
+def _size(n: float) -> str:
+    return next(f"{n / scale:.3g} {unit}" for scale, unit in ((1e9, "GB"), (1e6, "MB"), (1e3, "kB"), (1, "bytes"))
+                if n >= scale or unit == "bytes")
+
+
+def _unwritable(ckpts: Path, e: BaseException, needed: int) -> "CheckpointError":
+    """A save that could not be written: what happened (a full disk: how much room a checkpoint needs), that
+    nothing published is lost, and what to do. `needed`: the state's tensor bytes (state_bytes)."""
     if failures := getattr(e, "failures", None):  # torch.distributed.checkpoint's, wrapping each rank's error
         e, _ = next(iter(failures.values()))
-    return CheckpointError(f"could not write a checkpoint into {ckpts} ({error_reason(e)}); the checkpoints "
-                           "published before are untouched. Free space there (or move the run dir to a disk "
-                           "with room), then continue with trainer.resume=auto")
+    try:
+        free = shutil.disk_usage(ckpts).free
+    except OSError:  # the directory itself could not be made
+        free = None
+    if _disk_full(e) or (free is not None and free < needed):
+        room = f"{_size(free)} free" if free is not None else "no room"
+        what = f": the disk is full ({room} there; a checkpoint of this run needs about {_size(needed)})"
+    else:
+        what = f" ({error_reason(e)})"
+    return CheckpointError(f"could not write a checkpoint into {ckpts}{what}; the checkpoints published before are "
+                           "untouched. Free space there (or move the run dir to a disk with room), then continue "
+                           "with trainer.resume=auto")
 
 
 def _by_rank(state: dict[str, Any], rank: int) -> dict[str, Any]:
@@ -278,7 +316,9 @@ def save_sharded(state: dict[str, Any], out_dir: Path, rank: int, mode: str) -> 
         try:  # returns once every rank's shards and .metadata exist; a rank's failure is raised on every rank
             dcp.save(_by_rank(shards, rank), checkpoint_id=tmp)
         except (CheckpointException, OSError) as e:  # not RuntimeError: a collective's (a peer gone) stays raw
-            raise _unwritable(ckpts, e) from None
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)  # first: the free space the message gives
+            raise _unwritable(ckpts, e, state_bytes(shards)) from None
         if rank == 0:
             info = {"world_size": dist.get_world_size(), "mode": mode, "config": state["config"]}
             with open(tmp / JOB_INFO, "w") as f:
@@ -394,23 +434,46 @@ def load_checkpoint(resume: str, out_dir: Path, device: torch.device, *, templat
             raise _kind_error(path, _shown(path, out_dir), resume)
         candidates = [path]
 
-    problems = []
+    problems, unusable = [], []
     for candidate in candidates:
         shown = _shown(candidate, out_dir)
         if not candidate.exists():
-            problems.append(f"{shown} is absent (a save was interrupted)")
+            problems.append(f"{shown} is absent ({_why_absent(candidate)})")
             continue
         try:
             state, config_notes = (_load_sharded_checked(candidate, shown, template, rank) if sharded
                                    else _load_file_checked(candidate, shown, template, device))
         except _Unusable as e:
             problems.append(f"{shown} {e}")
+            unusable.append(candidate)
             continue
+        if unusable and rank == 0 and candidate.parent.resolve() == checkpoint_dir(out_dir).resolve():
+            problems += [f"kept aside as {_shown(_set_aside(bad), out_dir)}" for bad in unusable]
         fallback = [f"{'; '.join(problems)}; resumed from {shown}"] if problems else []
         return Loaded(state=state, path=candidate, notes=fallback + config_notes)
     raise CheckpointError("no usable checkpoint to resume from: " + "; ".join(problems)
                           + ". Point trainer.resume at a good checkpoint, or start a new run dir "
                             "(hydra.run.dir=...) with trainer.resume=none")
+
+
+def _set_aside(path: Path) -> Path:
+    """Rename a checkpoint resume=auto fell back past to a name that says so, beside the good ones: in the run's
+    own dir the next save would rotate it into `previous`, over the checkpoint the run resumed from (then the
+    only good one). Kept, not deleted: it may be worth a look. Called after every rank has read its candidates
+    (the load of the good one is collective), on rank 0 only."""
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    aside, n = path.with_name(f"{path.name}{UNUSABLE_MARK}{stamp}"), 1
+    while aside.exists():
+        n += 1
+        aside = path.with_name(f"{path.name}{UNUSABLE_MARK}{stamp}-{n}")
+    os.replace(path, aside)
+    _fsync(path.parent)
+    return aside
+
+
+def _why_absent(path: Path) -> str:
+    kept = sorted(path.parent.glob(f"{path.name}{UNUSABLE_MARK}*"))
+    return "a save was interrupted" + (f", or it was kept aside as {kept[-1].name}" if kept else "")
 
 
 def _check_config(saved: dict, template: dict[str, Any], shown: str) -> list[str]:
@@ -489,6 +552,7 @@ ALLOWED_CHANGES: dict[str, str] = {
     "trainer.compile": "the same graph, compiled or not",
     "trainer.compile_mode": "the same graph, compiled differently",
     "trainer.compile_check": "a check at the first step, not what a step computes",
+    "trainer.deterministic": "the order in which the same sums are added (kernel rounding aside)",
     "trainer.peak_flops": "the MFU denominator only",
     "trainer.memory_budget": "a check of the plan before allocating",
     "trainer.micro_batch": "how the global batch is split into micro-batches; the sum is the same",

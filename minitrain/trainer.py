@@ -25,9 +25,10 @@ from typing import Any, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from . import checkpointing, compile_check, distributed, fp8, memory, resume
-from .config import Config, ConfigError, resolve
+from . import checkpointing, compile_check, determinism, distributed, fp8, hf, memory, resume
+from .config import SCRATCH, Config, ConfigError, resolve
 from .data import DeviceBatches, TokenData, prepare_data
+from .generate import Sampler, Sampling
 from .logger import RunLogger
 from .metrics import Throughput, memory_stats, peak_flops
 from .model import GPT
@@ -42,7 +43,9 @@ UNTIMED_STEPS_COMPILED, UNTIMED_STEPS_EAGER = 3, 1
 
 
 class NonFiniteLossError(RuntimeError):
-    """The run diverged (inf/NaN loss, or gradients skipped step after step); the last good checkpoint is kept."""
+    """The run diverged (inf/NaN loss, or gradients skipped step after step). Nothing from after the divergence was
+    saved; the message names the checkpoint kept, with its step and that step's training loss, or says there is
+    none (a finite loss can be an exploded one too: the user judges it from the number)."""
 
 
 class TrainingInterrupted(Exception):
@@ -85,6 +88,7 @@ class RunInfo:
     group: Optional[str] = None
     name: Optional[str] = None
     overrides: Optional[list[str]] = None
+    recorded: bool = field(default=False, init=False)  # this run's record is in its dir (write)
 
     @staticmethod
     def from_hydra() -> "RunInfo":
@@ -102,9 +106,10 @@ class RunInfo:
                        name=hc.job.override_dirname or f"job{hc.job.num}", overrides=overrides)
 
     def write_failure(self, out_dir: Path, message: str) -> None:
-        """A sweep cell that could not run: error.txt and its overrides beside it, for the sweep's report; in
-        a dir that holds no run only (a refused cell must not touch another run's record)."""
-        if self.overrides is None or (out_dir / "metrics.jsonl").exists():
+        """A sweep cell that could not run, or stopped (diverged): error.txt and its overrides beside it, for the
+        sweep's report; in a dir that holds no run, or this run's own record (a cell refused at start must not
+        touch another run's)."""
+        if self.overrides is None or ((out_dir / "metrics.jsonl").exists() and not self.recorded):
             return
         self._write_overrides(out_dir)
         (out_dir / "error.txt").write_text(message + "\n")
@@ -116,6 +121,8 @@ class RunInfo:
         if self.overrides is None:
             return
         self._write_overrides(out_dir).joinpath("config.yaml").write_text(OmegaConf.to_yaml(config))
+        (out_dir / "error.txt").unlink(missing_ok=True)  # of an earlier start that failed: this one may finish
+        self.recorded = True
 
     def _write_overrides(self, out_dir: Path) -> Path:
         folder = out_dir / ".hydra"
@@ -137,7 +144,8 @@ class RunInfo:
 @dataclass
 class Progress:
     """The loop's own state, checkpointed with the parts so a resumed run logs what an unbroken one logs:
-    the step, the wandb run id, the losses summed since the last log step, and the run of skipped steps."""
+    the step, the wandb run id, the losses summed since the last log step, and the run of skipped steps; and
+    the last step's loss, the one a checkpoint's weights were trained to (a diverged run's message names it)."""
 
     device: torch.device
     step: int = 0
@@ -148,10 +156,11 @@ class Progress:
     skipped_seen: torch.Tensor = None  # the optimizer's skipped-step count after the last step
     skip_run: torch.Tensor = None  # optimizer steps skipped in a row, ending at the last step
     longest_skip_run: torch.Tensor = None
+    last_loss: torch.Tensor = None
 
     def __post_init__(self):
         zeros = lambda dtype=torch.float32: torch.zeros((), dtype=dtype, device=self.device)  # noqa: E731
-        self.loss_sum, self.nonfinite_loss = zeros(), zeros(torch.bool)
+        self.loss_sum, self.last_loss, self.nonfinite_loss = zeros(), zeros(), zeros(torch.bool)
         self.skipped_seen, self.skip_run, self.longest_skip_run = (zeros(torch.int32) for _ in range(3))
 
     def record(self, loss: torch.Tensor, skipped_total: torch.Tensor) -> None:
@@ -159,6 +168,7 @@ class Progress:
         self.step += 1
         self.steps_since_log += 1
         self.loss_sum += loss
+        self.last_loss.copy_(loss)
         self.nonfinite_loss |= ~torch.isfinite(loss)
         skipped_now = skipped_total - self.skipped_seen  # 0 or 1
         self.skip_run.add_(1).mul_(skipped_now)
@@ -175,12 +185,14 @@ class Progress:
         return {"step": self.step, "wandb_id": self.wandb_id, "loss_sum": self.loss_sum,
                 "steps_since_log": self.steps_since_log, "nonfinite_loss": self.nonfinite_loss,
                 "skipped_seen": self.skipped_seen, "skip_run": self.skip_run,
-                "longest_skip_run": self.longest_skip_run}
+                "longest_skip_run": self.longest_skip_run, "last_loss": self.last_loss}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.step, self.wandb_id, self.steps_since_log = state["step"], state["wandb_id"], state["steps_since_log"]
         for key in ("loss_sum", "nonfinite_loss", "skipped_seen", "skip_run", "longest_skip_run"):
             getattr(self, key).copy_(state[key])
+        # A checkpoint saved before the last loss was recorded: unknown (NaN), said so if the run diverges.
+        self.last_loss.copy_(state.get("last_loss", torch.tensor(float("nan"))))
 
 
 class _Interrupts:
@@ -221,8 +233,8 @@ class _Interrupts:
 
 class Trainer:
     def __init__(self, cfg: Config | DictConfig, run: RunInfo = RunInfo(), progress: bool = True,
-                 phase: Phase = record_function):
-        self.cfg = cfg = resolve(cfg)
+                 phase: Phase = record_function, device_memory_bytes: Optional[int] = None):
+        self.cfg = cfg = hf.with_weights_shape(resolve(cfg))
         self.dist, self.device = distributed.init(cfg, pick_device(cfg.trainer.device.value))
         if self.device.type == "cuda":  # each job of a multirun reports its own peaks
             torch.cuda.reset_peak_memory_stats(self.device)
@@ -233,21 +245,23 @@ class Trainer:
         if self.lock is not None:
             self.lock.acquire()
         try:
-            self._build(cfg, run, phase)
+            self._build(cfg, run, phase, device_memory_bytes)
         except BaseException:
             self.close(refused=True)
             raise
 
-    def _build(self, cfg: Config, run: RunInfo, phase: Phase) -> None:
+    def _build(self, cfg: Config, run: RunInfo, phase: Phase, device_memory_bytes: Optional[int]) -> None:
         torch.manual_seed(cfg.trainer.seed)
         with distributed.main_first(self.dist):  # one rank builds the data cache, the others read it
             self.data: TokenData = prepare_data(cfg.data, cfg.model.block_size, progress=self.show_progress)
-        self.plan = plan = make_plan(cfg, self.data.vocab_size, self.device, self.dist.world_size)
+        self.plan = plan = make_plan(cfg, self.data.vocab_size, self.device, self.dist.world_size, device_memory_bytes)
         self.model_cfg = plan.model
         plan.precision.apply_matmul_precision()
+        determinism.apply(plan.deterministic)  # before the first GEMM
 
         with torch.device(self.device):
             self.model = GPT(plan.model)
+        weights = hf.load_weights(self.model) if cfg.model.init_from != SCRATCH else None
         self.model.to(dtype=plan.precision.stored_param_dtype(self.dist.sharded))
         fp8.convert(self.model.blocks, plan.float8_linears, plan.precision.float8, plan.float8_all_gather)
         checkpointing.apply_policy(self.model, plan.checkpointing, compiled=plan.compiled)
@@ -260,6 +274,7 @@ class Trainer:
                                            grad_accum=plan.grad_accum, **checked)
         self.val_batches = DeviceBatches(self.data.val, plan.model.block_size, plan.micro_batch * world, t.seed + 1,
                                          self.device, **checked)
+        self.eager_forward_loss = self._forward_loss  # uncompiled: what the compile check compares the step with
         self.forward_loss = torch.compile(self._forward_loss, mode=plan.compile_mode) if plan.compiled \
             else self._forward_loss
         self.train_step = TrainStep(self.forward_loss, self.loss_module, self.optimizer, self.train_batches,
@@ -269,8 +284,10 @@ class Trainer:
         self.config_dict = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True)
         loaded = resume.load_checkpoint(t.resume, self.out_dir, self.device, template=self._state(),
                                         sharded=self.dist.enabled, rank=self.dist.rank)
+        self.kept: Optional[tuple[Path, int, float]] = None  # the last checkpoint loaded or saved: path, step, loss
         if loaded is not None:
             self._load_state(loaded.state)
+            self.kept = (loaded.path, self.progress.step, self._last_loss())
         elif t.resume == "none" and resume.holds_checkpoint(self.out_dir):
             raise resume.CheckpointError(
                 f"{self.out_dir} already holds the checkpoints of a run; trainer.resume=none would overwrite them. "
@@ -283,7 +300,10 @@ class Trainer:
         self.progress.wandb_id = self.logger.run_id
         if self.dist.is_main:
             run.write(self.out_dir, self.config_dict)
+            self.data.tokenizer.save(str(self.out_dir / "tokenizer.json"))  # for sample.py and export_hf.py
         self.logger.print(plan.describe())
+        if weights is not None and loaded is None:
+            self.logger.print(f"weights: {cfg.model.init_from} ({weights})")
         self.logger.log_plan(plan.as_dict())
         if loaded is not None:
             for note in loaded.notes:
@@ -321,9 +341,19 @@ class Trainer:
             part.load_state_dict(state[name])
 
     def save(self) -> Path:
+        """Publish every part's state as the latest checkpoint; never a diverged one (it would replace the last
+        checkpoint worth resuming from): a divergence since the last log step stops the run here instead."""
+        self._check_diverged()
         if self.dist.enabled:
-            return resume.save_sharded(self._state(), self.out_dir, self.dist.rank, mode=self.dist.mode.value)
-        return resume.save_checkpoint(self._state(), self.out_dir)
+            path = resume.save_sharded(self._state(), self.out_dir, self.dist.rank, mode=self.dist.mode.value)
+        else:
+            path = resume.save_checkpoint(self._state(), self.out_dir)
+        self.kept = (path, self.progress.step, self._last_loss())
+        return path
+
+    def _last_loss(self) -> float:
+        """The last step's training loss (over all ranks): the loss a checkpoint taken now was trained to."""
+        return distributed.mean(self.progress.last_loss, self.dist).item()
 
     # -- the loop ---------------------------------------------------------------------------------
     @torch.no_grad()
@@ -339,7 +369,7 @@ class Trainer:
     def _check_diverged(self) -> None:
         """At log and save steps (host reads happen there only): stop a run whose loss went inf/NaN without loss
         scaling to absorb it, or whose optimizer skipped max_skipped_steps steps in a row."""
-        p, where = self.progress, resume.checkpoint_dir(self.out_dir)
+        p = self.progress
         nonfinite = bool(distributed.mean(p.nonfinite_loss.float(), self.dist).item()) \
             and not self.plan.precision.loss_scaling
         longest = int(p.longest_skip_run.item())
@@ -347,10 +377,20 @@ class Trainer:
             what = "the training loss became inf/NaN" if nonfinite else \
                 f"{longest} optimizer steps in a row were skipped (inf/NaN gradients)"
             raise NonFiniteLossError(
-                f"{what} by step {p.step} (precision={self.plan.precision.name}); stopping with the last good "
-                f"checkpoint kept in {where} — try a lower trainer.lr"
+                f"{what} by step {p.step} (precision={self.plan.precision.name}); stopping, {self._kept_checkpoint()}"
+                " — try a lower trainer.lr"
                 + (", or precision=fp16 only if fp16 overflow is the cause" if not self.plan.precision.loss_scaling
                    else ""))
+
+    def _kept_checkpoint(self) -> str:
+        """Which checkpoint a diverged run leaves to resume from, with the loss it was trained to: a finite loss
+        can still be an exploded one, which the user judges from the number."""
+        if self.kept is None:
+            t = self.cfg.trainer
+            first = f"{t.save_every}" if t.save_every < t.max_steps else f"{t.max_steps}, the last"
+            return f"with no checkpoint saved (the first was due at step {first})"
+        path, step, loss = self.kept
+        return f"keeping the checkpoint of step {step} ({path}), whose training loss at that step was {loss:.4g}"
 
     def _log_record(self, throughput: Throughput) -> dict[str, Any]:
         stats = self.optimizer.stats()
@@ -364,7 +404,7 @@ class Trainer:
         record.update(throughput.read())
         record.update(memory_stats(self.device))
         if self.dist.enabled:  # every rank's peak: under fsdp they should match, under imbalance they do not
-            key = "mem/peak_allocated_gb" if self.device.type == "cuda" else "mem/rss_gb"
+            key = "mem/peak_allocated_gb" if self.device.type == "cuda" else "mem/peak_rss_gb"
             for rank, value in enumerate(distributed.gather(record[key], self.dist)):
                 record[f"mem/rank{rank}/{key[4:]}"] = value
         return record
@@ -434,7 +474,6 @@ class Trainer:
                         bar.set_postfix(loss=f"{record.get('train/loss', float('nan')):.3f}")
                     stop = self._interrupt_agreed(interrupts, logging)
                     if saving or stop:
-                        self._check_diverged()
                         path = self.save()
                     if stop:
                         raise TrainingInterrupted(
@@ -498,18 +537,20 @@ class Trainer:
         (self.out_dir / "memory.json").write_text(json.dumps({**self.plan.memory.as_dict(), **measured}, indent=1))
 
     def sample(self) -> str:
-        """A short continuation of a fixed prompt: a human-readable check of what the model learned."""
-        n = self.cfg.trainer.sample_tokens
-        if n == 0:
+        """A short continuation of a fixed prompt (at most what fits model.block_size): a human-readable check of
+        what the model learned. Without the KV cache: the training model may be sharded, or its blocks' forwards
+        swapped by a recompute policy, and a short sample costs little."""
+        ids = torch.tensor([self.data.tokenizer.encode("def ").ids], device=self.device)
+        n = min(self.cfg.trainer.sample_tokens, self.model_cfg.block_size - ids.shape[1])
+        if n <= 0:
             return ""
-        prompt = "def "
-        ids = torch.tensor([self.data.tokenizer.encode(prompt).ids], device=self.device)
-        gen = torch.Generator(device=self.device).manual_seed(self.cfg.trainer.seed)
+        sampling = Sampling(temperature=0.8, top_k=50, vocab=self.data.vocab_size)
         self.model.eval()
         with self.plan.precision.autocast(self.device.type):  # on every rank: under fsdp each forward all-gathers
-            out = self.model.generate(ids, n, generator=gen)
+            sampler = Sampler(self.model, 1, ids.shape[1] + n, sampling, kv_cache=False)
+            out = sampler.generate(ids, n, seed=self.cfg.trainer.seed)
         self.model.train()
-        text = self.data.decode(out[0].tolist())
+        text = self.data.decode(out.tokens[0].tolist())
         if self.dist.is_main:
             (self.out_dir / "sample.txt").write_text(text)
         self.logger.print(f"sample:\n{text}")

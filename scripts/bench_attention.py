@@ -1,11 +1,5 @@
-"""SDPA's attention backends side by side, per shape: causal forward + backward on the GPU, each checked first.
-
-The model calls `F.scaled_dot_product_attention` and lets torch choose the kernel; the step's attention is
-far from its floor (`bench_step.py --profile`), so which backend is fastest on each shape, and at what rate,
-decides what to use or build. Every backend's output and gradients are checked against an fp32 reference
-before it is timed; a backend that is off or cannot run the shape is reported, not timed. The rate counts
-the useful FLOPs as the MFU does (the causal half of the score and value products, the backward twice the
-forward; a flash backward's recompute is not counted).
+"""SDPA's attention backends side by side, per shape: causal forward + backward on the GPU, each checked first
+against fp32 (minitrain/tools/benchmarks/attention.py says how).
 
     python scripts/bench_attention.py --shapes 16x12x1024x64 8x25x1024x64 --out bench_attention.json
 """
@@ -13,83 +7,26 @@ forward; a flash backward's recompute is not counted).
 from __future__ import annotations
 
 import argparse
-import contextlib
-import json
 import sys
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from minitrain.tools.kernel_floors import causal_attention_flops  # noqa: E402
-
-BACKENDS = {"default": None, "cudnn": SDPBackend.CUDNN_ATTENTION, "flash": SDPBackend.FLASH_ATTENTION,
-            "efficient": SDPBackend.EFFICIENT_ATTENTION}  # default: what the model gets, torch's own choice
-# batch x heads x seq_len x head_dim: gpt2-124m, 350m, 774m at 16 sequences, 1.5b at 8, a long-context shape
-SHAPES = ["16x12x1024x64", "16x16x1024x64", "16x20x1024x64", "8x25x1024x64", "4x16x2048x128"]
-TOLERANCE = 2e-2  # relative error of bf16 operands against the fp32 reference, output and each gradient
-
-
-def causal_flops(batch: int, heads: int, seq_len: int, head_dim: int) -> float:
-    """Forward + backward FLOPs of one causal attention layer, as the step's floor counts them."""
-    return causal_attention_flops(batch * seq_len, 1, heads * head_dim, seq_len)
-
-
-def forward_backward(q, k, v, grad_out, backend=None):
-    """The output and the gradients of q, k, v, under `backend` (None: torch's choice)."""
-    q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    with sdpa_kernel(backend) if backend is not None else contextlib.nullcontext():
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        out.backward(grad_out)
-    return out, q.grad, k.grad, v.grad
-
-
-def relative_error(got, want) -> float:
-    """The largest ||got - want|| / ||want|| over the output and the three gradients (NaN fails)."""
-    errors = [((a.double() - b.double()).norm() / b.double().norm()).item() for a, b in zip(got, want)]
-    return max(errors, key=lambda e: float("inf") if e != e else e)
+from minitrain.tools import bench  # noqa: E402
+from minitrain.tools.benchmarks import attention  # noqa: E402
 
 
 def main() -> None:
-    import triton.testing
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shapes", nargs="+", default=SHAPES, help="batch x heads x seq_len x head_dim")
+    ap.add_argument("--shapes", nargs="+", default=attention.SHAPES, help="batch x heads x seq_len x head_dim")
     ap.add_argument("--out", default="bench_attention.json")
     args = ap.parse_args()
-    rows = []
-    for shape in args.shapes:
-        b, h, t, d = map(int, shape.split("x"))
-        q, k, v, grad_out = (torch.randn(b, h, t, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
-        with sdpa_kernel(SDPBackend.MATH):
-            want = forward_backward(q.float(), k.float(), v.float(), grad_out.float())
-        for name, backend in BACKENDS.items():
-            row = {"shape": shape, "backend": name}
-            try:
-                err = relative_error(forward_backward(q, k, v, grad_out, backend), want)
-            except RuntimeError as e:  # the backend cannot run this shape or is not built here
-                rows.append(row | {"error": str(e).splitlines()[0][:120]})
-                continue
-            row["relative_error"] = err
-            if not err <= TOLERANCE:
-                rows.append(row | {"error": f"off: relative error {err:.2e} > {TOLERANCE}"})
-                continue
-            ms = triton.testing.do_bench(lambda: forward_backward(q, k, v, grad_out, backend), return_mode="median")
-            rows.append(row | {"ms": ms, "tflops": causal_flops(b, h, t, d) / ms / 1e9})
-        del want
-    Path(args.out).write_text(json.dumps(rows, indent=1))
+    rows = [row for shape in args.shapes for row in attention.measure_shape(shape)]
+    bench.write_results(args.out, {"rows": rows})
     print(f"\n{torch.cuda.get_device_name()}  torch {torch.__version__}  causal, bf16, forward + backward")
-    print(f"{'shape':<16} {'backend':<10} {'ms':>8} {'TFLOP/s':>8} {'rel err':>8}")
-    for r in rows:
-        fastest = min((x["ms"] for x in rows if x["shape"] == r["shape"] and "ms" in x), default=None)
-        if "error" in r:
-            print(f"{r['shape']:<16} {r['backend']:<10} {r['error']}")
-        else:
-            print(f"{r['shape']:<16} {r['backend']:<10} {r['ms']:>8.3f} {r['tflops']:>8.0f} {r['relative_error']:>8.1e}"
-                  f"{'  fastest' if r['ms'] == fastest else ''}")
+    print("\n".join(attention.report(rows)))
 
 
 if __name__ == "__main__":

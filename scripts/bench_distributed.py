@@ -21,9 +21,12 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import Callable
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from minitrain.tools import bench  # noqa: E402
 
 GB = 1e9
 STEPS = {"gpt2-124m": 30, "gpt2-1.5b": 16}
@@ -84,22 +87,22 @@ def launch(model: str, mode: str, world: int, args, part: Path, extra: str = "")
             "optimizer_state_pred_gb": r0["optimizer_state_pred_gb"]}
 
 
-def table(rows: list[dict]) -> str:
-    width = max(len(r["mode"]) for r in rows)
-    lines = [f"{'model':<10} {'mode':<{width}} {'gpus':>4} {'tok/s':>10} {'x 1 GPU':>7} {'MFU':>6} "
-             f"{'peak GB/GPU (pred)':>20} {'opt state GB/GPU (pred)':>24}"]
-    single = {r["model"]: r.get("tokens_per_s") for r in rows if r["gpus"] == 1}
-    for r in rows:
-        if "error" in r:
-            lines.append(f"{r['model']:<10} {r['mode']:<{width}} {r['gpus']:>4} {r['error']}")
-            continue
-        speedup = r["tokens_per_s"] / single[r["model"]] if single.get(r["model"]) else float("nan")
-        peak = f"{max(r['peak_allocated_gb']):.2f} ({r['peak_pred_gb']:.2f})"
-        opt = f"{max(r['optimizer_state_gb']):.2f} ({r['optimizer_state_pred_gb']:.2f})"
-        mfu = f"{r['mfu']:.1%}" if r["mfu"] else "-"
-        lines.append(f"{r['model']:<10} {r['mode']:<{width}} {r['gpus']:>4} {r['tokens_per_s']:>10,.0f} {speedup:>6.2f}x "
-                     f"{mfu:>6} {peak:>20} {opt:>24}")
-    return "\n".join(lines)
+def _speedup(row: dict, rows: list[dict]) -> float | None:
+    """tokens/s over the same model's one-GPU row: N x 1.00 is perfect scaling."""
+    single = next((r.get("tokens_per_s") for r in rows if r["model"] == row["model"] and r["gpus"] == 1), None)
+    return row["tokens_per_s"] / single if single and "tokens_per_s" in row else None
+
+
+def table(rows: list[dict]) -> list[str]:
+    def worst(key: str, predicted: str) -> Callable[[dict], str | None]:
+        return lambda r: f"{max(r[key]):.2f} ({r[predicted]:.2f})" if key in r else None
+
+    columns = (bench.Column("model", "model"), bench.Column("mode", "mode"), bench.Column("gpus", "gpus", "d"),
+               bench.Column("tok/s", "tokens_per_s", ",.0f"),
+               bench.Column("x 1 GPU", lambda r: _speedup(r, rows), ".2f"), bench.Column("MFU", "mfu", ".1%"),
+               bench.Column("peak GB/GPU (pred)", worst("peak_allocated_gb", "peak_pred_gb"), "s"),
+               bench.Column("opt state GB/GPU (pred)", worst("optimizer_state_gb", "optimizer_state_pred_gb"), "s"))
+    return bench.table(rows, columns, note=lambda r: r.get("error", ""))
 
 
 def main() -> None:
@@ -132,9 +135,9 @@ def main() -> None:
             runs += [("fsdp", None, extra) for extra in args.fsdp_ablate]
             for mode, world, extra in runs:
                 rows.append(launch(model, mode, world or args.gpus, args, Path(scratch) / f"run{len(rows)}", extra))
-                print(table(rows).splitlines()[-1], flush=True)
-                Path(args.out).write_text(json.dumps(rows, indent=1))  # kept if a later run overruns the call
-    print(table(rows))
+                print(table(rows)[-1], flush=True)
+                bench.write_results(args.out, {"rows": rows})  # kept if a later run overruns the call
+    print("\n".join(table(rows)))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # The GPU tests and the measurements of docs/benchmarks.md, by section name, on a machine with an NVIDIA GPU.
 # Usage: scripts/gpu_suite.sh OUT_DIR [tests] [optimizer] [cross_entropy] [ce_rows] [ce_chunks] [gelu] [train]
-#        [step] [step_ablate] [step15b] [step_sizes] [curve] [sweep] [defaults] [defaults15b] [plan] [attention]
-#        [diverge15b] [compile15b] [compile_check] [fp8_tests] [fp8_15b] [fp8_sizes] [fp8_defaults15b] [fp8_quality]
-# fp8_quality: QUALITY_MODEL (gpt2-124m), QUALITY_SEED (1337), QUALITY_PRECISIONS ("bf16 fp8") pick the runs; each run
-#   goes to /tmp/fp8-quality/<model>/<precision>-s<seed> and the comparison reads every run there so far
+#        [step] [step_ablate] [step15b] [step_sizes] [curve] [sweep] [sweep_alone] [defaults] [defaults15b] [plan]
+#        [attention] [diverge15b] [compile15b] [compile_check] [determinism] [determinism_cost]
+#        [determinism_cost15b] [sample] [sample15b] [sample_run] [smoke]
+# smoke: every benchmark script once in its quickest mode (the tiny model, one small shape), a few minutes: each
+#   still runs end to end on this GPU; its figures are not results
 # plan: PLAN_MODELS and PLAN_BATCHES (space-separated) pick the grid, default gpt2-124m at 16 64 512; it starts no
 #   point after PLAN_TIME_LIMIT_S and goes on from the JSON files in PLAN_MEASURED
 set -uo pipefail
@@ -76,6 +77,22 @@ for what in "$@"; do
           trainer.sample_tokens=0 hydra.run.dir=/tmp/compile-check 2>&1 | grep -aE "^error"
         grep -h "^compile check" /tmp/compile-check/*.log
       done ;;
+    sample|sample15b)  # decode tokens/s beside transformers' generate (same weights, bf16, greedy) at batch 1 and 16,
+      # after an fp32 check that the graphed decode gives transformers' greedy tokens; each model compiles four
+      # decode steps (two per side and batch), so each has a target of its own
+      model=$([ "$what" = sample ] && echo gpt2-124m || echo gpt2-1.5b)
+      timeout 590 python3 scripts/bench_sample.py --models $model --out "$out/bench_$what.json" 2>&1 \
+        | grep -v "Loading weights" | tail -12 ;;
+    sample_run)  # scripts/sample.py as a user runs it, on a run just trained: top-p draws with the graphed decode and
+      # eagerly (--no-compile; another random stream, so other texts), then greedy both ways (the same text until
+      # bf16 rounding in different kernels parts them); each prints its decode tokens/s
+      rm -rf /tmp/sample-run
+      timeout 300 python3 scripts/train.py trainer.max_steps=100 trainer.sample_tokens=0 hydra.run.dir=/tmp/sample-run \
+        2>&1 | grep -aE "^(error|finished)"
+      for extra in "" "--no-compile" "--temperature 0" "--temperature 0 --no-compile"; do
+        timeout 300 python3 scripts/sample.py /tmp/sample-run --num-samples 4 --max-new-tokens 100 --top-p 0.95 $extra \
+          2>&1 | tail -3
+      done ;;
     fp8_tests)  # the fp8 tests on the GPU: compiled float8 kernels, a cuda trainer (the plan accepts an H200)
       TRITON_INTERPRET=0 timeout 400 python3 -m pytest -q tests/test_fp8.py 2>&1 | grep -E "^(E  |FAILED|[0-9]+ (passed|failed))" | tail -20 ;;
     fp8_15b)  # the issue's target: fp8 >= 1.12x bf16 at gpt2-1.5b, both resident, each planned in 45% of the GPU
@@ -107,14 +124,69 @@ for what in "$@"; do
     ce_rows) timeout 200 python3 scripts/tune_cross_entropy_rows.py --out "$out/tune_ce_rows.json" 2>&1 | tail -60 ;;
     ce_chunks) timeout 200 python3 scripts/bench_cross_entropy.py --shapes 16384x768x50304 16384x2048x128256 \
                  --chunk-mib 16 32 64 --out "$out/bench_ce_chunks.json" 2>&1 | tail -16 ;;
-    sweep)  # the 12-cell precision x checkpointing sweep, one process per cell so each cell's peak memory is its own
-      sw=/tmp/sweep-124m; rm -rf $sw; i=0
-      for p in fp32 bf16 fp16; do for c in none full every_k selective; do
-        timeout 120 python3 scripts/train.py model=gpt2-124m precision=$p checkpointing=$c trainer.batch_size=16 \
-          trainer.max_steps=30 trainer.log_every=10 trainer.eval_every=1000 trainer.save_every=1000 \
-          trainer.sample_tokens=0 trainer.warmup_steps=5 logger.group=sweep-124m hydra.run.dir=$sw/$i \
-          2>&1 | grep -E "^(step|memory|= pred|measured|predicted)" | tail -3
-        i=$((i+1)); done; done
-      python3 scripts/report.py $sw --out $out/sweep 2>&1 | tail -20 ;;
+    smoke)
+      s="$out/smoke"; mkdir -p "$s"
+      timeout 90 python3 scripts/bench_gelu.py --shape 4096x3072 --out "$s/gelu.json" 2>&1 | tail -4
+      timeout 90 python3 scripts/bench_attention.py --shapes 4x12x1024x64 --out "$s/attention.json" 2>&1 | tail -6
+      timeout 120 python3 scripts/bench_optimizer.py --cases gpt2-124m --out "$s/optimizer.json" 2>&1 | tail -8
+      python3 scripts/optimizer_widget.py --measured "$s/optimizer.json" --out "$s/optimizer_widget.png" 2>&1 | tail -2
+      timeout 150 python3 scripts/bench_cross_entropy.py --shapes 2048x768x50304 --out "$s/cross_entropy.json" 2>&1 | tail -9
+      timeout 120 python3 scripts/tune_cross_entropy_rows.py --shapes 2560x50304 --blocks 16384x768 \
+        --out "$s/ce_rows.json" 2>&1 | tail -4
+      timeout 150 python3 scripts/compile_vs_eager.py --model tiny --batch 4 --out "$s/compile_vs_eager.json" 2>&1 | grep -E "^tiny"
+      timeout 240 python3 scripts/bench_step.py --models tiny --batch 8 --warmup 3 --steps 4 --rounds 2 --profile \
+        --reference-eager --out "$s/step.json" 2>&1 | grep -v "^{\|^ .* ms .*x" | tail -16
+      timeout 200 python3 scripts/bench_plan.py --models tiny --batches 8 --warmup 3 --steps 1 --rounds 2 \
+        --out "$s/plan.json" 2>&1 | tail -4
+      timeout 150 python3 scripts/bench_distributed.py --gpus 1 --models tiny --modes ddp --steps 12 \
+        --out "$s/distributed.json" 2>&1 | tail -2 ;;
+    sweep|sweep_alone)  # the README's sweep through `train.py -m`: gpt2-124m, precision x checkpointing, each cell a
+      # process of its own; `sweep` runs three side by side on the one GPU (each process's allocator counts its own
+      # peak), `sweep_alone` one at a time (after `sweep`: its compiled graphs come from the cache) and sets each
+      # cell's peak beside the side-by-side one
+      at_a_time=$([ $what = sweep ] && echo 3 || echo 1); sw=/tmp/$what-124m; rm -rf $sw
+      timeout 580 python3 scripts/train.py -m model=gpt2-124m precision=fp32,bf16,fp16 \
+        checkpointing=none,selective,every_k,full trainer.batch_size=16 trainer.max_steps=20 trainer.log_every=5 \
+        trainer.eval_every=1000 trainer.eval_batches=2 trainer.save_every=1000 trainer.sample_tokens=0 \
+        trainer.warmup_steps=5 hydra.sweeper.max_batch_size=$at_a_time hydra.sweep.dir=$sw 2>&1 | tail -3
+      python3 scripts/report.py $sw --out $out/$what 2>&1 | sed -n 1,18p
+      [ $what = sweep_alone ] && python3 - /tmp/sweep-124m $sw <<'PY' 2>&1 | tail -14
+import sys
+from minitrain.tools.report import load_sweep
+side, alone = ({c.name: c for c in load_sweep(d)[0]} for d in sys.argv[1:])
+for name, cell in alone.items():
+    if name in side:
+        print(f"{name}: measured peak side by side / alone {side[name].measured_gb / cell.measured_gb:.4f}")
+PY
+      ;;
+    determinism)  # trainer.deterministic=true: two 30-step gpt2-124m runs (compiled, CUDA graphs) and one SIGKILLed
+      # and resumed end with the same bits; the loss rows' kernel gives the same bits on any grid
+      MINITRAIN_TEST_DEVICE=cuda timeout 580 python3 -m pytest -q tests/test_determinism.py -k "not cpu" 2>&1 \
+        | grep -E "^(E  |FAILED|[0-9]+ (passed|failed))" | tail -30 ;;
+    determinism_cost|determinism_cost15b)  # tokens/s with trainer.deterministic=true against the default (the
+      # report's table); for gpt2-124m also how far two default runs of one config drift apart
+      if [ $what = determinism_cost ]; then
+        args="model=gpt2-124m trainer.deterministic=false,false,true trainer.max_steps=100 trainer.log_every=10"
+      else
+        args="model=gpt2-1.5b trainer.batch_size=32 trainer.deterministic=false,true trainer.max_steps=10"
+        args="$args trainer.log_every=2"
+      fi
+      sw=/tmp/$what; rm -rf $sw
+      timeout 580 python3 scripts/train.py -m $args trainer.eval_every=50 trainer.save_every=1000 \
+        trainer.sample_tokens=0 hydra.sweep.dir=$sw 2>&1 | tail -3
+      python3 scripts/report.py $sw --out $out/$what 2>&1 | sed -n 1,9p
+      [ $what = determinism_cost ] && python3 - $sw <<'PY' 2>&1 | tail -4
+import sys
+from pathlib import Path
+from minitrain.tools.report import read_step_records
+# cells 0 and 1: the default config twice
+first, second = (read_step_records(Path(sys.argv[1]) / cell / "metrics.jsonl") for cell in ("0", "1"))
+for key in ("train/loss", "val/loss"):
+    pairs = [(a["step"], a[key] - b[key]) for a, b in zip(first, second) if key in a and key in b]
+    differs = next((step for step, d in pairs if d != 0), None)
+    print(f"{key}, two default runs: first differs at step {differs}, largest |difference| "
+          f"{max(abs(d) for _, d in pairs):.6f} over steps {pairs[0][0]}-{pairs[-1][0]}")
+PY
+      ;;
   esac
 done

@@ -1,7 +1,8 @@
 """Turn a sweep into a report: `python scripts/report.py <sweep dir or run dir> [--out DIR] [--wandb offline|online]`.
 
-Writes report.md (tokens/s, MFU, HFU, predicted and measured peak memory, final loss per cell) and two
-PNGs, and prints report.md; the logic is minitrain/tools/report.py.
+Writes report.md (tokens/s, MFU, HFU, predicted and measured peak memory, final loss per cell) and its PNGs
+(throughput against memory, memory by term, loss curves, and the loss scale of fp16 cells), and prints report.md;
+the logic is minitrain/tools/report.py.
 """
 
 import argparse

@@ -1,23 +1,44 @@
 """Train a GPT: `python scripts/train.py [group=option ...] [key=value ...]` (Hydra; -m for sweeps)."""
 
+import os
+import signal
 import sys
 from pathlib import Path
 
-import hydra
-from hydra.core.hydra_config import HydraConfig
-from omegaconf import DictConfig
-from omegaconf.errors import OmegaConfBaseException
-
-from minitrain.compile_check import CompileMismatchError
-from minitrain.config import ConfigError, command_line, register_configs
-from minitrain.data import DataError
-from minitrain.resume import RunDirBusyError, RunDirError, remove_if_empty
-from minitrain.sweep import FAILED_CELL_EXIT_CODE
-from minitrain.trainer import NonFiniteLossError, RunInfo, TrainingInterrupted, train
-
-register_configs()
-
 ABORTED_EXIT_CODE = 130  # 128 + SIGINT, as a shell reports a process that Ctrl-C ended
+ABORTED_STARTING = "minitrain: aborted (Ctrl-C) while starting, before the run began"
+MAIN_PID = os.getpid()
+
+
+def ctrl_c(signum, frame):
+    """SIGINT until fit's own handler is on: KeyboardInterrupt, reported in one line. A terminal's Ctrl-C also
+    reaches the children the libraries fork (the datasets library's tokenizing pool and its manager), which
+    inherit this handler: there it passes, and this process's teardown of the pool ends them. Each would
+    otherwise print a traceback of its own, and a pool whose workers die of it can hang in its teardown (the
+    replacements it forks hold its queue's lock)."""
+    if os.getpid() == MAIN_PID:
+        raise KeyboardInterrupt
+
+
+signal.signal(signal.SIGINT, ctrl_c)
+
+try:  # the imports take seconds (torch): a Ctrl-C in them ends in one line, not a traceback
+    import hydra
+    from hydra.core.hydra_config import HydraConfig
+    from omegaconf import DictConfig
+    from omegaconf.errors import OmegaConfBaseException
+
+    from minitrain.compile_check import CompileMismatchError
+    from minitrain.config import ConfigError, command_line, register_configs
+    from minitrain.data import DataError
+    from minitrain.resume import RunDirBusyError, RunDirError, remove_if_empty
+    from minitrain.sweep import FAILED_CELL_EXIT_CODE, stop_cells
+    from minitrain.trainer import NonFiniteLossError, RunInfo, TrainingInterrupted, train
+
+    register_configs()
+except KeyboardInterrupt:
+    print(ABORTED_STARTING, file=sys.stderr)
+    sys.exit(ABORTED_EXIT_CODE)
 
 
 def run_dir(cfg: DictConfig, hydra_dir: str) -> str:
@@ -26,6 +47,14 @@ def run_dir(cfg: DictConfig, hydra_dir: str) -> str:
         return str(Path(cfg.trainer.out_dir).expanduser())
     except OmegaConfBaseException:
         return hydra_dir
+
+
+def by_ctrl_c(e: BaseException) -> bool:
+    """A KeyboardInterrupt, or an error raised while one was being handled: the datasets library's worker pool
+    turns a Ctrl-C during its map into a TimeoutError of its own."""
+    while e is not None and not isinstance(e, KeyboardInterrupt):
+        e = e.__context__
+    return e is not None
 
 
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
@@ -38,10 +67,6 @@ def main(cfg: DictConfig) -> str | None:
         if e.main:
             print(f"minitrain: {e}", file=sys.stderr)
         sys.exit(e.exit_code)
-    except KeyboardInterrupt:  # Ctrl-C before fit's own handler is on (data, tokenizer, compile), or a second one
-        print(f"minitrain: aborted (Ctrl-C) without saving a checkpoint; any saved before in "
-              f"{run_dir(cfg, runtime.output_dir)} are kept", file=sys.stderr)
-        sys.exit(ABORTED_EXIT_CODE)
     except (ConfigError, DataError, RunDirError, NonFiniteLossError, CompileMismatchError) as e:
         # A user-facing problem: one clear line, not a traceback.
         print(f"error: {e}", file=sys.stderr)
@@ -50,6 +75,12 @@ def main(cfg: DictConfig) -> str | None:
                 run.write_failure(Path(runtime.output_dir), str(e))
             return str(e)  # the next cells still run; the sweep's end names this one and exits non-zero
         sys.exit(FAILED_CELL_EXIT_CODE)
+    except BaseException as e:  # Ctrl-C before fit's own handler is on (data, tokenizer, compile), or a second one
+        if not by_ctrl_c(e):
+            raise  # a bug: its traceback is what to report
+        print(f"minitrain: aborted (Ctrl-C) without saving a checkpoint; any saved before in "
+              f"{run_dir(cfg, runtime.output_dir)} are kept", file=sys.stderr)
+        sys.exit(ABORTED_EXIT_CODE)
     finally:  # Hydra made its run dir before any code of ours ran: a refused run, or one whose trainer.out_dir is
         # elsewhere (command_line cannot point Hydra at an interpolated one), leaves it empty, and then no trace
         if run.group is None:
@@ -60,7 +91,17 @@ def main(cfg: DictConfig) -> str | None:
 if __name__ == "__main__":
     try:  # before Hydra reads the command line: its message for an unknown key advises a `+` the schema refuses too
         sys.argv[1:] = command_line(sys.argv[1:])
+        main()
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(FAILED_CELL_EXIT_CODE)
-    main()
+    except KeyboardInterrupt:  # in the command line's check or Hydra's composing, before main's own handler; or in
+        # the process that started a -m sweep of cells in processes of their own
+        if any(a in ("-m", "--multirun") for a in sys.argv[1:]):
+            stop_cells()
+            print("minitrain: sweep interrupted (Ctrl-C): its running cells stopped (submitit gives each a second to "
+                  "save a checkpoint; one that cannot keeps its last periodic one); the cells after them did not run",
+                  file=sys.stderr)
+        else:
+            print(ABORTED_STARTING, file=sys.stderr)
+        sys.exit(ABORTED_EXIT_CODE)

@@ -40,3 +40,73 @@ def make_cfg(data_cache, tmp_path):
         return compose_config(base + list(overrides))
 
     return _make
+
+
+def fake_gpu(monkeypatch, bf16: bool, name: str = "a fake GPU", memory: int = 80 * 10**9) -> None:
+    """torch.cuda answering as a GPU would, for code that only reads a device's type and asks torch.cuda about it.
+    `bf16`: whether it computes in bf16; without, it only emulates it (torch's is_bf16_supported() says yes by
+    default, no with including_emulation=False: a V100 or a T4)."""
+    import types
+
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: bf16 or including_emulation)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: types.SimpleNamespace(total_memory=memory))
+
+
+def round_trip(state):
+    """A state_dict as a checkpoint gives it back: saved and loaded."""
+    import io
+
+    import torch
+
+    buf = io.BytesIO()
+    torch.save(state, buf)
+    buf.seek(0)
+    return torch.load(buf, weights_only=False)
+GPT2_VOCAB = 320
+# A few standard-library modules: the text of the GPT-2 fixture's tokenizer and of its fine-tuning corpus.
+GPT2_TEXTS = ("textwrap.py", "string.py", "bisect.py", "shlex.py", "fnmatch.py", "colorsys.py")
+
+
+@pytest.fixture(scope="session")
+def hf_gpt2(tmp_path_factory) -> Path:
+    """A randomly initialised transformers GPT-2 (2 layers, 64 wide, 4 heads, 128 positions, 320 tokens) saved as
+    Hugging Face saves it, and beside it a byte-level BPE of the same 320 ids trained on GPT2_TEXTS: what
+    model.init_from=<dir> and data.tokenizer=<dir> read. Drawn wide (std 0.3) so that greedy text varies."""
+    import sysconfig
+
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    folder = tmp_path_factory.mktemp("hf-gpt2")
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=GPT2_VOCAB, special_tokens=["<|endoftext|>"], show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    tokenizer.train_from_iterator([(stdlib / name).read_text() for name in GPT2_TEXTS], trainer=trainer)
+    assert tokenizer.get_vocab_size() == GPT2_VOCAB
+    tokenizer.save(str(folder / "tokenizer.json"))
+    eot = tokenizer.token_to_id("<|endoftext|>")
+    config = GPT2Config(n_layer=2, n_embd=64, n_head=4, n_positions=128, vocab_size=GPT2_VOCAB,
+                        initializer_range=0.3, bos_token_id=eot, eos_token_id=eot)
+    torch.manual_seed(0)
+    GPT2LMHeadModel(config).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def gpt2_corpus(tmp_path_factory) -> Path:
+    """GPT2_TEXTS as text files, for data=files data.paths=<dir>/*.txt."""
+    import sysconfig
+
+    folder = tmp_path_factory.mktemp("gpt2-corpus")
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    for name in GPT2_TEXTS:
+        (folder / f"{name}.txt").write_text((stdlib / name).read_text())
+    return folder

@@ -1,16 +1,11 @@
-"""scripts/bench_attention.py's check and FLOP count, which run without a GPU."""
-
-import importlib.util
+"""The attention benchmark's check and FLOP count (minitrain.tools.benchmarks.attention), which run without a
+GPU."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import REPO
-
-_spec = importlib.util.spec_from_file_location("bench_attention", REPO / "scripts" / "bench_attention.py")
-bench_attention = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench_attention)
+from minitrain.tools.benchmarks import attention as bench_attention
 
 
 def test_causal_flops_are_the_mfu_count_halved():

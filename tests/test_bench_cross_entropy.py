@@ -1,17 +1,12 @@
-"""scripts/bench_cross_entropy.py's check against the fp32 reference, which runs without a GPU."""
-
-import importlib.util
+"""The loss benchmark's check against the fp32 reference (minitrain.tools.benchmarks.cross_entropy), which runs
+without a GPU."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from conftest import REPO
 from minitrain.ops import linear_cross_entropy_reference
-
-_spec = importlib.util.spec_from_file_location("bench_cross_entropy", REPO / "scripts" / "bench_cross_entropy.py")
-bench = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(bench)
+from minitrain.tools.benchmarks import cross_entropy as bench
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +93,7 @@ def test_matmul_floor_does_the_schedules_whole_work(n_gemms):
     torch.testing.assert_close(grad_weight, logits.T @ hidden.detach())
 
 
-def test_table_sets_the_floors_beside_the_target(capsys):
+def test_table_sets_the_floors_beside_the_target():
     shape = {"N": 8, "H": 4, "V": 16}
     timed = {"gpu_ms": 9.0, "tflops": 1.0, "extra_gb": 1.0, "loss_err": 0.0, "grad_hidden_err": 0.0,
              "grad_weight_err": 0.0, "loss_off": False}
@@ -106,6 +101,25 @@ def test_table_sets_the_floors_beside_the_target(capsys):
                {"impl": "ours-lowmem", **shape, "ms": 12.0, **timed},
                {"impl": "3 GEMMs only", **shape, "floor": True, "ms": 6.5, "tflops": 2.0},
                {"impl": "4 GEMMs only", **shape, "floor": True, "ms": 8.25, "tflops": 2.0}]
-    bench.print_table(results)
-    assert "8x4x16: 0.8x naive+compile 8.00 ms; the matmuls alone, whole: 3 GEMMs 6.50 ms, 4 GEMMs 8.25 ms" in \
-        capsys.readouterr().out
+    lines = bench.report(results)
+    assert "8x4x16: 0.8x naive+compile 8.00 ms; the matmuls alone, whole: 3 GEMMs 6.50 ms, 4 GEMMs 8.25 ms" in lines
+    naive_compiled = lines[1].split()
+    assert naive_compiled[:5] == ["8", "4", "16", "naive+compile", "10.00"]
+    assert naive_compiled[-6:] == ["1.10x", "1.00x", "1.00x", "1.20x", "1.00x", "1.00x"]  # ours / this, lowmem / this
+
+
+def test_a_row_is_timed_only_if_its_gradients_pass(inputs, monkeypatch):
+    """A fast wrong loss is no result; a loss value off in its last digits (bf16) is flagged and still timed,
+    since training uses the gradients and only logs the value."""
+    hidden, weight, targets, reference = inputs
+    timed = []
+    monkeypatch.setattr(bench, "measure", lambda fn, *args: timed.append(fn) or {"ms": 1.0})
+
+    def wrong_grad(h, w, y):
+        return linear_cross_entropy_reference(_scale_grad(h, 1.01), w, y)
+
+    row = bench.measure_row("wrong", wrong_grad, (hidden, weight, targets), reference)
+    assert row["skipped"] == "failed: grad_hidden_err" and "ms" not in row and timed == []
+    row = bench.measure_row("off", _off_loss, (hidden, weight, targets), reference)
+    assert row["loss_off"] and row["ms"] == 1.0 and timed == [_off_loss]
+    assert bench.measure_row("absent", None, (hidden, weight, targets), reference)["skipped"] == "not available"

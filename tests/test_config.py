@@ -126,10 +126,10 @@ def test_every_setting_and_every_option_s_key_passes_the_command_line_check():
     ("logger.mode=bogus", "logger.mode: one of ('offline', 'online', 'disabled'), got 'bogus'"),
     ("+optimizer.impl=Fused", "optimizer.impl: one of ('auto', 'fused', 'foreach', 'loop', 'torch'), got 'Fused'"),
     ("precision.param_dtype=fp64", "precision.param_dtype: one of ('fp32', 'bf16', 'fp16'), got 'fp64'"),
-    ("precision=fp64", "precision: one of ('amp_bf16', 'auto', 'bf16', 'bf16_no_master', 'fp16', 'fp32') "
-                       "(configs/precision/), got 'fp64'"),
-    ("model=gpt2-125m", "model: one of ('gpt2-1.5b', 'gpt2-124m', 'gpt2-350m', 'gpt2-774m', 'tiny') (configs/model/), "
-                        "got 'gpt2-125m'"),
+    ("precision=fp64", "precision: one of ('amp_bf16', 'auto', 'bf16', 'bf16_no_master', 'fp16', 'fp32', 'fp8', "
+                       "'fp8_rowwise') (configs/precision/), got 'fp64'"),
+    ("model=gpt2-125m", "model: one of ('gpt2-1.5b', 'gpt2-124m', 'gpt2-350m', 'gpt2-774m', 'pretrained', 'tiny') "
+                        "(configs/model/), got 'gpt2-125m'"),
 ])
 def test_a_word_that_is_not_one_of_a_setting_s_choices_names_them(override, message):
     """Hydra's own message for it is six lines and exit 1; every other bad value is one line and exit 2."""

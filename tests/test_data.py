@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from minitrain import data as data_mod
-from minitrain.config import DataConfig
+from minitrain.config import DataConfig, DataSource
 from minitrain.data import Batches, DataError, prepare_data, stdlib_files
 
 
@@ -98,6 +98,18 @@ def test_batches_are_the_token_windows_at_their_starts(stdlib_data):
     for row, start in zip(range(4), b.starts(7)[4:]):
         window = torch.from_numpy(stdlib_data.train[start:start + 33].astype(np.int64))
         assert torch.equal(x[row], window[:-1]) and torch.equal(y[row], window[1:])
+
+
+def test_windows_reach_the_last_token_and_stay_inside():
+    """T + 2 tokens hold two windows of T + 1: both are drawn, and none reads past the end."""
+    T = 8
+    batches = Batches(np.arange(T + 2, dtype=np.uint16), T, batch_size=16, seed=0, device=torch.device("cpu"))
+    firsts = set()
+    for step in range(4):
+        x, y = batches.get(step)
+        firsts |= set(x[:, 0].tolist())
+        assert torch.equal(y, x + 1)
+    assert firsts == {0, 1}
 
 
 # -- the token cache checks itself at every start ---------------------------------------------------------------
@@ -306,3 +318,15 @@ def test_a_hub_corpus_is_cached_under_data_cache_dir(tmp_path, monkeypatch):
     data = prepare_data(cfg, block_size=16, progress=False)
     assert asked == {"name": "someone/stories", "cache_dir": str(tmp_path / "cache" / "hf-datasets")}
     assert "quick brown fox" in data.decode(data.tokens[:64])
+
+
+def test_local_files_are_not_said_to_be_downloaded(tmp_path, capfd):
+    """The datasets library shows a bar over the files it fetches (from 16 files on), named "Downloading data" even
+    for local files, where nothing goes over the network."""
+    for i in range(20):
+        (tmp_path / f"doc{i}.txt").write_text(f"document {i}\n")
+    cfg = DataConfig(name="local", source=DataSource.files, paths=str(tmp_path / "*.txt"),
+                     cache_dir=str(tmp_path / "cache"))
+    assert len(data_mod.load_corpus(cfg)) == 20
+    err = capfd.readouterr().err
+    assert "checking local files" in err and "Downloading" not in err, err

@@ -200,7 +200,7 @@ def test_torchrun_launch(data_cache, tmp_path):
     assert "Callback" not in out.stderr  # the sweep's callback has nothing to say about a single run
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records if "train/loss" in r] == [1, 2]
-    assert {"mem/rank0/rss_gb", "mem/rank1/rss_gb"} <= records[-1].keys()
+    assert {"mem/rank0/peak_rss_gb", "mem/rank1/peak_rss_gb"} <= records[-1].keys()
     assert (run_dir / "checkpoints" / "latest" / ".metadata").exists()
 
 
@@ -266,3 +266,28 @@ def test_a_stop_under_torchrun_saves_at_the_next_log_step_reports_once_and_resum
                              text=True, timeout=TIMEOUT_S)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert f"at step {step}" in resumed.stdout + resumed.stderr
+
+
+def test_ddp_wraps_the_model_without_a_warning(tmp_path):
+    """torch 2.13 deprecates DDP's broadcast_buffers (each rank printed a FutureWarning for it); the model holds no
+    buffer, so DDP's default has nothing to broadcast either."""
+    import warnings
+
+    import torch.distributed as dist
+
+    from minitrain.config import DistributedConfig, DistributedMode, ModelConfig
+    from minitrain.model import GPT
+    from minitrain.ops import linear_cross_entropy_reference
+    from minitrain.precision import preset, resolve_precision
+
+    dist.init_process_group("gloo", rank=0, world_size=1, init_method=f"file://{tmp_path / 'store'}")
+    try:
+        model = GPT(ModelConfig(n_layer=1, n_head=2, n_embd=32, block_size=16, vocab_size=64))
+        assert list(model.buffers()) == []
+        ddp, fp32 = distributed.Dist(mode=DistributedMode.ddp), resolve_precision(preset("fp32"), torch.device("cpu"))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            distributed.wrap(model, linear_cross_entropy_reference, fp32, DistributedConfig(mode=DistributedMode.ddp),
+                             ddp)
+    finally:
+        distributed.teardown()

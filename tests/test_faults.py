@@ -21,6 +21,7 @@ import signal
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -65,6 +66,12 @@ def corpus(tmp_path_factory) -> Path:
     return corpus
 
 
+def checkout_env(**extra: str) -> dict[str, str]:
+    """The environment of a process that runs this checkout's code."""
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+            **extra}
+
+
 @dataclass
 class Run:
     """One start of scripts/train.py. Its pidfd names this process only: a kill cannot reach another
@@ -88,10 +95,9 @@ class TrainServer:
     One intra-op thread: the run shares the CPU with the polling that decides when to kill it."""
 
     def __init__(self, cwd: Path):
-        path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))  # this checkout's code
         self.proc = subprocess.Popen([sys.executable, str(REPO / "tests" / "train_server.py")], cwd=cwd,
-                                     env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path},
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+                                     env=checkout_env(OMP_NUM_THREADS="1"), stdin=subprocess.PIPE,
+                                     stdout=subprocess.PIPE, text=True)
 
     def start(self, args: list[str], run_dir: Path) -> Run:
         request = {"args": [*args, f"hydra.run.dir={run_dir}"], "log": str(console_path(run_dir))}
@@ -345,3 +351,186 @@ def test_killed_and_resumed_until_done_equals_an_unbroken_run(server, corpus, da
         if not missed(needed, kills):
             break
     assert not missed(needed, kills), f"no kill achieved {missed(needed, kills)}: {kills}"
+
+
+# -- faults a user meets: each through the real scripts/train.py --------------------------------------
+def step_of(path: Path) -> int:
+    return resume.load(path, torch.device("cpu"))["progress"]["step"]
+
+
+def test_a_fallback_past_a_torn_latest_keeps_it_aside_and_previous_stays_the_checkpoint_that_loaded(
+        server, corpus, data_cache, tmp_path):
+    """A save after the fallback must not rotate the torn latest.pt into previous.pt over the only good checkpoint:
+    a kill between that save's renames would leave nothing to resume from."""
+    run_dir, ckpts = tmp_path / "run", resume.checkpoint_dir(tmp_path / "run")
+    args = train_args(corpus, data_cache, 2 * SAVE_EVERY)
+    assert server.wait(server.start(args, run_dir))[0] == 0
+    torn = (ckpts / resume.LATEST).read_bytes()[:1000]
+    (ckpts / resume.LATEST).write_bytes(torn)
+    code, _ = server.wait(server.start(args, run_dir))  # from step 3 to 6: one save
+    assert code == 0, console_path(run_dir).read_text()[-3000:]
+    said = (run_dir / "train.log").read_text()
+    [aside] = ckpts.glob(f"{resume.LATEST}{resume.UNUSABLE_MARK}*")
+    assert f"kept aside as checkpoints/{aside.name}; resumed from checkpoints/{resume.PREVIOUS}" in said
+    assert aside.read_bytes() == torn
+    assert (step_of(ckpts / resume.LATEST), step_of(ckpts / resume.PREVIOUS)) == (2 * SAVE_EVERY, SAVE_EVERY)
+    code, _ = server.wait(server.start(train_args(corpus, data_cache, 3 * SAVE_EVERY), run_dir))
+    assert code == 0, console_path(run_dir).read_text()[-3000:]  # a later start neither takes it nor removes it
+    assert (step_of(ckpts / resume.LATEST), step_of(ckpts / resume.PREVIOUS)) == (3 * SAVE_EVERY, 2 * SAVE_EVERY)
+    assert sorted(p.name for p in ckpts.iterdir()) == sorted([resume.LATEST, resume.PREVIOUS, aside.name])
+    assert aside.read_bytes() == torn
+
+
+@pytest.mark.parametrize("argv, key, what", [
+    (["trainer.out_dir={file}/run"], "trainer.out_dir", "as the run dir"),
+    (["hydra.run.dir={file}/run"], "hydra.run.dir", "as the run dir"),
+    (["trainer.out_dir=mine", "hydra.run.dir={file}/run"], "hydra.run.dir", "as the run dir"),
+    (["-m", "trainer.max_steps=1,2", "hydra.sweep.dir={file}/run"], "hydra.sweep.dir", "as the sweep's dir"),
+])
+def test_a_run_dir_that_cannot_be_made_is_refused_in_one_line_and_nothing_is_made(tmp_path, argv, key, what):
+    """Hydra makes its run dir before any code of the run: where it cannot (here under a path that is a file), the
+    refusal must come first, in one line, exit 2, not as Hydra's traceback."""
+    file = tmp_path / "a-file"
+    file.write_text("")
+    (tmp_path / "cwd").mkdir()
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "train.py"), *(a.format(file=file) for a in argv)],
+                         cwd=tmp_path / "cwd", capture_output=True, text=True, timeout=120)
+    reason = f"NotADirectoryError: [Errno 20] Not a directory: '{file}'"
+    advice = "give the sweep a writable directory (hydra.sweep.dir=...)" if key == "hydra.sweep.dir" else \
+        "give the run a writable directory (hydra.run.dir=... or trainer.out_dir=...)"
+    assert (out.returncode, out.stderr) == (2, f"error: {key}: cannot use {file}/run {what} ({reason}); {advice}\n")
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["a-file", "cwd"]
+
+
+def test_a_run_dir_on_a_read_only_filesystem_is_refused_naming_it(tmp_path, monkeypatch):
+    """A read-only mount, faked: making one needs root. Hydra's default run dir, runs/<date>/<time>/, is checked
+    by its fixed part (runs/ in the working directory)."""
+    from minitrain.config import ConfigError, command_line
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(os, "access", lambda path, mode: False)
+    monkeypatch.setattr(os, "statvfs", lambda path: type("Stat", (), {"f_flag": os.ST_RDONLY})())
+    with pytest.raises(ConfigError) as refused:
+        command_line(["trainer.max_steps=1"])
+    assert str(refused.value) == (f"hydra.run.dir: cannot use runs/${{now:%Y-%m-%d}}/${{now:%H-%M-%S}} as the run dir "
+                                  f"(OSError: [Errno 30] Read-only file system: '{tmp_path}'); give the run a writable "
+                                  "directory (hydra.run.dir=... or trainer.out_dir=...)")
+
+
+# The disk fills at the `fail_at`-th save: from then on every write of a checkpoint goes to /dev/full, which fails
+# it with the kernel's ENOSPC, as a full disk does.
+ON_A_FULL_DISK = """
+import os, runpy, sys, torch
+real_save, saves = torch.save, []
+def on_a_full_disk(obj, f, *args, **kwargs):
+    saves.append(1)
+    if len(saves) >= {fail_at}:
+        os.dup2(os.open("/dev/full", os.O_WRONLY), f.fileno())
+    return real_save(obj, f, *args, **kwargs)
+torch.save = on_a_full_disk
+sys.argv = ["train.py", *{args!r}]
+runpy.run_path({script!r}, run_name="__main__")
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="the kernel's full-disk device (Linux)")
+def test_a_full_disk_stops_the_run_saying_so_and_how_much_room_a_save_needs(server, corpus, data_cache, tmp_path):
+    """The third save (step 9) meets a full disk: one line that says so, exit 2, the checkpoints of steps 6 and 3
+    intact and no temporary; once there is room, resume=auto goes on from step 6 as if nothing happened."""
+    run_dir, ckpts = tmp_path / "run", resume.checkpoint_dir(tmp_path / "run")
+    args = [*train_args(corpus, data_cache, 4 * SAVE_EVERY), f"hydra.run.dir={run_dir}"]
+    script = ON_A_FULL_DISK.format(fail_at=3, args=args, script=str(REPO / "scripts" / "train.py"))
+    out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                         env=checkout_env())
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+    size = (ckpts / resume.LATEST).stat().st_size
+    needed = re.search(r"^error: could not write a checkpoint into (\S+): the disk is full \(\d[\d.]* [kMG]B free "
+                       r"there; a checkpoint of this run needs about ([\d.]+) kB\); the checkpoints published before "
+                       r"are untouched\. Free space there .*, then continue with trainer\.resume=auto$",
+                       out.stderr.splitlines()[-1])
+    assert needed and needed.group(1) == str(ckpts), out.stderr[-3000:]
+    assert float(needed.group(2)) * 1e3 == pytest.approx(size, rel=0.1)  # the tensors: nearly all of a checkpoint
+    assert (step_of(ckpts / resume.LATEST), step_of(ckpts / resume.PREVIOUS)) == (2 * SAVE_EVERY, SAVE_EVERY)
+    assert sorted(p.name for p in ckpts.iterdir()) == [resume.LATEST, resume.PREVIOUS]
+    code, _ = server.wait(server.start(train_args(corpus, data_cache, 4 * SAVE_EVERY), run_dir))
+    assert code == 0, console_path(run_dir).read_text()[-3000:]
+    assert f"resumed from {ckpts / resume.LATEST} at step {2 * SAVE_EVERY}" in (run_dir / "train.log").read_text()
+
+
+def process_group_alive(pgid: int, grace_s: float) -> bool:
+    deadline = time.monotonic() + grace_s
+    while True:
+        try:
+            os.killpg(pgid, 0)
+        except ProcessLookupError:
+            return False
+        if time.monotonic() >= deadline:
+            return True
+        time.sleep(0.05)
+
+
+@pytest.fixture(scope="module")
+def stdlib_modules(tmp_path_factory) -> Path:
+    """The standard library's top-level modules (5 MB): a second or more of tokenizing for two workers."""
+    corpus = tmp_path_factory.mktemp("stdlib-modules")
+    for module in Path(os.__file__).parent.glob("*.py"):
+        shutil.copy(module, corpus)
+    return corpus
+
+
+def moment_reached(moment: str) -> Callable[[int, bytes], bool]:
+    """importing: the script's imports have reached torch (its libraries are mapped; loading them and the rest of
+    torch takes a second or more). tokenizing: the datasets library's worker pool (two workers and its manager)
+    is tokenizing the corpus, for a moment already: not in the microseconds of a fork, which no Python code can
+    make safe."""
+    pool_since = []
+
+    def reached(pid: int, stderr: bytes) -> bool:
+        if moment == "importing":
+            return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
+        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+        if not pool_since and b"tokenizing" in stderr and len(children) >= 3:
+            pool_since.append(time.monotonic())
+        return bool(pool_since) and time.monotonic() - pool_since[0] > 0.05
+
+    return reached
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads a process's mapped libraries from /proc")
+@pytest.mark.parametrize("moment, said", [
+    ("importing", "minitrain: aborted (Ctrl-C) while starting, before the run began"),
+    # the terminal's Ctrl-C reaches the workers too; the pool turns the script's KeyboardInterrupt into an error
+    ("tokenizing", "minitrain: aborted (Ctrl-C) without saving a checkpoint; any saved before in {run} are kept"),
+])
+def test_ctrl_c_before_training_ends_in_one_line_and_exit_130(stdlib_modules, tmp_path, moment, said):
+    """Ctrl-C as a terminal sends it (to the whole process group) while torch and minitrain are imported, or
+    while a fresh corpus is tokenized: one line, exit 130, no traceback from the script or any worker."""
+    run = tmp_path / "run"
+    args = [*train_args(stdlib_modules, tmp_path / "cache", 2), "data.num_proc=2", f"hydra.run.dir={run}"]
+    job = subprocess.Popen([sys.executable, str(REPO / "scripts" / "train.py"), *args], cwd=tmp_path,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
+                           env=checkout_env())
+    err = bytearray()
+
+    def read():
+        while chunk := job.stderr.read1():
+            err.extend(chunk)
+
+    reader = threading.Thread(target=read)
+    reader.start()
+    deadline, reached = time.monotonic() + START_TIMEOUT_S, moment_reached(moment)
+    while not reached(job.pid, bytes(err)):
+        assert job.poll() is None and time.monotonic() < deadline, f"never {moment}:\n{err.decode()[-3000:]}"
+        time.sleep(POLL_S)
+    os.killpg(job.pid, signal.SIGINT)
+    try:
+        job.wait(timeout=120)
+        reader.join()
+        assert not process_group_alive(job.pid, grace_s=5), "workers outlived the run"
+    finally:  # a run that hangs, or its workers, must not outlive the test
+        if process_group_alive(job.pid, grace_s=0):
+            os.killpg(job.pid, signal.SIGKILL)
+    text = err.decode()
+    assert "tokenizing (num_proc=2): 100%" not in text, "the Ctrl-C came after the tokenizing"
+    assert job.returncode == 130 and "Traceback" not in text, text[-3000:]
+    assert text.rstrip().splitlines()[-1] == said.format(run=run), repr(text[-600:])

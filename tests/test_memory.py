@@ -48,6 +48,25 @@ def test_parameter_and_optimizer_terms_are_exact(name):
     assert per_param == pytest.approx(18 if name == "bf16_fp32_grads" else 16, rel=0.02)
 
 
+@pytest.mark.parametrize("name", ["fp32", "bf16"])
+def test_predicted_optimizer_state_counts_the_padding_of_odd_shapes(name):
+    """n_embd=40: no parameter fills a whole number of the layout's ALIGN-element blocks, so every flat buffer of
+    the optimizer holds padding beside the parameters; the prediction must be the bytes it really allocates."""
+    cfg = ModelConfig(n_layer=1, n_head=4, n_embd=40, block_size=30, vocab_size=250)
+    precision = resolve_precision(preset(name), torch.device("cpu"))
+    opt = AdamW(GPT(cfg).to(precision.param_dtype).param_groups(0.1), impl="foreach",
+                master_weights=precision.master_weights)
+    est = predict(cfg, precision, CheckpointingConfig(CheckpointPolicy.none), 2, 30, "torch", None, device="cpu",
+                  optimizer_impl="foreach")
+
+    def allocated(buffer):
+        return sum(getattr(b.state, buffer).nbytes for b in opt.buckets if getattr(b.state, buffer) is not None)
+
+    assert est.adam_m > 4 * est.n_params  # the case has padding to get wrong
+    assert (est.masters, est.adam_m, est.adam_v) == (allocated("master"), allocated("exp_avg"), allocated("exp_avg_sq"))
+    assert est.grads == sum(b.layout.size * b.grads.dtype.itemsize for b in opt.buckets)
+
+
 @pytest.mark.parametrize("dropout", [0.0, 0.1])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 @pytest.mark.parametrize("policy", POLICIES)
@@ -59,7 +78,7 @@ def test_activations_match_what_forward_holds(policy, precision, dropout):
     with LiveBytes() as live:
         hidden = model.forward_hidden(torch.randint(0, cfg.vocab_size, (B, T)))
     est = predict(cfg, prec, POLICIES[policy], B, T, "torch", None, device="cpu")
-    assert est.activations_total + hidden.nbytes == pytest.approx(live.current, rel=0.10)
+    assert est.activations_total + hidden.nbytes == live.current  # to the byte: each term names the op that holds it
 
 
 def test_policies_order_activation_memory():
@@ -68,11 +87,23 @@ def test_policies_order_activation_memory():
     assert est["full"] < est["every_k"] < est["none"] and est["full"] < est["selective"] < est["none"]
 
 
-@pytest.mark.parametrize("loss_impl, precision, policy", [
-    ("torch", "fp32", "none"), ("torch", "fp32", "full"), ("torch", "amp_bf16", "selective"),
-    ("torch", "bf16_fp32_grads", "every_k"), ("fused", "fp32", "selective"), ("fused", "bf16", "none")])
-def test_peak_of_whole_training_steps(loss_impl, precision, policy):
-    """Model, optimizer and two steps created under LiveBytes: its peak is the step's true peak."""
+# The whole step's peak, measured, against the prediction. The model counts the step's large tensors op by op; what it
+# leaves out (the loss scalar, per-row statistics, the optimizer's scalars) is a few kB of these ~3 MB steps, so it
+# must land within 0.1% below to 0.1% above. A cell the model knowingly over-predicts is held to the README's bound for
+# the memory model, 7%: with autocast, the model keeps every block's low-precision weight copies at the loss's peak,
+# true for the fused loss (its peak is inside the forward's autocast region) but not for the torch loss, whose peak is
+# in backward, after autocast freed the copies of the blocks it did not save.
+KNOWN_OVER = {("torch", "amp_bf16", "selective", 1): 0.07}
+
+
+@pytest.mark.parametrize("loss_impl, precision, policy, accum", [
+    ("torch", "fp32", "none", 1), ("torch", "fp32", "full", 1), ("torch", "amp_bf16", "selective", 1),
+    ("torch", "bf16_fp32_grads", "every_k", 1), ("torch", "bf16_fp32_grads", "none", 1), ("fused", "fp32", "selective", 1),
+    ("fused", "bf16", "none", 1), ("torch", "bf16_fp32_grads", "none", 2), ("torch", "bf16", "none", 2)])
+def test_peak_of_whole_training_steps(loss_impl, precision, policy, accum):
+    """Model, optimizer and two steps (of `accum` micro-batches each) created under LiveBytes: its peak is the step's
+    true peak. fp32 main grads exist from the first gradient, after the loss's peak, unless an earlier micro-batch of
+    the step made them."""
     cfg, prec = small(vocab=512), PRECISIONS[precision]
     loss_fn = fused_linear_cross_entropy if loss_impl == "fused" else linear_cross_entropy_reference
     autocast = torch.autocast("cpu", dtype=torch.bfloat16, enabled=prec.autocast_dtype is not None)
@@ -81,16 +112,19 @@ def test_peak_of_whole_training_steps(loss_impl, precision, policy):
         apply_policy(model, POLICIES[policy])
         opt = optimizer(model, prec)
         for _ in range(2):
-            tokens = torch.randint(0, cfg.vocab_size, (B, T + 1))
-            with autocast:
-                loss = loss_fn(model.forward_hidden(tokens[:, :-1]).flatten(0, 1), model.lm_head_weight,
-                               tokens[:, 1:].flatten())
-            loss.backward()
-            del loss
+            for _ in range(accum):
+                tokens = torch.randint(0, cfg.vocab_size, (B, T + 1))
+                with autocast:
+                    loss = loss_fn(model.forward_hidden(tokens[:, :-1]).flatten(0, 1), model.lm_head_weight,
+                                   tokens[:, 1:].flatten())
+                loss.backward()
+                del loss
             opt.step()
             opt.zero_grad()
-    est = predict(cfg, prec, POLICIES[policy], B, T, loss_impl, None, device="cpu", optimizer_impl="foreach")
-    assert est.peak == pytest.approx(live.peak, rel=0.10)
+    est = predict(cfg, prec, POLICIES[policy], B, T, loss_impl, None, grad_accum=accum, device="cpu",
+                  optimizer_impl="foreach")
+    over = KNOWN_OVER.get((loss_impl, precision, policy, accum), 0.001)
+    assert 0.999 * live.peak <= est.peak <= (1 + over) * live.peak, (est.peak, live.peak)
 
 
 def test_fused_loss_workspace_follows_chunk_bytes():

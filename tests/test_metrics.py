@@ -1,4 +1,6 @@
-"""The throughput meter: which steps it times, and what it reports."""
+"""The throughput meter (which steps it times, what it reports) and a CPU run's peak memory."""
+
+import os
 
 import pytest
 
@@ -34,3 +36,23 @@ def test_a_meter_without_warm_up_times_from_its_first_step(monkeypatch):
     now[0] += 2.0
     meter.step()
     assert meter.read() == {"perf/step_ms": 2000.0, "perf/tokens_per_s": 5.0}  # no peak: no MFU
+
+
+def vm_hwm_bytes() -> int:
+    """The kernel's peak resident size of this process, read from /proc (Linux)."""
+    line = next(line for line in open("/proc/self/status") if line.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="reads the peak from /proc (Linux)")
+def test_a_cpu_runs_memory_figure_is_the_peak_not_the_resident_size_at_the_log_step():
+    """A step's activations come and go between two log steps: what is resident at the log step is not the peak."""
+    import torch
+
+    held = 400 * 2**20
+    buffer = torch.ones(held // 4)  # touched: resident
+    del buffer  # a large block goes back to the kernel (munmap): the resident size drops again
+    current = int(open("/proc/self/statm").read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    peak = metrics.memory_stats(torch.device("cpu"))["mem/peak_rss_gb"] * 1e9
+    assert peak >= current + 0.9 * held
+    assert peak == pytest.approx(vm_hwm_bytes(), rel=0.01)  # the same peak as the kernel's own record

@@ -1,3 +1,4 @@
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -84,3 +85,29 @@ def test_fused_gelu_model_matches_torch_gelu():
         outs.append((loss.detach(), *(p.grad for p in model.parameters())))
     for a, b in zip(*outs):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_a_cached_prefill_then_one_token_steps_compute_the_full_forward():
+    """A prompt of 5 into a 16-position cache, then tokens one at a time: each position's hidden state is the
+    one the whole sequence's causal forward gives it."""
+    from minitrain.model import KVCache
+
+    model = tiny(dropout=0.0).eval()
+    with torch.no_grad():
+        for p in model.parameters():  # wide weights: attention far from uniform, so a wrong mask shows
+            p.normal_(0.0, 0.5)
+    idx = torch.randint(0, 97, (3, 16))
+    full = model.forward_hidden(idx)
+    cache = KVCache(model.cfg, 3, 16, torch.float32)
+    steps = [model.forward_hidden(idx[:, :5], cache, torch.arange(5))]
+    steps += [model.forward_hidden(idx[:, t:t + 1], cache, torch.tensor([t])) for t in range(5, 16)]
+    torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="a cache of 17 positions exceeds model.block_size=16"):
+        KVCache(model.cfg, 1, 17, torch.float32)
+
+
+def test_the_head_scores_the_head_vocab_rows_only():
+    model = tiny(head_vocab=90)
+    idx = torch.randint(0, 90, (2, 16))
+    assert model(idx).shape == (2, 16, 90) and model.lm_head_weight.shape == (90, 32)
+    assert model.lm_head_weight.data_ptr() == model.wte.weight.data_ptr()  # the tied rows, not a copy

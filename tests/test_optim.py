@@ -1,7 +1,6 @@
 """AdamW (loop / foreach / fused) and TorchAdamW against torch references: torch.optim.AdamW,
 clip_grad_norm_, GradScaler; the fused finalize kernel against the torch rule it is the twin of."""
 
-import importlib.util
 import io
 import itertools
 import os
@@ -17,7 +16,7 @@ from minitrain.optim import AdamW, TorchAdamW
 from minitrain.optim.adamw import Counters, decide_step
 from minitrain.optim.adamw_triton import BLOCK, GRAD_MULT, INV_BC1, INV_BC2_SQRT, N_SCALARS, NOT_SKIPPED, finalize
 
-from conftest import REPO
+from conftest import round_trip
 
 IMPLS = ["loop", "foreach", "fused"]
 SHAPES = [(1,), (13,), (1025,), (3, 5, 7), (BLOCK + 37,), (2, BLOCK)]
@@ -298,6 +297,30 @@ def test_state_dict_resume_is_bit_identical(impl):
     assert_bit_identical(snapshot(opt2, ps2), snapshot(opt, ps))
 
 
+@pytest.mark.parametrize("impl", ["foreach", "torch"])
+def test_skipped_steps_survive_a_resume(impl):
+    """amp/skipped_steps is logged from the optimizer's count: a resumed run must go on counting from it."""
+    def build():
+        p = torch.nn.Parameter(torch.ones(5))
+        if impl == "torch":
+            return TorchAdamW([p], loss_scaling=LossScaling(init_scale=2.0**8))
+        return AdamW([p], impl=impl, loss_scaling=LossScaling(init_scale=2.0**8))
+
+    def overflowing_step(opt):
+        param = opt.param_groups[0]["params"][0]
+        opt.scale((param * float("inf")).sum()).backward()  # an inf gradient
+        opt.step()
+        opt.zero_grad()
+
+    saved = build()
+    overflowing_step(saved)
+    resumed = build()
+    resumed.load_state_dict(round_trip(saved.state_dict()))
+    assert resumed.stats()["skipped_steps"].item() == 1
+    overflowing_step(resumed)
+    assert resumed.stats()["skipped_steps"].item() == 2
+
+
 @pytest.mark.parametrize("impl", ["foreach", "fused"])
 def test_fp32_main_grads_and_foreign_zero_grad(impl):
     """grad_dtype=fp32 accumulates micro-batches into fp32 main grads and frees p.grad; with
@@ -576,18 +599,12 @@ def test_build_adamw_follows_the_precision():
         build_adamw([torch.nn.Parameter(torch.randn(3))], "torch", reference, reduce_sumsq=lambda t: t)
 
 
-def load_bench_optimizer():
-    spec = importlib.util.spec_from_file_location("bench_optimizer", REPO / "scripts" / "bench_optimizer.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def test_bench_optimizer_rows_pass_their_check_and_a_wrong_one_fails():
-    """scripts/bench_optimizer.py validates each row's first step before timing it: every row (ours through the
+def test_bench_optimizer_rows_pass_their_check_and_a_wrong_one_fails(monkeypatch):
+    """The optimizer benchmark validates each row's first step before timing it: every row (ours through the
     interpreter) passes on small shapes; a row that skips the update, or whose master copy autograd records
     (the unfair torch baseline it used to time), is refused."""
-    bench = load_bench_optimizer()
+    from minitrain.tools.benchmarks import optimizer as bench
+
     shapes = [(48, 40), (40,), (BLOCK + 5,)]
     weights, grads = bench.inputs(shapes, torch.get_default_device())
     references = {clips: bench.reference_update(weights, grads, clips) for clips in (False, True)}
@@ -599,8 +616,8 @@ def test_bench_optimizer_rows_pass_their_check_and_a_wrong_one_fails():
         masters, params = result()
         return lambda: (step(), torch._foreach_copy_(params, masters)), nbytes, result
 
-    bench.ROWS["no update"] = (lambda w, g: (lambda: None, 0, lambda: (w, None)), False)
-    bench.ROWS["recorded"] = (recorded_master_path, False)
+    monkeypatch.setitem(bench.ROWS, "no update", (lambda w, g: (lambda: None, 0, lambda: (w, None)), False))
+    monkeypatch.setitem(bench.ROWS, "recorded", (recorded_master_path, False))
     with pytest.raises(bench.ValidationError, match="no update: tensor 0"):
         bench.checked_first_step("no update", weights, grads, references)
     with pytest.raises(bench.ValidationError, match="recorded: autograd recorded"):

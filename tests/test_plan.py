@@ -5,9 +5,10 @@ import re
 
 import pytest
 import torch
+from conftest import fake_gpu
 
-from minitrain import plan as plan_module
-from minitrain.config import ConfigError, compose_config, resolve
+from minitrain import memory, plan as plan_module
+from minitrain.config import CheckpointingConfig, CheckpointPolicy, ConfigError, compose_config, resolve
 from minitrain.memory import GB
 from minitrain.plan import PlanError, _compile_mode, make_plan
 from minitrain.schedule import LRSchedule
@@ -36,13 +37,18 @@ def test_cpu_defaults_resolve_to_the_fast_cpu_step():
         assert word in text, word
 
 
-def test_explicit_settings_win_and_a_slow_cpu_precision_is_named():
+@pytest.mark.parametrize("has_bf16", [False, True])
+def test_explicit_settings_win_and_a_slow_cpu_precision_is_named(monkeypatch, has_bf16):
+    """bf16 is slow only on a CPU without bf16 instructions (on one with them it measured 1.37x fp32's speed)."""
+    monkeypatch.setattr(plan_module, "cpu_has_bf16", lambda: has_bf16)
     p = plan_for("precision=bf16", "trainer.micro_batch=8", "checkpointing=full", "trainer.compile=true",
                  "trainer.warmup_steps=3", "loss=fused", "optimizer.impl=loop")
     assert (p.precision.name, p.micro_batch, p.grad_accum, p.checkpointing.policy.value) == ("bf16", 8, 4, "full")
     assert (p.compile_mode, p.loss_impl, p.optimizer_impl, p.schedule.warmup_steps) == ("default", "fused", "loop", 3)
     assert not {"precision", "micro_batch", "checkpointing", "warmup"} & set(p.auto)
-    assert any("bf16" in note and "CPU" in note for note in p.notes)
+    assert [note for note in p.notes if "bf16" in note] == ([] if has_bf16 else [
+        "precision=bf16 on a CPU without bf16 instructions (AVX512-BF16, AMX): bf16 matmuls run many times slower "
+        "than fp32 here (precision=auto picks fp32)"])
     assert any("fp16" in note and "slower" in note for note in plan_for("precision=fp16").notes)
     assert not plan_for("precision=fp32").notes
 
@@ -57,11 +63,6 @@ def test_compile_auto_uses_cuda_graphs_in_one_process_only():
     assert _compile_mode(off, cuda) is None
 
 
-def test_auto_precision_refuses_a_dtype_field_it_would_overwrite():
-    with pytest.raises(ConfigError, match=r"precision\.param_dtype"):
-        plan_for("precision.param_dtype=bf16")
-
-
 def test_short_runs_warm_up_over_a_tenth_of_their_steps():
     assert plan_for("trainer.max_steps=20").schedule.warmup_steps == 2
     assert plan_for("trainer.max_steps=5").schedule.warmup_steps == 0
@@ -74,24 +75,123 @@ def test_schedule_warms_up_linearly_then_decays_to_min_lr():
     assert LRSchedule(1.0, 0.0, 0, 10)(0) == 1.0  # no warmup: the first step at the peak
 
 
-def test_auto_fit_trades_micro_batch_and_recompute_within_the_budget(monkeypatch):
-    args = ("model=gpt2-124m", "trainer.batch_size=64")
-    roomy = plan_for(*args, memory_gb=1000, monkeypatch=monkeypatch)
-    assert (roomy.micro_batch, roomy.checkpointing.policy.value) == (64, "none")
-    budgets = [60, 30, 15, 9]
-    plans = [plan_for(*args, memory_gb=gb / 0.9, monkeypatch=monkeypatch) for gb in budgets]
-    for gb, p in zip(budgets, plans):
-        assert p.memory.peak <= gb * GB
-        # the chosen pair is the best-ranked one that fits: nothing that fits ranks higher
-        rate = plan_module.predicted_rate(p.micro_batch * 1024, p.checkpointing, 12)
-        assert rate == max(plan_module.predicted_rate(m * 1024, c, 12)
-                           for c in plan_module._policies(p.checkpointing.__class__(plan_module.CheckpointPolicy.auto), 12)
-                           for m in (64, 32, 16, 8, 4, 2, 1)
-                           if plan_module.memory.predict(p.model, p.precision, c, m, 1024, p.loss_impl, None,
-                                                         grad_accum=64 // m, device="cpu",
-                                                         optimizer_impl=p.optimizer_impl).peak <= gb * GB)
-    tokens_per_forward = [p.micro_batch for p in plans]
-    assert tokens_per_forward == sorted(tokens_per_forward, reverse=True) and plans[-1].micro_batch < 64
+# -- the auto-fit: every candidate's peak as the budget, ranked by the throughput model ---------------------------------
+GPT2_T, GPT2_LAYERS = 1024, 12
+# The throughput model of docs/benchmarks.md ("The plan's auto-fit"), written out here rather than read from plan.py:
+# a micro-batch of n tokens runs at n / (n + 1024) of the large-batch rate; recompute costs 3% (selective) or 17%
+# of the step for full recompute, every_k in proportion to the blocks it reruns.
+RECOMPUTED_SHARE = {("none", 0): 0.0, ("every_k", 4): 3 / 12, ("every_k", 2): 6 / 12, ("full", 0): 1.0}
+CANDIDATE_POLICIES = [CheckpointingConfig(CheckpointPolicy.none), CheckpointingConfig(CheckpointPolicy.selective),
+                      CheckpointingConfig(CheckpointPolicy.every_k, 4), CheckpointingConfig(CheckpointPolicy.every_k, 2),
+                      CheckpointingConfig(CheckpointPolicy.full)]
+
+
+def expected_rate(micro: int, policy: CheckpointingConfig) -> float:
+    tokens = micro * GPT2_T
+    cost = 0.03 if policy.policy == CheckpointPolicy.selective else \
+        0.17 * RECOMPUTED_SHARE[(policy.policy.value, policy.every_k if policy.policy == CheckpointPolicy.every_k else 0)]
+    return tokens / (tokens + 1024) / (1 + cost)
+
+
+@pytest.fixture(scope="module")
+def gpt2_candidates():
+    """gpt2-124m, a global batch of 64 on the CPU: (micro-batch, policy, predicted peak) of every pair the auto-fit
+    may pick (micro-batches dividing 64; none, selective, every_k 4 and 2, full), fastest first."""
+    p = make_plan(resolve(compose_config(["trainer.out_dir=.", "model=gpt2-124m", "trainer.batch_size=64"])),
+                  VOCAB, CPU)
+    pairs = [(m, c) for c in CANDIDATE_POLICIES for m in (64, 32, 16, 8, 4, 2, 1)]
+    peaks = {(m, c.policy.value, c.every_k): memory.predict(p.model, p.precision, c, m, GPT2_T, p.loss_impl, None,
+                                                            grad_accum=64 // m, device="cpu",
+                                                            optimizer_impl=p.optimizer_impl).peak
+             for m, c in pairs}
+    ranked = sorted(pairs, key=lambda mc: expected_rate(*mc), reverse=True)
+    return [(m, c.policy.value, c.every_k if c.policy == CheckpointPolicy.every_k else None,
+             peaks[(m, c.policy.value, c.every_k)]) for m, c in ranked]
+
+
+def chosen(p) -> tuple:
+    policy = p.checkpointing.policy.value
+    return p.micro_batch, policy, p.checkpointing.every_k if policy == "every_k" else None
+
+
+def test_recompute_costs_and_rates_of_the_throughput_model():
+    n = GPT2_LAYERS
+    for policy in CANDIDATE_POLICIES:
+        for micro in (1, 4, 64):
+            assert plan_module.predicted_rate(micro * GPT2_T, policy, n) == pytest.approx(expected_rate(micro, policy),
+                                                                                          rel=1e-12)
+    assert plan_module.recompute_cost(CheckpointingConfig(CheckpointPolicy.every_k, 4), 6) == pytest.approx(0.17 / 6)
+    # four sequences with full recompute outrun two without: halving the micro-batch is the dearer trade there
+    assert expected_rate(4, CANDIDATE_POLICIES[-1]) > expected_rate(2, CANDIDATE_POLICIES[0])
+
+
+@pytest.mark.parametrize("n_layer, every_k", [(1, []), (2, [2]), (3, [2]), (4, [4, 2]), (12, [4, 2])])
+def test_auto_checkpointing_tries_every_k_only_where_it_reruns_fewer_blocks_than_full(n_layer, every_k):
+    policies = plan_module._policies(CheckpointingConfig(CheckpointPolicy.auto), n_layer)
+    assert [(c.policy.value, c.every_k) for c in policies] == \
+        [("none", 2), ("selective", 2), *[("every_k", k) for k in every_k], ("full", 2)]  # cheapest recompute first
+
+
+@pytest.mark.parametrize("slack", [0, -1])  # the budget exactly at a candidate's peak, then one byte short of it
+def test_auto_fit_picks_the_fastest_candidate_within_the_budget_to_the_byte(monkeypatch, gpt2_candidates, slack):
+    """Each candidate's predicted peak in turn as the budget (half the device's memory): the plan takes the fastest
+    candidate whose peak is at most the budget (exactly at it fits; one byte over does not), by the throughput
+    model."""
+    cfg = resolve(compose_config(["trainer.out_dir=.", "model=gpt2-124m", "trainer.batch_size=64",
+                                  "trainer.memory_budget=0.5"]))
+    picked = set()
+    for *_, peak in gpt2_candidates:
+        budget = peak + slack
+        monkeypatch.setattr(plan_module, "device_memory", lambda device: 2 * budget)
+        fits = [c for c in gpt2_candidates if c[3] <= budget]
+        if not fits:
+            with pytest.raises(PlanError):
+                make_plan(cfg, VOCAB, CPU)
+            continue
+        p = make_plan(cfg, VOCAB, CPU)
+        assert chosen(p) == fits[0][:3], budget
+        assert p.memory.peak == fits[0][3] and p.memory_budget == budget
+        picked.add(p.checkpointing.policy.value)
+    assert picked == {"none", "selective", "every_k", "full"}  # every policy's cost steered some choice
+
+
+def test_with_one_setting_fixed_auto_fits_the_other(monkeypatch, gpt2_candidates):
+    def plan_within(budget, *overrides):
+        monkeypatch.setattr(plan_module, "device_memory", lambda device: budget)
+        return make_plan(resolve(compose_config(["trainer.out_dir=.", "model=gpt2-124m", "trainer.batch_size=64",
+                                                 "trainer.memory_budget=1", *overrides])), VOCAB, CPU)
+
+    peak = {c[:3]: c[3] for c in gpt2_candidates}
+    full = plan_within(peak[(32, "full", None)], "checkpointing=full")
+    assert chosen(full) == (32, "full", None) and "checkpointing" not in full.auto and "micro_batch" in full.auto
+    eight = plan_within(peak[(8, "every_k", 2)], "trainer.micro_batch=8")
+    assert chosen(eight) == (8, "every_k", 2) and "micro_batch" not in eight.auto and "checkpointing" in eight.auto
+
+
+def test_on_a_tie_the_plan_prefers_less_recompute_then_the_larger_micro_batch(monkeypatch, gpt2_candidates):
+    """With every candidate predicted equally fast, no recomputation wins over any micro-batch that needs it."""
+    monkeypatch.setattr(plan_module, "predicted_rate", lambda *args: 1.0)
+    peak = {c[:3]: c[3] for c in gpt2_candidates}
+    budget = peak[(64, "full", None)]  # fits full recompute at 64 and no recompute at 32, not at 64
+    assert peak[(32, "none", None)] <= budget < peak[(64, "none", None)]
+    monkeypatch.setattr(plan_module, "device_memory", lambda device: budget)
+    p = make_plan(resolve(compose_config(["trainer.out_dir=.", "model=gpt2-124m", "trainer.batch_size=64",
+                                          "trainer.memory_budget=1"])), VOCAB, CPU)
+    assert chosen(p) == (32, "none", None)
+
+
+@pytest.mark.parametrize("fraction, total_for_peak", [(1.0, lambda peak: peak), (0.5, lambda peak: 2 * peak)])
+def test_an_explicit_step_at_the_budget_fits_and_one_byte_over_stops_the_plan(monkeypatch, fraction, total_for_peak):
+    """trainer.memory_budget is a fraction of the device's bytes, rounded down: a step predicted exactly at it
+    runs; one byte over is refused."""
+    args = ("model=gpt2-124m", "trainer.micro_batch=8", "checkpointing=none", f"trainer.memory_budget={fraction}")
+    peak = plan_for(*args, memory_gb=1000, monkeypatch=monkeypatch).memory.peak
+    monkeypatch.setattr(plan_module, "device_memory", lambda device: total_for_peak(peak))
+    p = plan_for(*args)
+    assert (p.memory.peak, p.memory_budget, p.device_memory) == (peak, peak, total_for_peak(peak))
+    monkeypatch.setattr(plan_module, "device_memory", lambda device: total_for_peak(peak) - 1)
+    with pytest.raises(PlanError, match="does not fit"):
+        plan_for(*args)
 
 
 def test_a_step_that_cannot_fit_stops_at_the_plan_naming_what_to_change(monkeypatch):
@@ -132,3 +232,156 @@ def test_the_global_batch_must_split_over_ranks():
     with pytest.raises(ConfigError, match=r"trainer\.batch_size"):
         plan_for("trainer.batch_size=6", world_size=4)
     assert plan_for("trainer.batch_size=8", world_size=4).micro_batch == 2
+
+
+# -- the refusal's advice ---------------------------------------------------------------------------------------------
+def test_a_step_that_cannot_fit_names_its_smallest_candidate(monkeypatch, gpt2_candidates):
+    micro, policy, every_k, peak = min(gpt2_candidates, key=lambda c: c[3])
+    assert (micro, policy) == (1, "full")
+    monkeypatch.setattr(plan_module, "device_memory", lambda device: peak - 1)
+    with pytest.raises(PlanError) as refused:
+        plan_for("model=gpt2-124m", "trainer.batch_size=64", "trainer.memory_budget=1")
+    message = str(refused.value)
+    assert f"its smallest predicted peak is {peak / GB:.2f} GB (micro-batch 1), over trainer.memory_budget=1.0 " \
+           "of the RAM available" in message
+    assert message.splitlines()[-1].split()[-2] == f"{peak / GB:.3f}"  # the table is the smallest candidate's
+
+
+@pytest.mark.parametrize("micro_batch, checkpointing, named", [
+    ("8", "none", ["trainer.micro_batch=auto", "checkpointing=auto"]),
+    ("auto", "none", ["checkpointing=auto"]),
+    ("8", "auto", ["trainer.micro_batch=auto"]),
+    ("auto", "auto", []),
+])
+def test_the_refusal_advises_auto_only_for_settings_that_are_not(monkeypatch, micro_batch, checkpointing, named):
+    with pytest.raises(PlanError) as refused:
+        plan_for("model=gpt2-1.5b", "trainer.batch_size=8", f"trainer.micro_batch={micro_batch}",
+                 f"checkpointing={checkpointing}", memory_gb=16, monkeypatch=monkeypatch)
+    advice = str(refused.value).split("Try ")[1].split(".\n")[0]
+    assert advice == ", ".join(named + ["a smaller model", "or distributed=fsdp over more devices"])
+
+
+def test_the_budget_advised_is_the_smallest_hundredth_that_fits(monkeypatch):
+    args = ("model=gpt2-124m", "trainer.micro_batch=8", "checkpointing=none")
+    peak = plan_for(*args, memory_gb=1000, monkeypatch=monkeypatch).memory.peak
+    total = int(peak / 0.4731)  # the step needs 47.31% of this machine
+    monkeypatch.setattr(plan_module, "device_memory", lambda device: total)
+    with pytest.raises(PlanError) as refused:
+        plan_for(*args, "trainer.memory_budget=0.3")
+    assert "checkpointing=auto, trainer.memory_budget=0.48, a smaller model" in str(refused.value)
+    assert plan_for(*args, "trainer.memory_budget=0.48").memory.peak == peak
+    with pytest.raises(PlanError):
+        plan_for(*args, "trainer.memory_budget=0.47")
+
+
+def test_the_budget_advice_reaches_the_whole_device_and_no_further(monkeypatch):
+    args = ("model=gpt2-124m", "trainer.micro_batch=8", "checkpointing=none", "trainer.memory_budget=0.9")
+    peak = plan_for(*args, memory_gb=1000, monkeypatch=monkeypatch).memory.peak
+    monkeypatch.setattr(plan_module, "device_memory", lambda device: peak)  # all of it: the step just fits
+    with pytest.raises(PlanError, match=r"Try trainer\.micro_batch=auto, checkpointing=auto, trainer\.memory_budget=1, a"):
+        plan_for(*args)
+    plan_for(*args[:-1], "trainer.memory_budget=1")
+    monkeypatch.setattr(plan_module, "device_memory", lambda device: peak - 1)  # one byte short: no fraction helps
+    with pytest.raises(PlanError) as refused:
+        plan_for(*args)
+    assert "trainer.memory_budget=" not in str(refused.value).split("Try ")[1]
+
+
+@pytest.mark.parametrize("device, precision, advised", [
+    ("cuda", "fp32", True), ("cuda", "amp_bf16", True), ("cuda", "bf16", False), ("cuda", "fp16", False),
+    ("cpu", "fp32", False),  # bf16 matmuls are many times slower than fp32 on most CPUs
+])
+def test_the_refusal_advises_bf16_where_two_byte_params_would_help_and_run_fast(monkeypatch, device, precision,
+                                                                                advised):
+    fake_gpu(monkeypatch, bf16=True, memory=16 * 10**9)
+    monkeypatch.setattr(plan_module, "device_memory", lambda device: 16 * 10**9)
+    with pytest.raises(PlanError) as refused:
+        plan_for("model=gpt2-1.5b", f"precision={precision}", device=torch.device(device))
+    message = str(refused.value)
+    assert ("precision=bf16" in message.split("Try ")[1]) == advised
+    assert ("of the RAM available" if device == "cpu" else "of the device's memory") in message
+
+
+# -- every `auto`, per kind of device ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("gpu, resolved", [
+    (None, dict(device="cpu", name="cpu", precision="fp32", tf32=False, compile_mode=None, loss="torch",
+                optimizer="foreach", gelu="torch", max_skipped_steps=3, memory=12 * 10**9)),
+    ("bf16", dict(device="cuda", name="a fake GPU", precision="bf16", tf32=True, compile_mode="reduce-overhead",
+                  loss="fused", optimizer="fused", gelu="fused", max_skipped_steps=3, memory=80 * 10**9)),
+    ("fp16", dict(device="cuda", name="a fake GPU", precision="fp16", tf32=True, compile_mode="reduce-overhead",
+                  loss="fused", optimizer="fused", gelu="fused", max_skipped_steps=25, memory=80 * 10**9)),
+])
+def test_every_auto_resolves_for_the_kind_of_device(monkeypatch, gpu, resolved):
+    """The default config (every setting `auto`) on a CPU, a GPU with bf16 and a GPU without: what each gets."""
+    import types
+
+    if gpu is None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    else:
+        fake_gpu(monkeypatch, bf16=gpu == "bf16")
+    monkeypatch.setattr(plan_module.psutil, "virtual_memory", lambda: types.SimpleNamespace(available=12 * 10**9))
+    device = plan_module.pick_device("auto")
+    p = plan_for(device=device)
+    assert dict(device=device.type, name=p.device_name, precision=p.precision.name, tf32=p.precision.tf32,
+                compile_mode=p.compile_mode, loss=p.loss_impl, optimizer=p.optimizer_impl, gelu=p.model.gelu.value,
+                max_skipped_steps=p.max_skipped_steps, memory=p.device_memory) == resolved
+    assert p.cuda_graphs == (gpu is not None) and p.memory_budget == int(0.9 * resolved["memory"])
+    assert set(p.auto) == {"device", "precision", "compile", "kernels", "micro_batch", "checkpointing", "warmup"}
+    assert (p.micro_batch, p.checkpointing.policy.value, p.schedule.warmup_steps) == (32, "none", 30)
+    assert not p.notes
+
+
+def test_device_auto_and_an_absent_gpu(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert plan_module.pick_device("auto") == CPU and plan_module.pick_device("cpu") == CPU
+    with pytest.raises(ConfigError, match=r"^trainer\.device: cuda was asked for but torch sees no CUDA device"):
+        plan_module.pick_device("cuda")
+    assert "device" not in plan_for("trainer.device=cpu").auto
+
+
+@pytest.mark.parametrize("overrides, skipped", [
+    (["precision=fp16"], 25), (["precision=bf16"], 3), (["precision=fp32"], 3),
+    (["precision=fp32", "precision.autocast_dtype=fp16", "precision.loss_scaling=true", "optimizer.impl=torch"], 25),
+    (["precision=fp16", "trainer.max_skipped_steps=7"], 7), (["precision=fp32", "trainer.max_skipped_steps=1"], 1),
+])
+def test_the_skipped_step_limit_follows_loss_scaling_unless_set(overrides, skipped):
+    """With loss scaling each overflow halves the scale, so 25 skips in a row is a diverged run; without, 3."""
+    assert plan_for(*overrides).max_skipped_steps == skipped
+
+
+@pytest.mark.parametrize("overrides, device, mode, tagged", [
+    ([], "cpu", None, True),
+    (["trainer.compile=true"], "cpu", "default", True),  # compile_mode=auto still chose
+    (["trainer.compile=true", "trainer.compile_mode=max-autotune"], "cpu", "max-autotune", False),
+    (["trainer.compile=false"], "cuda", None, False),
+    (["trainer.compile_mode=default"], "cuda", "default", True),  # compile=auto chose to compile
+    (["distributed=fsdp"], "cuda", "default", True),
+])
+def test_compile_is_tagged_auto_where_auto_chose(monkeypatch, overrides, device, mode, tagged):
+    fake_gpu(monkeypatch, bf16=True)
+    p = plan_for(*overrides, device=torch.device(device))
+    assert (p.compile_mode, "compile" in p.auto) == (mode, tagged)
+
+
+@pytest.mark.parametrize("overrides, tagged", [
+    (["loss=fused", "model.gelu=torch", "optimizer.impl=loop"], False),
+    (["loss=auto", "model.gelu=torch", "optimizer.impl=loop"], True),
+    (["loss=fused", "model.gelu=auto", "optimizer.impl=loop"], True),
+    (["loss=fused", "model.gelu=torch", "optimizer.impl=auto"], True),
+])
+def test_kernels_are_tagged_auto_when_any_of_them_was(overrides, tagged):
+    assert ("kernels" in plan_for(*overrides).auto) == tagged
+@pytest.mark.parametrize("cpuinfo, has_bf16", [
+    ("flags\t\t: fpu sse2 avx2 avx512f avx512_vnni\n", False),
+    ("flags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n", True),
+    ("flags\t\t: fpu avx512f amx_tile amx_bf16 amx_int8\n", True),
+    ("Features\t: fp asimd sve bf16 i8mm\n", True),  # Arm
+    ("Features\t: fp asimd sve i8mm\n", False),
+    (None, False),  # no /proc/cpuinfo: unknown
+])
+def test_bf16_instructions_are_read_from_the_cpus_flags(tmp_path, monkeypatch, cpuinfo, has_bf16):
+    path = tmp_path / "cpuinfo"
+    if cpuinfo is not None:
+        path.write_text("processor\t: 0\n" + cpuinfo)
+    monkeypatch.setattr(plan_module, "CPUINFO", path)
+    assert plan_module.cpu_has_bf16() is has_bf16

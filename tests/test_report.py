@@ -1,7 +1,11 @@
 import json
+import shutil
 import subprocess
 import sys
 
+import pytest
+
+from minitrain.tools import report
 from minitrain.tools.report import PLOTS_SKIPPED, RSS_NOTE, load_sweep, write_report
 
 from conftest import REPO
@@ -15,6 +19,9 @@ CELLS = {"0_precision=fp32,checkpointing=none": (["precision=fp32", "checkpointi
 PLAN = {"plan": {"precision": "bf16", "micro_batch": 8, "grad_accum": 2}}
 
 
+TOKENS_PER_STEP = 64
+
+
 def fabricate_sweep(root):
     """Job dirs as the trainer writes them: .hydra/overrides.yaml, metrics.jsonl (the run's plan first,
     then one record per log step), memory.json."""
@@ -22,8 +29,9 @@ def fabricate_sweep(root):
         d = root / job
         (d / ".hydra").mkdir(parents=True)
         (d / ".hydra" / "overrides.yaml").write_text("".join(f"- {o}\n" for o in overrides))
-        records = [{"step": i + 1, "train/loss": 5.0 - i, "perf/tokens_per_s": t, "perf/mfu": t / 1e4,
-                    "perf/hfu": t / 8e3} for i, t in enumerate(tokens_per_s)]
+        records = [{"step": i + 1, "tokens": (i + 1) * TOKENS_PER_STEP, "train/loss": 5.0 - i,
+                    "amp/skipped_steps": 0.0, "perf/tokens_per_s": t, "perf/mfu": t / 1e4, "perf/hfu": t / 8e3}
+                   for i, t in enumerate(tokens_per_s)]
         (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [PLAN, *records]))
         terms = {"weights": 0.1, "grads": 0.1, "masters": 0.2, "adam_m": 0.2, "adam_v": 0.2}
         (d / "memory.json").write_text(json.dumps({
@@ -40,7 +48,7 @@ def test_a_cell_that_did_not_run_is_listed_under_the_table(tmp_path):
     cells, not_run = load_sweep(tmp_path)
     assert len(cells) == 2 and not_run == [("precision=fp16,checkpointing=none", "the step does not fit")]
     md = write_report(tmp_path, out_dir=tmp_path / "out", wandb_mode=None)["report"].read_text()
-    assert "Did not run:\n- precision=fp16,checkpointing=none: the step does not fit\n" in md
+    assert "Did not finish:\n- precision=fp16,checkpointing=none: the step does not fit\n" in md
 
 
 def test_report_from_fabricated_sweep(tmp_path):
@@ -54,22 +62,41 @@ def test_report_from_fabricated_sweep(tmp_path):
     files = write_report(tmp_path, out_dir=tmp_path / "out", wandb_mode=None)
     md = files["report"].read_text()
     assert "| precision=bf16,checkpointing=full | 2,500 | 25.0% | 31.2% | 2.000 | 2.200 | 0.909 | 3.0000 |" in md
-    for name in ("throughput_vs_memory", "memory_breakdown"):
+    for name in ("throughput_vs_memory", "memory_breakdown", "loss_curves"):
         assert files[name].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "loss_scale" not in files  # no cell scales its loss
 
 
 def test_a_cpu_runs_rss_is_shown_as_such_and_not_divided_into_the_prediction(tmp_path):
     fabricate_sweep(tmp_path)
     cpu = tmp_path / "1_precision=bf16,checkpointing=full" / "memory.json"
     memory = json.loads(cpu.read_text())
-    memory["mem/rss_gb"] = memory.pop("mem/peak_allocated_gb")
+    memory["mem/peak_rss_gb"] = memory.pop("mem/peak_allocated_gb")
     cpu.write_text(json.dumps(memory))
     cells, _ = load_sweep(tmp_path)
     assert [c.measured_is_rss for c in cells] == [False, True] and cells[1].measured_gb == 2.2
     md = write_report(tmp_path, out_dir=tmp_path / "out", wandb_mode=None)["report"].read_text()
     assert "| precision=fp32,checkpointing=none | 1,000 | 10.0% | 12.5% | 6.000 | 5.500 | 1.091 | 3.0000 |" in md
-    assert "| precision=bf16,checkpointing=full | 2,500 | 25.0% | 31.2% | 2.000 | 2.200 (RSS) | — | 3.0000 |" in md
+    assert "| precision=bf16,checkpointing=full | 2,500 | 25.0% | 31.2% | 2.000 | 2.200 (peak RSS) | — | 3.0000 |" in md
     assert RSS_NOTE in md
+
+
+def test_a_cuda_graphed_cell_is_measured_by_its_peak_reserved(tmp_path):
+    """Under CUDA graphs the graphs' tensors sit in a pool the allocated counter misses (the trainer's memory line
+    compares reserved then); the report must set the prediction beside the same counter."""
+    fabricate_sweep(tmp_path)
+    graphed = tmp_path / "1_precision=bf16,checkpointing=full"
+    lines = (graphed / "metrics.jsonl").read_text().splitlines()
+    (graphed / "metrics.jsonl").write_text("\n".join([json.dumps({"plan": {**PLAN["plan"], "cuda_graphs": True}}),
+                                                      *lines[1:]]) + "\n")
+    memory = json.loads((graphed / "memory.json").read_text())
+    (graphed / "memory.json").write_text(json.dumps({**memory, "mem/peak_reserved_gb": 2.5}))
+    cells, _ = load_sweep(tmp_path)
+    assert [c.measured_is_reserved for c in cells] == [False, True] and cells[1].measured_gb == 2.5
+    md = write_report(tmp_path, out_dir=tmp_path / "out", wandb_mode=None)["report"].read_text()
+    assert "| precision=bf16,checkpointing=full | 2,500 | 25.0% | 31.2% | 2.000 | 2.500 (reserved) | 0.800 |" in md
+    assert "| precision=fp32,checkpointing=none | 1,000 | 10.0% | 12.5% | 6.000 | 5.500 | 1.091 |" in md
+    assert report.RESERVED_NOTE in md
 
 
 def test_report_without_matplotlib_writes_the_table(tmp_path, monkeypatch):
@@ -116,7 +143,12 @@ def test_report_logs_plots_to_wandb_offline(tmp_path, monkeypatch):
     fabricate_sweep(tmp_path)
     write_report(tmp_path, wandb_mode="offline")
     runs = list((tmp_path / "wandb").glob("offline-run-*"))
-    assert len(runs) == 1 and list(runs[0].rglob("*.png"))
+    assert len(runs) == 1
+    assert sorted(p.name.split("_0_")[0] for p in runs[0].rglob("*.png")) == \
+        ["loss_curves", "memory_breakdown", "throughput_vs_memory"]
+    table = json.loads(next(runs[0].rglob("sweep_*.table.json")).read_text())  # the table, as numbers
+    assert table["data"][1][:2] == ["precision=bf16,checkpointing=full", 2500.0]
+    assert table["data"][1][table["columns"].index("predicted_over_measured")] == pytest.approx(2.0 / 2.2)
 
 
 def test_report_on_a_real_cpu_multirun(data_cache, tmp_path):
@@ -133,3 +165,61 @@ def test_report_on_a_real_cpu_multirun(data_cache, tmp_path):
     md = (sweep / "report.md").read_text()
     assert "| checkpointing=none |" in md and "| checkpointing=selective |" in md
     assert (sweep / "throughput_vs_memory.png").exists() and (sweep / "memory_breakdown.png").exists()
+
+
+def fp16_cell(root, name="2_precision=fp16,checkpointing=none"):
+    """A loss-scaled cell: amp/loss_scale in its log records, a step skipped (the scale halved), a validation
+    record of its own between log steps (step only), and a loss that went non-finite (logged as null)."""
+    d = root / name
+    (d / ".hydra").mkdir(parents=True)
+    (d / ".hydra" / "overrides.yaml").write_text("- precision=fp16\n- checkpointing=none\n- trainer.max_steps=3\n")
+    records = [{"step": 2, "tokens": 2 * TOKENS_PER_STEP, "train/loss": 6.0, "amp/loss_scale": 65536.0,
+                "amp/skipped_steps": 0.0},
+               {"step": 3, "val/loss": 5.5},
+               {"step": 4, "tokens": 4 * TOKENS_PER_STEP, "train/loss": None, "amp/loss_scale": 32768.0,
+                "amp/skipped_steps": 1.0, "val/loss": 5.25}]
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in [PLAN, *records]))
+
+
+def test_loss_curves_are_against_tokens_one_line_per_cell(tmp_path, monkeypatch):
+    fabricate_sweep(tmp_path)
+    fp16_cell(tmp_path)
+    cells, _ = load_sweep(tmp_path)
+    fp16 = cells[2]
+    # the evaluation between log steps is placed at its tokens too; the null loss is left out
+    assert fp16.series("val/loss", "tokens") == ([3 * TOKENS_PER_STEP, 4 * TOKENS_PER_STEP], [5.5, 5.25])
+    assert fp16.series("train/loss", "tokens") == ([2 * TOKENS_PER_STEP], [6.0])
+    assert [c.loss_scaled for c in cells] == [False, False, True]
+    monkeypatch.setattr(report, "_save", lambda plt, fig, path: fig)  # the figure itself, to read its lines
+    train, val = report.plot_loss_curves(cells, tmp_path / "loss_curves.png").axes
+    assert [list(line.get_xdata()) for line in train.lines] == [[64, 128, 192], [64, 128, 192], [128]]
+    assert [list(line.get_ydata()) for line in train.lines] == [[5.0, 4.0, 3.0], [5.0, 4.0, 3.0], [6.0]]
+    assert [len(line.get_xdata()) for line in val.lines] == [0, 0, 2]
+    assert [line.get_color() for line in train.lines] == [line.get_color() for line in val.lines]
+
+
+def test_loss_scale_and_skipped_steps_of_the_loss_scaled_cells_only(tmp_path, monkeypatch):
+    fabricate_sweep(tmp_path)
+    fp16_cell(tmp_path)
+    cells, _ = load_sweep(tmp_path)
+    monkeypatch.setattr(report, "_save", lambda plt, fig, path: fig)
+    scale, skipped = report.plot_loss_scale(cells, tmp_path / "loss_scale.png").axes
+    assert [(list(line.get_xdata()), list(line.get_ydata())) for line in scale.lines] == \
+        [([2, 4], [65536.0, 32768.0])]
+    assert [list(line.get_ydata()) for line in skipped.lines] == [[0.0, 1.0]]
+    curves = report.plot_loss_curves(cells, tmp_path / "loss_curves.png").axes[0]
+    assert scale.lines[0].get_color() == curves.lines[2].get_color()  # the cell's colour in the loss curves
+    monkeypatch.undo()
+    files = write_report(tmp_path, out_dir=tmp_path / "out", wandb_mode=None)
+    assert files["loss_scale"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "![loss_scale](loss_scale.png)" in files["report"].read_text()
+
+
+def test_cells_of_one_setting_run_twice_are_told_apart_by_job(tmp_path):
+    fabricate_sweep(tmp_path)
+    again = tmp_path / "2_again"
+    shutil.copytree(tmp_path / "1_precision=bf16,checkpointing=full", again)
+    cells, _ = load_sweep(tmp_path)
+    assert [c.name for c in cells] == ["precision=fp32,checkpointing=none",
+                                       "precision=bf16,checkpointing=full #1_precision=bf16,checkpointing=full",
+                                       "precision=bf16,checkpointing=full #2_again"]

@@ -1,1 +1,2 @@
-"""Tooling beside training: reports, plots and models of the parts. Training never imports it."""
+"""Tooling beside training: reports, plots, models of the parts, and the benchmarks' shared code and checks.
+Training never imports it."""

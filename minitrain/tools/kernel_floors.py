@@ -42,22 +42,19 @@ half reads, half writes, so a kernel that mostly reads may stream faster than th
 from __future__ import annotations
 
 import functools
-import statistics
 from collections import defaultdict
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
-from typing import Callable, Iterable, Mapping, Optional
+from typing import Iterable, Mapping, Optional
 
 import torch
 
 from minitrain.model import GPT, attention_flops_per_token
 from minitrain.optim.adamw_triton import fused_bytes_per_param
 from minitrain.precision import Precision
+from minitrain.tools import bench
 
-COPY_BYTES = 2**29  # per buffer: many times any GPU's L2, so the copy streams from and to HBM
 GEMM_SIZE = 8192  # a square bf16 matmul large enough for cuBLAS's sustained rate
-WARMUP_REPEATS = 3  # untimed: cuBLAS's heuristics and the clocks settle
-TIMED_REPEATS = 10
 
 GEMM, ATTENTION, CROSS_ENTROPY = "GEMMs", "attention", "cross-entropy"
 GELU_FORWARD, GELU_BACKWARD = "GELU forward", "GELU backward"
@@ -100,30 +97,10 @@ class Work:
         return max(self.bytes / ceilings.copy_bytes_per_s, self.flops / ceilings.gemm_flops_per_s)
 
 
-def _median_seconds(op: Callable[[], object]) -> float:
-    """Median of TIMED_REPEATS runs of `op`, each between two CUDA events, after WARMUP_REPEATS untimed."""
-    for _ in range(WARMUP_REPEATS):
-        op()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
-              for _ in range(TIMED_REPEATS)]
-    for start, end in events:
-        start.record()
-        op()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(start.elapsed_time(end) for start, end in events) / 1e3
-
-
-def _copy_bytes_per_s(device: torch.device) -> float:
-    src = torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    return 2 * COPY_BYTES / _median_seconds(lambda: dst.copy_(src))
-
-
 def _gemm_flops_per_s(device: torch.device) -> float:
     a, b = (torch.randn(GEMM_SIZE, GEMM_SIZE, device=device, dtype=torch.bfloat16) for _ in range(2))
     out = torch.empty_like(a)
-    return 2 * GEMM_SIZE**3 / _median_seconds(lambda: torch.mm(a, b, out=out))
+    return 2 * GEMM_SIZE**3 / (bench.kernel_ms(lambda: torch.mm(a, b, out=out)) / 1e3)
 
 
 @functools.cache
@@ -131,7 +108,7 @@ def measure_ceilings(device: torch.device) -> Ceilings:
     """The device's copy bandwidth and bf16 GEMM rate. Measured once per process and device, so every row of
     a run is set against the same ceilings."""
     with torch.cuda.device(device):
-        return Ceilings(copy_bytes_per_s=_copy_bytes_per_s(device), gemm_flops_per_s=_gemm_flops_per_s(device))
+        return Ceilings(copy_bytes_per_s=bench.copy_bytes_per_s(device), gemm_flops_per_s=_gemm_flops_per_s(device))
 
 
 def classify(kernel: str) -> str:
@@ -204,18 +181,17 @@ def floor_table(kernels: Iterable[tuple[str, float, float]], floors: Mapping[str
     return [*with_floor, *without, other]
 
 
+FLOOR_COLUMNS = (bench.Column("class", "class"), bench.Column("kernels", "kernels", "d"),
+                 bench.Column("calls", "calls_per_step", ".1f"), bench.Column("measured", "ms_per_step", ".3f"),
+                 bench.Column("floor", "floor_ms_per_step", ".3f"), bench.Column("x floor", "ratio", ".2f"),
+                 bench.Column("gap", "gap_ms", ".3f"))
+
+
 def format_table(floors: dict) -> list[str]:
     """The lines printed under a profile: the ceilings in the header, then each row of `floor_table`."""
-    def cell(value: Optional[float], digits: int = 3) -> str:
-        return f"{'—':>8}" if value is None else f"{value:>8.{digits}f}"
+    def largest(row: dict) -> str:
+        return "largest: " + ", ".join(f"{k['kernel'][:40]} {k['ms_per_step']:.3f}" for k in row.get("largest", []))
 
-    lines = [f"floors at copy {floors['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 GEMM "
-             f"{floors['gemm_flops_per_s'] / 1e12:.0f} TFLOP/s (both measured here); ms/step, largest gap first",
-             f"{'class':<20} {'kernels':>7} {'calls':>7} {'measured':>8} {'floor':>8} {'x floor':>8} {'gap':>8}"]
-    for r in floors["rows"]:
-        line = (f"{r['class']:<20} {r['kernels']:>7} {r['calls_per_step']:>7.1f} {r['ms_per_step']:>8.3f} "
-                f"{cell(r['floor_ms_per_step'])} {cell(r['ratio'], 2)} {cell(r['gap_ms'])}")
-        if r.get("largest"):
-            line += "  largest: " + ", ".join(f"{k['kernel'][:40]} {k['ms_per_step']:.3f}" for k in r["largest"])
-        lines.append(line)
-    return lines
+    return [f"floors at copy {floors['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 GEMM "
+            f"{floors['gemm_flops_per_s'] / 1e12:.0f} TFLOP/s (both measured here); ms/step, largest gap first",
+            *bench.table(floors["rows"], FLOOR_COLUMNS, note=lambda r: largest(r) if r.get("largest") else "")]

@@ -1,0 +1,179 @@
+"""Sampling from a GPT: the prompt once into a KV cache (prefill), then one token per step (decode).
+
+A step scores the next token over the LM head's rows (never the embedding's padding: model.head_vocab), drops
+ids beyond the tokenizer's vocabulary, then applies temperature, top-k and top-p (in transformers' order) and
+draws by the exponential race: argmax(p / E) with E ~ Exp(1) picks token i with probability p_i, in tensor ops
+only (no host sync, one graph). temperature=0 is greedy.
+
+On a GPU the decode step is compiled with CUDA graphs (torch.compile mode=reduce-overhead): its shapes are the
+same at every position (minitrain/model.py's KVCache), so one recorded graph replays each token without the host
+launching kernels. On a CPU everything runs eagerly in fp32. Without the cache (kv_cache=False) each step runs
+the whole sequence again: slower, and the reference the cached path is tested against.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from .model import GPT, KVCache
+
+
+class GenerationError(ValueError):
+    """Sampling settings or a prompt that cannot work; the message names the setting."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 1.0  # 0: greedy
+    top_k: Optional[int] = None  # keep the k most likely tokens
+    top_p: Optional[float] = None  # keep the fewest most likely tokens whose probability reaches p
+    vocab: Optional[int] = None  # ids at or above it are never drawn (the tokenizer's vocabulary)
+
+    def __post_init__(self):
+        if self.temperature < 0:
+            raise GenerationError(f"temperature must be >= 0 (0: greedy), got {self.temperature}")
+        if self.top_k is not None and self.top_k < 1:
+            raise GenerationError(f"top_k must be >= 1, got {self.top_k}")
+        if self.top_p is not None and not 0 < self.top_p <= 1:
+            raise GenerationError(f"top_p must be in (0, 1], got {self.top_p}")
+
+
+def filtered_logits(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """(B, V) logits -> the fp32 logits of the ids below s.vocab, tempered, -inf where top-k or top-p removes a
+    token (transformers' TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper, in that order)."""
+    logits = logits[:, : s.vocab].float()
+    if s.temperature == 0:
+        return logits
+    logits = logits / s.temperature
+    if s.top_k is not None and s.top_k < logits.shape[-1]:
+        kth = torch.topk(logits, s.top_k).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if s.top_p is not None and s.top_p < 1:
+        ordered, order = logits.sort(dim=-1, descending=True)
+        probs = ordered.softmax(-1)
+        before = probs.cumsum(-1) - probs  # the probability of the tokens more likely than each
+        logits = logits.masked_fill(torch.zeros_like(before, dtype=torch.bool).scatter(1, order, before >= s.top_p),
+                                    float("-inf"))
+    return logits
+
+
+def next_token(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """(B, V) logits -> (B,) token ids drawn as `s` says."""
+    logits = filtered_logits(logits, s)
+    if s.temperature == 0:
+        return logits.argmax(-1)
+    probs = logits.softmax(-1)
+    race = torch.empty_like(probs).exponential_().clamp_min_(torch.finfo(probs.dtype).tiny)
+    return (probs / race).argmax(-1)
+
+
+def head_logits(model: GPT, hidden: torch.Tensor) -> torch.Tensor:
+    """The last position's logits (B, head_vocab)."""
+    return F.linear(hidden[:, -1], model.lm_head_weight)
+
+
+def _decode(model: GPT, cache: KVCache, token: torch.Tensor, pos: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """One step: the token (B, 1) at position pos (1,) into the cache, the next token (B,) out."""
+    return next_token(head_logits(model, model.forward_hidden(token, cache, pos)), s)
+
+
+_decode_graphed = torch.compile(_decode, mode="reduce-overhead", fullgraph=True, dynamic=False)
+
+
+@dataclass
+class Generation:
+    tokens: torch.Tensor  # (B, prompt + new)
+    new_tokens: int
+    prefill_s: float  # the prompt's forward and the first new token
+    decode_s: float  # the other new tokens
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """New tokens of all sequences per second of decoding, after the first (which the prefill draws)."""
+        return self.tokens.shape[0] * (self.new_tokens - 1) / self.decode_s if self.decode_s > 0 else float("nan")
+
+
+class Sampler:
+    """Generation for `batch` sequences of up to `length` tokens: one KV cache, and on CUDA one compiled and
+    graphed decode step, reused by every call (a new Sampler of the same shape reuses the compiled code, not the
+    recorded graphs)."""
+
+    def __init__(self, model: GPT, batch: int, length: int, sampling: Sampling, kv_cache: bool = True,
+                 graphs: Optional[bool] = None, dtype: Optional[torch.dtype] = None):
+        if length > model.cfg.block_size:
+            raise GenerationError(f"the prompt and the new tokens, {length} in all, exceed model.block_size="
+                                  f"{model.cfg.block_size} positions")
+        device = model.wte.weight.device
+        if dtype is None:
+            autocast = torch.is_autocast_enabled(device.type)
+            dtype = torch.get_autocast_dtype(device.type) if autocast else model.wte.weight.dtype
+        self.model, self.sampling, self.length, self.device = model, sampling, length, device
+        self.cache = KVCache(model.cfg, batch, length, dtype, device) if kv_cache else None
+        self.graphs = kv_cache and (device.type == "cuda" if graphs is None else graphs)
+        self.step = _decode_graphed if self.graphs else _decode
+        if self.graphs:  # written in place by every replay: the graph's inputs at fixed addresses, not copies
+            for buffer in self.cache.buffers():
+                torch._dynamo.mark_static_address(buffer)
+
+    @torch.no_grad()
+    def generate(self, prompt: torch.Tensor, max_new_tokens: int, seed: Optional[int] = None) -> Generation:
+        """`prompt` (B, T) token ids, continued by `max_new_tokens` tokens; `seed` fixes the draws (the global
+        generators are left as they were)."""
+        B, T = prompt.shape
+        if max_new_tokens < 1 or T + max_new_tokens > self.length:
+            raise GenerationError(f"{T} prompt tokens + {max_new_tokens} new ones: between 1 and "
+                                  f"{self.length - T} new tokens fit this sampler")
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, enabled=seed is not None):
+            if seed is not None:
+                torch.manual_seed(seed)
+            return self._generate(prompt.to(self.device), max_new_tokens)
+
+    def _generate(self, prompt: torch.Tensor, n: int) -> Generation:
+        (B, T), model, s = prompt.shape, self.model, self.sampling
+        tokens = torch.empty((B, T + n), dtype=torch.long, device=self.device)
+        tokens[:, :T] = prompt
+        positions = torch.arange(T + n, device=self.device)
+        start = self._clock()
+        hidden = model.forward_hidden(prompt) if self.cache is None else \
+            model.forward_hidden(prompt, self.cache, positions[:T])
+        tokens[:, T] = next_token(head_logits(model, hidden), s)
+        prefilled = self._clock()
+        for i in range(T + 1, T + n):
+            if self.cache is None:
+                tokens[:, i] = next_token(head_logits(model, model.forward_hidden(tokens[:, :i])), s)
+            else:
+                tokens[:, i] = self.step(model, self.cache, tokens[:, i - 1:i], positions[i - 1:i], s)
+        return Generation(tokens, n, prefilled - start, self._clock() - prefilled)
+
+    def _clock(self) -> float:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        return time.perf_counter()
+
+
+def generate(model: GPT, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling = Sampling(),
+             seed: Optional[int] = None, kv_cache: bool = True, graphs: Optional[bool] = None) -> Generation:
+    """`prompt` (B, T) continued by `max_new_tokens` tokens (a Sampler of exactly that length, used once)."""
+    sampler = Sampler(model, prompt.shape[0], prompt.shape[1] + max_new_tokens, sampling, kv_cache, graphs)
+    return sampler.generate(prompt, max_new_tokens, seed)
+
+
+def sample_texts(model: GPT, tokenizer, prompt: str, num_samples: int, max_new_tokens: int, sampling: Sampling,
+                 seed: Optional[int] = None, kv_cache: bool = True,
+                 graphs: Optional[bool] = None) -> tuple[list[str], Generation]:
+    """`num_samples` continuations of `prompt` (an empty one starts from `<|endoftext|>`, as a new document), as
+    text; the ids beyond the tokenizer's vocabulary are never drawn."""
+    from .data import EOT
+
+    ids = tokenizer.encode(prompt).ids or [tokenizer.token_to_id(EOT)]
+    prompt_ids = torch.tensor([ids] * num_samples)
+    sampling = replace(sampling, vocab=tokenizer.get_vocab_size())
+    sampler = Sampler(model, num_samples, len(ids) + max_new_tokens, sampling, kv_cache, graphs)
+    out = sampler.generate(prompt_ids, max_new_tokens, seed)
+    return [tokenizer.decode(row.tolist()) for row in out.tokens.cpu()], out

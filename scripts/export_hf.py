@@ -1,0 +1,35 @@
+"""Export a run to Hugging Face's GPT-2 layout: `python scripts/export_hf.py CHECKPOINT OUT_DIR`.
+
+CHECKPOINT: a run dir, its latest.pt, or a sharded checkpoint dir (checkpoints/latest/ of a ddp/fsdp run).
+OUT_DIR gets config.json, model.safetensors and the run's tokenizer, which transformers loads as they are:
+GPT2LMHeadModel.from_pretrained(OUT_DIR), AutoTokenizer.from_pretrained(OUT_DIR).
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+from minitrain.config import ConfigError
+from minitrain.data import DataError
+from minitrain.hf import export, open_weights
+from minitrain.resume import RunDirError
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("checkpoint", help="run dir, latest.pt or sharded checkpoint dir")
+    p.add_argument("out_dir", type=Path)
+    p.add_argument("--tokenizer", help="for a run that kept no tokenizer.json: the name or directory it trained with")
+    args = p.parse_args()
+    try:
+        weights = open_weights(args.checkpoint, args.tokenizer)
+        written = export(weights, args.out_dir)
+    except (ConfigError, DataError, RunDirError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print(f"exported {weights.source} ({weights.cfg.n_layer} layers, {weights.cfg.n_embd} wide) to {args.out_dir}: "
+          f"{', '.join(p.name for p in written)}")
+
+
+if __name__ == "__main__":
+    main()

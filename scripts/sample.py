@@ -1,0 +1,61 @@
+"""Sample from a GPT: `python scripts/sample.py SOURCE --prompt "def main(" --max-new-tokens 200`.
+
+SOURCE: a run dir, a checkpoint (latest.pt or a sharded checkpoint dir), or Hugging Face GPT-2 weights (a
+directory, or a name such as gpt2). bf16 on a GPU with the decode step compiled into CUDA graphs, fp32 on a CPU.
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+from minitrain.config import ConfigError, KernelImpl
+from minitrain.data import DataError
+from minitrain.generate import GenerationError, Sampling, sample_texts
+from minitrain.hf import open_weights
+from minitrain.resume import RunDirError
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("source", help="run dir, checkpoint, Hugging Face directory or name")
+    p.add_argument("--prompt", default="", help="the text to continue (empty: a new document)")
+    p.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
+    p.add_argument("--top-k", type=int, default=200)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--num-samples", type=int, default=1, help="continuations, drawn as one batch")
+    p.add_argument("--seed", type=int, default=1337)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto",
+                   help="auto: bf16 on a GPU, fp32 on a CPU")
+    p.add_argument("--no-kv-cache", action="store_true", help="rerun the whole sequence at every token")
+    p.add_argument("--no-compile", action="store_true",
+                   help="on a GPU: decode eagerly, without compiling the step into CUDA graphs (which takes a minute "
+                        "the first time, seconds once inductor's cache holds it)")
+    p.add_argument("--tokenizer", help="for a run that kept no tokenizer.json: the name or directory it trained with")
+    args = p.parse_args()
+    try:
+        prompt = args.prompt_file.read_text() if args.prompt_file else args.prompt
+        device = torch.device(args.device)
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(args.dtype) or \
+            (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        weights = open_weights(args.source, args.tokenizer)
+        model = weights.build(device, dtype, gelu=KernelImpl.torch)  # inductor fuses the GELU into the decode step
+        sampling = Sampling(args.temperature, args.top_k, args.top_p)
+        texts, out = sample_texts(model, weights.tokenizer, prompt, args.num_samples, args.max_new_tokens, sampling,
+                                  args.seed, kv_cache=not args.no_kv_cache, graphs=False if args.no_compile else None)
+    except (ConfigError, DataError, GenerationError, RunDirError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    for text in texts:
+        print(text, end="\n---------------\n", flush=True)
+    print(f"{weights.source} on {device} ({str(dtype).removeprefix('torch.')}): prefill {out.prefill_s * 1e3:.1f} ms, "
+          f"decode {out.decode_tokens_per_s:,.0f} tokens/s ({args.num_samples} x {args.max_new_tokens} new tokens)",
+          file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""When a run stops as diverged, and what it leaves: the skipped-step limit at its exact value, a divergence
+between two log steps with a save due before the next one, and the message naming the checkpoint kept (its step
+and the loss it was trained to) or saying there is none."""
+
+import math
+
+import pytest
+import torch
+
+from minitrain import resume
+from minitrain.trainer import NonFiniteLossError, Trainer
+
+SMALL = ("model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=32", "trainer.batch_size=4",
+         "trainer.eval_every=100", "trainer.eval_batches=1", "trainer.sample_tokens=0")
+TRY = " — try a lower trainer.lr, or precision=fp16 only if fp16 overflow is the cause"
+
+
+def poison(monkeypatch, t: Trainer, factors: dict[int, float]) -> list[float]:
+    """Multiply the loss of each 1-based step in `factors` by its factor (inf/NaN: the step's gradients are too);
+    returns the list each step's loss is appended to, as the step returned it."""
+    forward, step, losses = t.train_step.forward_loss, t.train_step, []
+
+    def poisoned(x, y):
+        return forward(x, y) * factors.get(t.step + 1, 1.0)
+
+    def recorded(i):
+        loss = step(i)
+        losses.append(loss.item())
+        return loss
+
+    monkeypatch.setattr(t.train_step, "forward_loss", poisoned)
+    monkeypatch.setattr(t, "train_step", recorded)
+    return losses
+
+
+def step_of(path) -> int:
+    return resume.load(path, torch.device("cpu"))["progress"]["step"]
+
+
+@pytest.mark.parametrize("in_a_row, stops", [(2, False), (3, True)])
+def test_the_skipped_step_limit_stops_a_run_at_its_value_and_not_one_before(make_cfg, monkeypatch, in_a_row, stops):
+    """fp16: an overflowing step is skipped and the scale backs off, which is no divergence unless it happens
+    max_skipped_steps times in a row. Steps 3-5 skipped: the run of three spans the log step 4, where it is 2."""
+    t = Trainer(make_cfg(*SMALL, "precision=fp16", "trainer.max_skipped_steps=3", "trainer.max_steps=8",
+                         "trainer.log_every=2", "trainer.save_every=100"), progress=False)
+    poison(monkeypatch, t, dict.fromkeys(range(3, 3 + in_a_row), math.inf))
+    if stops:
+        with pytest.raises(NonFiniteLossError, match=r"^3 optimizer steps in a row were skipped \(inf/NaN gradients\) "
+                                                     r"by step 6 \(precision=fp16\); stopping, with no checkpoint"):
+            t.fit()
+    else:
+        assert t.fit()["amp/skipped_steps"] == in_a_row  # skipped, and not stopped for it
+
+
+@pytest.mark.parametrize("loss_scaling, limit", [(False, 3), (True, 25)])
+def test_the_default_limit_is_3_steps_without_loss_scaling_and_25_with_it(make_cfg, loss_scaling, limit):
+    """With loss scaling each skip halves the scale (25 halvings: a diverged run); without, a skip is an inf/NaN
+    gradient the loss did not show."""
+    t = Trainer(make_cfg(*SMALL, "precision=fp16" if loss_scaling else "precision=fp32"), progress=False)
+    t.close()
+    assert (t.plan.precision.loss_scaling, t.plan.max_skipped_steps) == (loss_scaling, limit)
+
+
+def test_a_divergence_between_log_steps_stops_at_the_save_before_the_next_log_step(make_cfg, monkeypatch, tmp_path):
+    """Logs at 5 and 10, saves at 3, 6, 9: the loss is NaN from step 7, so the save due at step 9 would publish a
+    diverged state as the checkpoint to resume from. It stops the run instead; the message names the checkpoint
+    kept with the loss it was trained to, here a finite but exploded one (step 6), and does not call it good."""
+    t = Trainer(make_cfg(*SMALL, "precision=fp32", "trainer.max_steps=20", "trainer.log_every=5",
+                         "trainer.save_every=3"), progress=False)
+    losses = poison(monkeypatch, t, {6: 1e4, **dict.fromkeys(range(7, 21), math.nan)})
+    with pytest.raises(NonFiniteLossError) as stop:
+        t.fit()
+    ckpts = resume.checkpoint_dir(tmp_path / "run")
+    assert (step_of(ckpts / resume.LATEST), step_of(ckpts / resume.PREVIOUS)) == (6, 3)
+    assert losses[5] > 1e4
+    assert str(stop.value) == (f"the training loss became inf/NaN by step 9 (precision=fp32); stopping, keeping the "
+                               f"checkpoint of step 6 ({ckpts / resume.LATEST}), whose training loss at that step was "
+                               f"{losses[5]:.4g}{TRY}")
+
+
+def test_a_divergence_before_the_first_save_says_there_is_no_checkpoint(make_cfg, monkeypatch, tmp_path):
+    t = Trainer(make_cfg(*SMALL, "precision=fp32", "trainer.max_steps=10", "trainer.log_every=2",
+                         "trainer.save_every=100"), progress=False)
+    poison(monkeypatch, t, dict.fromkeys(range(2, 11), math.nan))
+    with pytest.raises(NonFiniteLossError) as stop:
+        t.fit()
+    assert str(stop.value) == ("the training loss became inf/NaN by step 2 (precision=fp32); stopping, with no "
+                               f"checkpoint saved (the first was due at step 10, the last){TRY}")
+    assert not resume.checkpoint_dir(tmp_path / "run").exists()
+
+
+def test_a_resumed_run_that_diverges_before_its_first_save_names_the_checkpoint_it_resumed_from(make_cfg,
+                                                                                                 monkeypatch, tmp_path):
+    """The checkpoint carries the loss its last step had: the resumed run can name it without having logged it."""
+    first = Trainer(make_cfg(*SMALL, "trainer.max_steps=4", "trainer.log_every=3", "trainer.save_every=4"),
+                    progress=False)
+    losses = poison(monkeypatch, first, {})
+    first.fit()
+    resumed = Trainer(make_cfg(*SMALL, "trainer.max_steps=10", "trainer.log_every=3", "trainer.save_every=4",
+                               "trainer.resume=auto"), progress=False)
+    poison(monkeypatch, resumed, dict.fromkeys(range(5, 11), math.nan))
+    with pytest.raises(NonFiniteLossError) as stop:
+        resumed.fit()
+    latest = resume.checkpoint_dir(tmp_path / "run") / resume.LATEST
+    assert f"by step 6 (precision=fp32); stopping, keeping the checkpoint of step 4 ({latest}), whose training loss " \
+           f"at that step was {losses[3]:.4g} —" in str(stop.value)
+    assert step_of(latest) == 4
