@@ -328,10 +328,12 @@ class Trainer:
                 "progress": self.progress}
 
     def _identity(self) -> dict[str, Any]:
-        """What a resumed run must share with the checkpoint: the config, and what the plan resolved from it."""
+        """What a resumed run must share with the checkpoint: the config, and what the plan resolved from it (the
+        float8 linears come from torchao's shape filter, which a torchao upgrade may move)."""
         p = self.plan
         return {**self.config_dict, "plan": {"precision": p.precision.name, "world_size": p.world_size,
-                                             "distributed": p.distributed.value, "vocab_size": p.model.vocab_size}}
+                                             "distributed": p.distributed.value, "vocab_size": p.model.vocab_size,
+                                             "float8_linears": list(p.float8_linears)}}
 
     def _state(self) -> dict[str, Any]:
         return {**{name: part.state_dict() for name, part in self.parts().items()}, "config": self._identity()}
