@@ -31,9 +31,10 @@ def test_both_precisions_run_bf16s_whole_gpu_policy_at_the_micro_batch_that_fits
 class FakeTrainer:
     def __init__(self, cfg, graphs: bool, closed: list):
         self.cfg, self.closed = cfg, closed
-        self.plan = SimpleNamespace(cuda_graphs=graphs, float8_linears=("mlp.c_fc",) if cfg.precision.name == "fp8" else (),
-                                    micro_batch=16, grad_accum=2, checkpointing=SimpleNamespace(
-                                        policy=SimpleNamespace(value="none")), memory=SimpleNamespace(peak=50e9))
+        linears = ("mlp.c_fc",) if cfg.precision.name == "fp8" else ()
+        self.plan = SimpleNamespace(cuda_graphs=graphs, float8_linears=linears, micro_batch=16, grad_accum=2,
+                                    checkpointing=SimpleNamespace(policy=SimpleNamespace(value="none")),
+                                    memory=SimpleNamespace(peak=50e9))
 
     def throughput(self):
         return SimpleNamespace(tokens_per_step=1000, model_flops=1.0, hardware_flops=1.0, peak=1e6)

@@ -25,7 +25,7 @@ MAY_CHANGE = {
     "trainer": {"max_steps", "log_every", "eval_every", "eval_batches", "save_every", "sample_tokens", "out_dir",
                 "device", "compile", "compile_mode", "compile_check", "peak_flops", "memory_budget", "micro_batch",
                 "max_skipped_steps", "deterministic"},
-    "plan": set(),  # what the plan resolved from `auto` on this device: precision, world size, mode, vocabulary, float8 linears
+    "plan": set(),  # what the plan resolved on this device: precision, world size, mode, vocabulary, float8 linears
 }
 NOT_COMPARED = {"trainer.resume"}  # every resume changes how it finds its checkpoint
 
