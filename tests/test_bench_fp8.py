@@ -124,3 +124,20 @@ def test_the_report_sets_fp8_beside_bf16_round_by_round():
     rows[0]["first_loss"] = 11.5
     assert "first loss 11.5000, eager 11.0000: FAILED" in fp8.speed_report(rows)[1]
     assert len(fp8.speed_report(rows[:1])) == 2  # no bf16 row: no ratio
+
+
+def test_the_quality_report_sets_each_fp8_run_beside_bf16_of_its_seed_and_bf16s_spread_over_seeds():
+    def run(precision, seed, val, skipped=0, finite=True):
+        return {"dir": f"{precision}-{seed}", "precision": precision, "seed": seed, "val": val, "skipped": skipped,
+                "finite": finite, "last_step": 1000}
+
+    runs = [run("bf16", 1, {500: 4.0, 1000: 3.0}), run("fp8", 1, {500: 4.2, 1000: 3.03}, skipped=2),
+            run("fp8", 2, {500: 4.1, 1000: 3.12}, finite=False), run("bf16", 2, {500: 4.1, 1000: 3.2})]
+    assert fp8.relative_gaps(runs[1], runs[0]) == pytest.approx({500: 0.05, 1000: 0.01})
+    lines = fp8.quality_report(runs)
+    assert lines[:3] == ["seed 1 bf16: 1000 steps, 0 skipped, finite | val 500:4.0000 1000:3.0000",
+                         "seed 1 fp8: 1000 steps, 2 skipped, finite | val 500:4.2000 1000:3.0300",
+                         "  vs bf16: 500:+5.00% 1000:+1.00% (largest |gap| 5.00%)"]
+    assert "seed 2 fp8: 1000 steps, 0 skipped, NON-FINITE LOSS | val 500:4.1000 1000:3.1200" in lines
+    assert lines[-2:] == ["fp8: final validation loss against bf16's of the same seed: +1.00%, -2.50%",
+                          "bf16's final validation loss over 2 seeds: 3.0000-3.2000 (6.67% apart)"]
