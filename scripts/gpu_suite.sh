@@ -119,7 +119,7 @@ for what in "$@"; do
       name=$model-${precisions//,/-}-s${seeds//,/-}; sw=/tmp/fp8-quality/$name; rm -rf $sw
       lr=$(python3 -c "from minitrain.tools.benchmarks.step import LR; print(LR.get('$model', 6e-4))")
       timeout 510 python3 scripts/train.py -m model=$model precision=$precisions trainer.seed=$seeds \
-        trainer.max_steps=${QUALITY_STEPS:-1000} trainer.lr=$lr trainer.min_lr=$(python3 -c "print($lr / 10)") \
+        trainer.max_steps=${QUALITY_STEPS:-1000} trainer.lr=$lr trainer.min_lr=$(python3 -c "print(f'{$lr / 10:g}')") \
         trainer.eval_every=100 trainer.eval_batches=20 trainer.log_every=50 trainer.save_every=1000 \
         trainer.sample_tokens=0 hydra.sweeper.max_batch_size=${QUALITY_AT_A_TIME:-1} hydra.sweep.dir=$sw 2>&1 | tail -3
       mkdir -p "$out/fp8_quality"
