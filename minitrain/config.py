@@ -62,6 +62,14 @@ class DType(str, Enum):
         return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.value]
 
 
+class Float8Recipe(str, Enum):
+    """torchao's float8 training recipes: how each cast to float8 is scaled (minitrain/fp8.py)."""
+
+    none = "none"  # every matmul in the param dtype
+    tensorwise = "tensorwise"  # one scale per tensor: cuBLAS's fp8 GEMM, the fastest
+    rowwise = "rowwise"  # one scale per row: kinder to outliers, costlier casts and GEMMs
+
+
 class CheckpointPolicy(str, Enum):
     auto = "auto"  # the plan picks the cheapest policy that fits trainer.memory_budget
     none = "none"
@@ -208,6 +216,7 @@ class PrecisionConfig:
     master_weights: bool = False  # fp32 master copy in the optimizer (for bf16/fp16 params)
     grad_dtype: Optional[DType] = None  # None: gradients in param dtype; fp32: fp32 main grads
     loss_scaling: bool = False  # dynamic loss scaling (fp16 range)
+    float8: Float8Recipe = Float8Recipe.none  # the blocks' linears multiply in float8 (torchao), cast from bf16
     init_scale: float = 65536.0
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
@@ -230,6 +239,9 @@ class PrecisionConfig:
                  f"must be null (param dtype) or fp32, got {self.grad_dtype}")
         _require(self.grad_dtype is None or self.master_weights, "precision.grad_dtype",
                  "fp32 main grads go with fp32 master weights (precision.master_weights=true)")
+        _require(self.float8 == Float8Recipe.none or self.param_dtype == DType.bf16, "precision.float8",
+                 f"float8 matmuls cast from bf16 params (precision=fp8); got precision.param_dtype="
+                 f"{self.param_dtype.value}")
 
 
 @dataclass
@@ -286,6 +298,9 @@ class DistributedConfig:
     # fsdp only. false keeps each unit's gathered params from forward to backward (no second all-gather,
     # ZeRO-2-like: + the compute-dtype params at the peak).
     reshard_after_forward: bool = True
+    # fsdp with precision.float8=tensorwise only. The float8 linears' weights are cast to float8 on their shard and
+    # all-gathered as such (torchao's float8 all-gather: half the bytes of bf16, one cast per weight and step).
+    fsdp_float8_all_gather: bool = True
 
     def __post_init__(self):
         _require(self.timeout_s >= 1, "distributed.timeout_s", f"must be >= 1, got {self.timeout_s}")

@@ -25,7 +25,7 @@ from typing import Any, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from . import checkpointing, compile_check, determinism, distributed, hf, memory, resume
+from . import checkpointing, compile_check, determinism, distributed, fp8, hf, memory, resume
 from .config import SCRATCH, Config, ConfigError, resolve
 from .data import DeviceBatches, TokenData, prepare_data
 from .evaluate import hellaswag, load_hellaswag, perplexity
@@ -264,6 +264,7 @@ class Trainer:
             self.model = GPT(plan.model)
         weights = hf.load_weights(self.model) if cfg.model.init_from != SCRATCH else None
         self.model.to(dtype=plan.precision.stored_param_dtype(self.dist.sharded))
+        fp8.convert(self.model.blocks, plan.float8_linears, plan.precision.float8, plan.float8_all_gather)
         checkpointing.apply_policy(self.model, plan.checkpointing, compiled=plan.compiled)
         self.loss_module = distributed.wrap(self.model, build_loss(plan, cfg), plan.precision, cfg.distributed,
                                             self.dist)
@@ -329,10 +330,12 @@ class Trainer:
                 "progress": self.progress}
 
     def _identity(self) -> dict[str, Any]:
-        """What a resumed run must share with the checkpoint: the config, and what the plan resolved from it."""
+        """What a resumed run must share with the checkpoint: the config, and what the plan resolved from it (the
+        float8 linears come from torchao's shape filter, which a torchao upgrade may move)."""
         p = self.plan
         return {**self.config_dict, "plan": {"precision": p.precision.name, "world_size": p.world_size,
-                                             "distributed": p.distributed.value, "vocab_size": p.model.vocab_size}}
+                                             "distributed": p.distributed.value, "vocab_size": p.model.vocab_size,
+                                             "float8_linears": list(p.float8_linears)}}
 
     def _state(self) -> dict[str, Any]:
         return {**{name: part.state_dict() for name, part in self.parts().items()}, "config": self._identity()}

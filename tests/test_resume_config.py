@@ -25,7 +25,7 @@ MAY_CHANGE = {
     "trainer": {"max_steps", "log_every", "eval_every", "eval_batches", "save_every", "sample_tokens", "out_dir",
                 "device", "compile", "compile_mode", "compile_check", "peak_flops", "memory_budget", "micro_batch",
                 "max_skipped_steps", "deterministic", "eval_hellaswag", "eval_hellaswag_examples"},
-    "plan": set(),  # what the plan resolved from `auto` on this device: precision, world size, mode, vocabulary
+    "plan": set(),  # what the plan resolved on this device: precision, world size, mode, vocabulary, float8 linears
 }
 NOT_COMPARED = {"trainer.resume"}  # every resume changes how it finds its checkpoint
 
@@ -39,7 +39,8 @@ def config_dict(make_cfg, *overrides) -> dict:
 def identity(make_cfg, *overrides) -> dict:
     """A checkpoint's config: the run's config and what its plan resolved (Trainer._identity's shape)."""
     return {**config_dict(make_cfg, *overrides),
-            "plan": {"precision": "fp32", "world_size": 1, "distributed": "none", "vocab_size": 4096}}
+            "plan": {"precision": "fp32", "world_size": 1, "distributed": "none", "vocab_size": 4096,
+                     "float8_linears": []}}
 
 
 def test_every_group_of_the_config_is_classified():
