@@ -545,6 +545,7 @@ ALLOWED_CHANGES: dict[str, str] = {
     "trainer.log_every": "how often metrics are reported, not what a step computes",
     "trainer.eval_every": "evaluation reads the model without changing it",
     "trainer.eval_batches": "evaluation reads the model without changing it",
+    "trainer.eval_hellaswag*": "evaluation reads the model without changing it",
     "trainer.save_every": "how often checkpoints are written",
     "trainer.sample_tokens": "the end-of-run sample only",
     "trainer.out_dir": "a run dir moved or copied elsewhere",
@@ -559,8 +560,8 @@ ALLOWED_CHANGES: dict[str, str] = {
     "trainer.max_skipped_steps": "when a diverging run is stopped, not what a step computes",
     "checkpointing.*": "which activations are recomputed in backward instead of kept; the same values",
     "logger.*": "where and under which names metrics are reported",
-    "data.num_proc": "how many processes tokenize; the tokens are the same",
     "data.cache_dir": "where the token cache lives; its contents are the same",
+    "data.shard_tokens": "how the token streams are cut into files; windows cross shards, so the batches are the same",
     "distributed.timeout_s": "how long a rank waits for a stalled peer",
     "loss.chunk_bytes": "the fused loss's workspace tile; the same loss",
 }

@@ -28,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 from . import checkpointing, compile_check, determinism, distributed, fp8, hf, memory, resume
 from .config import SCRATCH, Config, ConfigError, resolve
 from .data import DeviceBatches, TokenData, prepare_data
+from .evaluate import hellaswag, load_hellaswag, perplexity
 from .generate import Sampler, Sampling
 from .logger import RunLogger
 from .metrics import Throughput, memory_stats, peak_flops
@@ -274,6 +275,7 @@ class Trainer:
                                            grad_accum=plan.grad_accum, **checked)
         self.val_batches = DeviceBatches(self.data.val, plan.model.block_size, plan.micro_batch * world, t.seed + 1,
                                          self.device, **checked)
+        self.hellaswag = load_hellaswag(t.eval_hellaswag, t.eval_hellaswag_examples) if t.eval_hellaswag else None
         self.eager_forward_loss = self._forward_loss  # uncompiled: what the compile check compares the step with
         self.forward_loss = torch.compile(self._forward_loss, mode=plan.compile_mode) if plan.compiled \
             else self._forward_loss
@@ -300,7 +302,7 @@ class Trainer:
         self.progress.wandb_id = self.logger.run_id
         if self.dist.is_main:
             run.write(self.out_dir, self.config_dict)
-            self.data.tokenizer.save(str(self.out_dir / "tokenizer.json"))  # for sample.py and export_hf.py
+            self.data.tokenizer.save(str(self.out_dir / "tokenizer.json"))  # for sample.py, export_hf.py and eval.py
         self.logger.print(plan.describe())
         if weights is not None and loaded is None:
             self.logger.print(f"weights: {cfg.model.init_from} ({weights})")
@@ -367,6 +369,20 @@ class Trainer:
                               for i in range(self.cfg.trainer.eval_batches)])
         self.model.train()
         return distributed.mean(losses.mean(), self.dist).item()
+
+    def eval_record(self) -> dict[str, Any]:
+        """What an eval step logs: the validation loss (eval_batches random windows) and its perplexity, and with
+        trainer.eval_hellaswag the HellaSwag accuracy (every rank scores every example: under fsdp each forward
+        is collective)."""
+        loss = self.evaluate()
+        record = {"val/loss": loss, "val/ppl": perplexity(loss)}
+        if self.hellaswag is not None:
+            self.model.eval()
+            with self.plan.precision.autocast(self.device.type):
+                record.update(hellaswag(self.model, self.data.tokenizer, self.hellaswag, self.model_cfg.block_size,
+                                        self.device))
+            self.model.train()
+        return record
 
     def _check_diverged(self) -> None:
         """At log and save steps (host reads happen there only): stop a run whose loss went inf/NaN without loss
@@ -470,7 +486,7 @@ class Trainer:
                             compared = True
                     if evaluating:
                         record = record if logging else {"step": p.step}
-                        record["val/loss"] = self.evaluate()
+                        record.update(self.eval_record())
                     if logging or evaluating:
                         self.logger.log(record)
                         bar.set_postfix(loss=f"{record.get('train/loss', float('nan')):.3f}")

@@ -3,8 +3,8 @@
 # Usage: scripts/gpu_suite.sh OUT_DIR [tests] [optimizer] [cross_entropy] [ce_rows] [ce_chunks] [gelu] [train]
 #        [step] [step_ablate] [step15b] [step_sizes] [curve] [sweep] [sweep_alone] [defaults] [defaults15b] [plan]
 #        [attention] [diverge15b] [compile15b] [compile_check] [determinism] [determinism_cost]
-#        [determinism_cost15b] [sample] [sample15b] [sample_run] [fp8_tests] [fp8_speed] [fp8_sizes]
-#        [fp8_defaults15b] [fp8_quality] [smoke]
+#        [determinism_cost15b] [sample] [sample15b] [sample_run] [prepare_corpus] [prepare_many] [prepare_one]
+#        [fp8_tests] [fp8_speed] [fp8_sizes] [fp8_defaults15b] [fp8_quality] [smoke]
 # smoke: every benchmark script once in its quickest mode (the tiny model, one small shape), a few minutes: each
 #   still runs end to end on this GPU; its figures are not results
 # plan: PLAN_MODELS and PLAN_BATCHES (space-separated) pick the grid, default gpt2-124m at 16 64 512; it starts no
@@ -94,6 +94,16 @@ for what in "$@"; do
         timeout 300 python3 scripts/sample.py /tmp/sample-run --num-samples 4 --max-new-tokens 100 --top-p 0.95 $extra \
           2>&1 | tail -3
       done ;;
+    prepare_corpus|prepare_many|prepare_one)  # a 1 GB corpus's preparation on the host's cores against the
+      # tokenizers library alone (CPU only); prepare_corpus builds the corpus (kept in /tmp/bench-prepare), then each
+      # layout is a call of its own
+      layout=${what#prepare_}
+      if [ $layout = corpus ]; then
+        timeout 590 python3 scripts/bench_prepare.py --gb 1 --work /tmp/bench-prepare --rounds 0 2>&1 | tail -2
+      else
+        timeout 590 python3 scripts/bench_prepare.py --gb 1 --work /tmp/bench-prepare --rounds 2 --layouts $layout \
+          --out "$out/bench_prepare_$layout.json" 2>&1 | tail -6
+      fi ;;
     fp8_tests)  # tests/test_fp8.py on the GPU: the whole-run tests with torchao's real float8 kernels (compiled with
       # CUDA graphs under every checkpointing policy, eager policies ending bitwise equal, a resume), ddp/fsdp on gloo
       TRITON_INTERPRET=0 timeout 520 python3 -m pytest -q tests/test_fp8.py 2>&1 \
@@ -147,6 +157,8 @@ for what in "$@"; do
         --out "$s/plan.json" 2>&1 | tail -4
       timeout 150 python3 scripts/bench_distributed.py --gpus 1 --models tiny --modes ddp --steps 12 \
         --out "$s/distributed.json" 2>&1 | tail -2
+      timeout 150 python3 scripts/bench_prepare.py --gb 0.01 --work /tmp/bench-prepare-smoke --rounds 1 \
+        --out "$s/prepare.json" 2>&1 | tail -3
       timeout 200 python3 scripts/bench_fp8.py speed --models tiny --extra model.n_layer=2 model.n_embd=768 \
         model.n_head=12 --warmup 3 --rounds 2 --steps 2 --out "$s/fp8.json" 2>&1 | grep -E "^(model|tiny)" ;;
     sweep|sweep_alone)  # the README's sweep through `train.py -m`: gpt2-124m, precision x checkpointing, each cell a
