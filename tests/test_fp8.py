@@ -334,8 +334,7 @@ def test_an_fp8_run_trains_ordinary_bf16_parameters_as_bf16_does_and_resumes_bit
 # graph its own way; on a GPU, attention's backward adds in any order without trainer.deterministic).
 LEARNING = ("trainer.batch_size=8", "model.block_size=32", "trainer.max_steps=24", "trainer.lr=2e-3",
             "trainer.warmup_steps=2", "trainer.log_every=4", "trainer.eval_every=12", "trainer.eval_batches=2",
-            "trainer.save_every=100", "trainer.sample_tokens=0", "trainer.compile=false",
-            *(["trainer.deterministic=true"] if torch.cuda.is_available() else []))
+            "trainer.save_every=100", "trainer.sample_tokens=0", "trainer.compile=false", "trainer.deterministic=true")
 
 
 def test_fp8_learns_as_bf16_does_and_every_checkpointing_policy_computes_the_same_run(make_cfg, tmp_path,
