@@ -267,7 +267,7 @@ class Weights:
 def open_weights(source: str, tokenizer: str | None = None) -> Weights:
     """A run dir, a checkpoint (latest.pt or a sharded checkpoint dir), or Hugging Face GPT-2 weights (a
     directory or a name); `tokenizer` (a name or directory) for a run that kept none beside its checkpoints."""
-    from .resume import checkpoint_dir
+    from .checkpoint import checkpoint_dir
 
     path = Path(source).expanduser()
     if path.is_file() or (path / ".metadata").is_file() or checkpoint_dir(path).is_dir():
@@ -286,7 +286,7 @@ def open_weights(source: str, tokenizer: str | None = None) -> Weights:
 
 def _checkpoint_in(path: Path) -> Path:
     """The checkpoint a path names: itself (a file, a sharded dir), or the latest one of a run dir."""
-    from .resume import LATEST, LATEST_SHARDED, checkpoint_dir
+    from .checkpoint import LATEST, LATEST_SHARDED, checkpoint_dir
 
     if path.is_file() or (path / ".metadata").is_file():
         return path
@@ -302,7 +302,7 @@ def read_checkpoint(path: Path, tokenizer: str | None = None) -> Weights:
     and the run's tokenizer (saved beside checkpoints/ by the trainer), else `tokenizer`."""
     from omegaconf import OmegaConf
 
-    from .resume import JOB_INFO, load
+    from .checkpoint import JOB_INFO, load
     from .tokenizer import pretrained_tokenizer
 
     ckpt = _checkpoint_in(path)

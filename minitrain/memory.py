@@ -29,7 +29,7 @@ from dataclasses import asdict, astuple, dataclass, field
 
 import torch
 
-from .checkpointing import recomputed_blocks
+from .recompute import recomputed_blocks
 from .config import CheckpointingConfig, CheckpointPolicy, DistributedConfig, ModelConfig
 from .model import GPT
 from .ops.cross_entropy import DEFAULT_CHUNK_BYTES, fitting

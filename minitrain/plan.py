@@ -21,7 +21,7 @@ import psutil
 import torch
 
 from . import memory
-from .checkpointing import recomputed_blocks
+from .recompute import recomputed_blocks
 from .config import SCRATCH, CheckpointingConfig, CheckpointPolicy, Config, ConfigError, DistributedMode, \
     KernelImpl, ModelConfig, OptimizerImpl
 from .memory import GB, MemoryEstimate

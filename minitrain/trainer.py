@@ -25,7 +25,7 @@ from typing import Any, Optional
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from . import checkpointing, compile_check, determinism, distributed, hf, memory, resume
+from . import checkpoint, compile_check, determinism, distributed, hf, memory, recompute
 from .config import SCRATCH, Config, ConfigError, resolve
 from .data import DeviceBatches, TokenData, prepare_data
 from .generate import Sampler, Sampling
@@ -240,8 +240,8 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.device)
         self.show_progress = progress and self.dist.is_main
         self.run = run
-        self.out_dir = resume.make_run_dir(Path(cfg.trainer.out_dir).expanduser())
-        self.lock = resume.RunDirLock(self.out_dir) if self.dist.is_main else None
+        self.out_dir = checkpoint.make_run_dir(Path(cfg.trainer.out_dir).expanduser())
+        self.lock = checkpoint.RunDirLock(self.out_dir) if self.dist.is_main else None
         if self.lock is not None:
             self.lock.acquire()
         try:
@@ -263,7 +263,7 @@ class Trainer:
             self.model = GPT(plan.model)
         weights = hf.load_weights(self.model) if cfg.model.init_from != SCRATCH else None
         self.model.to(dtype=plan.precision.stored_param_dtype(self.dist.sharded))
-        checkpointing.apply_policy(self.model, plan.checkpointing, compiled=plan.compiled)
+        recompute.apply_policy(self.model, plan.checkpointing, compiled=plan.compiled)
         self.loss_module = distributed.wrap(self.model, build_loss(plan, cfg), plan.precision, cfg.distributed,
                                             self.dist)
         self.optimizer = build_optimizer(plan, cfg, self.model, sharded=self.dist.sharded)
@@ -281,14 +281,14 @@ class Trainer:
         self.progress = Progress(self.device)
 
         self.config_dict = OmegaConf.to_container(OmegaConf.structured(cfg), resolve=True, enum_to_str=True)
-        loaded = resume.load_checkpoint(t.resume, self.out_dir, self.device, template=self._state(),
+        loaded = checkpoint.load_checkpoint(t.resume, self.out_dir, self.device, template=self._state(),
                                         sharded=self.dist.enabled, rank=self.dist.rank)
         self.kept: Optional[tuple[Path, int, float]] = None  # the last checkpoint loaded or saved: path, step, loss
         if loaded is not None:
             self._load_state(loaded.state)
             self.kept = (loaded.path, self.progress.step, self._last_loss())
-        elif t.resume == "none" and resume.holds_checkpoint(self.out_dir):
-            raise resume.CheckpointError(
+        elif t.resume == "none" and checkpoint.holds_checkpoint(self.out_dir):
+            raise checkpoint.CheckpointError(
                 f"{self.out_dir} already holds the checkpoints of a run; trainer.resume=none would overwrite them. "
                 "Continue it with trainer.resume=auto, or start in a new run dir (hydra.run.dir=...)")
         # A fresh start resumes from step 0: the records of a run that died here before its first checkpoint
@@ -323,7 +323,7 @@ class Trainer:
     # -- checkpoints ------------------------------------------------------------------------------
     def parts(self) -> dict[str, Any]:
         """Everything a checkpoint restores, each with state_dict / load_state_dict."""
-        return {"model": self.model, "optimizer": self.optimizer, "rng": resume.RandomState(),
+        return {"model": self.model, "optimizer": self.optimizer, "rng": checkpoint.RandomState(),
                 "progress": self.progress}
 
     def _identity(self) -> dict[str, Any]:
@@ -344,9 +344,9 @@ class Trainer:
         checkpoint worth resuming from): a divergence since the last log step stops the run here instead."""
         self._check_diverged()
         if self.dist.enabled:
-            path = resume.save_sharded(self._state(), self.out_dir, self.dist.rank, mode=self.dist.mode.value)
+            path = checkpoint.save_sharded(self._state(), self.out_dir, self.dist.rank, mode=self.dist.mode.value)
         else:
-            path = resume.save_checkpoint(self._state(), self.out_dir)
+            path = checkpoint.save_checkpoint(self._state(), self.out_dir)
         self.kept = (path, self.progress.step, self._last_loss())
         return path
 
@@ -414,9 +414,9 @@ class Trainer:
         T = self.model_cfg.block_size
         peak = self.cfg.trainer.peak_flops or peak_flops(self.device, self.plan.precision.mfu_dtype)
         model_flops = self.model.flops_per_token(T)
-        recompute = checkpointing.recompute_flops_per_token(self.model_cfg, self.plan.checkpointing, T)
+        extra = recompute.recompute_flops_per_token(self.model_cfg, self.plan.checkpointing, T)
         sync = (lambda: torch.cuda.synchronize(self.device)) if self.device.type == "cuda" else (lambda: None)
-        return Throughput(self.plan.batch_size * T, model_flops, model_flops + recompute,
+        return Throughput(self.plan.batch_size * T, model_flops, model_flops + extra,
                           peak and peak * self.dist.world_size,  # global tokens/s over all devices' peak
                           untimed_steps=UNTIMED_STEPS_COMPILED if self.plan.compiled else UNTIMED_STEPS_EAGER,
                           sync=sync)

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from minitrain import determinism, resume
+from minitrain import checkpoint, determinism
 from minitrain.ops.cross_entropy_triton import cross_entropy_rows
 
 from conftest import REPO
@@ -136,7 +136,7 @@ def finish(process: subprocess.Popen, run_dir: Path) -> None:
 
 
 def final_state(run_dir: Path) -> dict:
-    return resume.load(resume.checkpoint_dir(run_dir) / resume.LATEST, torch.device("cpu"))
+    return checkpoint.load(checkpoint.checkpoint_dir(run_dir) / checkpoint.LATEST, torch.device("cpu"))
 
 
 def assert_same_bits(a: Path, b: Path) -> None:

@@ -30,7 +30,7 @@ from typing import Callable, Optional
 import pytest
 import torch
 
-from minitrain import resume
+from minitrain import checkpoint
 
 from conftest import REPO
 from test_trainer import assert_identical, deterministic, strict_records
@@ -146,7 +146,7 @@ def console_path(run_dir: Path) -> Path:
 
 
 def temporaries(run_dir: Path) -> set[str]:
-    ckpts = resume.checkpoint_dir(run_dir)
+    ckpts = checkpoint.checkpoint_dir(run_dir)
     return {p.name for p in ckpts.iterdir() if ".tmp" in p.name} if ckpts.is_dir() else set()
 
 
@@ -164,10 +164,10 @@ def last_logged_step(run_dir: Path) -> int:
 
 def checkpoint_to_resume(run_dir: Path) -> tuple[Optional[str], Optional[dict]]:
     """What resume=auto must load next: latest.pt, or previous.pt when a kill fell between a save's renames."""
-    for name in (resume.LATEST, resume.PREVIOUS):
-        path = resume.checkpoint_dir(run_dir) / name
+    for name in (checkpoint.LATEST, checkpoint.PREVIOUS):
+        path = checkpoint.checkpoint_dir(run_dir) / name
         if path.exists():
-            return name, resume.load(path, torch.device("cpu"))
+            return name, checkpoint.load(path, torch.device("cpu"))
     return None, None
 
 
@@ -204,8 +204,8 @@ def kill_trigger(aim: Optional[str], run_dir: Path, resume_step: int, delay_s: f
     """
     if aim is None:
         return lambda: False
-    ckpts, before = resume.checkpoint_dir(run_dir), temporaries(run_dir)
-    latest, previous = ckpts / resume.LATEST, ckpts / resume.PREVIOUS
+    ckpts, before = checkpoint.checkpoint_dir(run_dir), temporaries(run_dir)
+    latest, previous = ckpts / checkpoint.LATEST, ckpts / checkpoint.PREVIOUS
     if aim == "save":
         return lambda: bool(temporaries(run_dir) - before)
     if aim == "publish":
@@ -256,7 +256,7 @@ def observe(aim: str, run_dir: Path, temps_before: set[str]) -> Kill:
     name, state = checkpoint_to_resume(run_dir)
     step = state["progress"]["step"] if state is not None else 0
     scaler = state["optimizer"]["loss_scaler"] if state is not None else None
-    return Kill(aim, inside_save=bool(temporaries(run_dir) - temps_before), latest_gone=name == resume.PREVIOUS,
+    return Kill(aim, inside_save=bool(temporaries(run_dir) - temps_before), latest_gone=name == checkpoint.PREVIOUS,
                 resume_from=name, resume_step=step,
                 mid_window=state is not None and state["progress"]["steps_since_log"] > 0,
                 at_log_step=state is not None and state["progress"]["steps_since_log"] == 0,
@@ -296,7 +296,7 @@ def train_with_kills(server: TrainServer, args: list[str], run_dir: Path, aims: 
         said = log.read_bytes()[log_start:].decode() if log.exists() else ""
         if "minitrain: " in said:  # the start reached its loop, past the line saying where it resumed
             resumed = re.findall(r"resumed from (\S+) at step (\d+)", said)
-            path = resume.checkpoint_dir(run_dir) / expected.resume_from if resume_step else None
+            path = checkpoint.checkpoint_dir(run_dir) / expected.resume_from if resume_step else None
             assert resumed == ([(str(path), str(resume_step))] if resume_step else []), (expected, said)
         if code == 0:
             break
@@ -310,7 +310,7 @@ def train_with_kills(server: TrainServer, args: list[str], run_dir: Path, aims: 
 
 
 def assert_same_run(straight: Path, killed: Path, max_steps: int) -> None:
-    final = [resume.load(resume.checkpoint_dir(d) / resume.LATEST, torch.device("cpu")) for d in (straight, killed)]
+    final = [checkpoint.load(checkpoint.checkpoint_dir(d) / checkpoint.LATEST, torch.device("cpu")) for d in (straight, killed)]
     assert final[0]["progress"]["step"] == max_steps
     for part in ("model", "optimizer", "progress"):
         assert_identical(final[0][part], final[1][part], part)
@@ -355,29 +355,29 @@ def test_killed_and_resumed_until_done_equals_an_unbroken_run(server, corpus, da
 
 # -- faults a user meets: each through the real scripts/train.py --------------------------------------
 def step_of(path: Path) -> int:
-    return resume.load(path, torch.device("cpu"))["progress"]["step"]
+    return checkpoint.load(path, torch.device("cpu"))["progress"]["step"]
 
 
 def test_a_fallback_past_a_torn_latest_keeps_it_aside_and_previous_stays_the_checkpoint_that_loaded(
         server, corpus, data_cache, tmp_path):
     """A save after the fallback must not rotate the torn latest.pt into previous.pt over the only good checkpoint:
     a kill between that save's renames would leave nothing to resume from."""
-    run_dir, ckpts = tmp_path / "run", resume.checkpoint_dir(tmp_path / "run")
+    run_dir, ckpts = tmp_path / "run", checkpoint.checkpoint_dir(tmp_path / "run")
     args = train_args(corpus, data_cache, 2 * SAVE_EVERY)
     assert server.wait(server.start(args, run_dir))[0] == 0
-    torn = (ckpts / resume.LATEST).read_bytes()[:1000]
-    (ckpts / resume.LATEST).write_bytes(torn)
+    torn = (ckpts / checkpoint.LATEST).read_bytes()[:1000]
+    (ckpts / checkpoint.LATEST).write_bytes(torn)
     code, _ = server.wait(server.start(args, run_dir))  # from step 3 to 6: one save
     assert code == 0, console_path(run_dir).read_text()[-3000:]
     said = (run_dir / "train.log").read_text()
-    [aside] = ckpts.glob(f"{resume.LATEST}{resume.UNUSABLE_MARK}*")
-    assert f"kept aside as checkpoints/{aside.name}; resumed from checkpoints/{resume.PREVIOUS}" in said
+    [aside] = ckpts.glob(f"{checkpoint.LATEST}{checkpoint.UNUSABLE_MARK}*")
+    assert f"kept aside as checkpoints/{aside.name}; resumed from checkpoints/{checkpoint.PREVIOUS}" in said
     assert aside.read_bytes() == torn
-    assert (step_of(ckpts / resume.LATEST), step_of(ckpts / resume.PREVIOUS)) == (2 * SAVE_EVERY, SAVE_EVERY)
+    assert (step_of(ckpts / checkpoint.LATEST), step_of(ckpts / checkpoint.PREVIOUS)) == (2 * SAVE_EVERY, SAVE_EVERY)
     code, _ = server.wait(server.start(train_args(corpus, data_cache, 3 * SAVE_EVERY), run_dir))
     assert code == 0, console_path(run_dir).read_text()[-3000:]  # a later start neither takes it nor removes it
-    assert (step_of(ckpts / resume.LATEST), step_of(ckpts / resume.PREVIOUS)) == (3 * SAVE_EVERY, 2 * SAVE_EVERY)
-    assert sorted(p.name for p in ckpts.iterdir()) == sorted([resume.LATEST, resume.PREVIOUS, aside.name])
+    assert (step_of(ckpts / checkpoint.LATEST), step_of(ckpts / checkpoint.PREVIOUS)) == (3 * SAVE_EVERY, 2 * SAVE_EVERY)
+    assert sorted(p.name for p in ckpts.iterdir()) == sorted([checkpoint.LATEST, checkpoint.PREVIOUS, aside.name])
     assert aside.read_bytes() == torn
 
 
@@ -437,24 +437,24 @@ runpy.run_path({script!r}, run_name="__main__")
 def test_a_full_disk_stops_the_run_saying_so_and_how_much_room_a_save_needs(server, corpus, data_cache, tmp_path):
     """The third save (step 9) meets a full disk: one line that says so, exit 2, the checkpoints of steps 6 and 3
     intact and no temporary; once there is room, resume=auto goes on from step 6 as if nothing happened."""
-    run_dir, ckpts = tmp_path / "run", resume.checkpoint_dir(tmp_path / "run")
+    run_dir, ckpts = tmp_path / "run", checkpoint.checkpoint_dir(tmp_path / "run")
     args = [*train_args(corpus, data_cache, 4 * SAVE_EVERY), f"hydra.run.dir={run_dir}"]
     script = ON_A_FULL_DISK.format(fail_at=3, args=args, script=str(REPO / "scripts" / "train.py"))
     out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                          env=checkout_env())
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
-    size = (ckpts / resume.LATEST).stat().st_size
+    size = (ckpts / checkpoint.LATEST).stat().st_size
     needed = re.search(r"^error: could not write a checkpoint into (\S+): the disk is full \(\d[\d.]* [kMG]B free "
                        r"there; a checkpoint of this run needs about ([\d.]+) kB\); the checkpoints published before "
                        r"are untouched\. Free space there .*, then continue with trainer\.resume=auto$",
                        out.stderr.splitlines()[-1])
     assert needed and needed.group(1) == str(ckpts), out.stderr[-3000:]
     assert float(needed.group(2)) * 1e3 == pytest.approx(size, rel=0.1)  # the tensors: nearly all of a checkpoint
-    assert (step_of(ckpts / resume.LATEST), step_of(ckpts / resume.PREVIOUS)) == (2 * SAVE_EVERY, SAVE_EVERY)
-    assert sorted(p.name for p in ckpts.iterdir()) == [resume.LATEST, resume.PREVIOUS]
+    assert (step_of(ckpts / checkpoint.LATEST), step_of(ckpts / checkpoint.PREVIOUS)) == (2 * SAVE_EVERY, SAVE_EVERY)
+    assert sorted(p.name for p in ckpts.iterdir()) == [checkpoint.LATEST, checkpoint.PREVIOUS]
     code, _ = server.wait(server.start(train_args(corpus, data_cache, 4 * SAVE_EVERY), run_dir))
     assert code == 0, console_path(run_dir).read_text()[-3000:]
-    assert f"resumed from {ckpts / resume.LATEST} at step {2 * SAVE_EVERY}" in (run_dir / "train.log").read_text()
+    assert f"resumed from {ckpts / checkpoint.LATEST} at step {2 * SAVE_EVERY}" in (run_dir / "train.log").read_text()
 
 
 def process_group_alive(pgid: int, grace_s: float) -> bool:

@@ -8,7 +8,7 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from minitrain import resume
+from minitrain import checkpoint
 from minitrain.config import resolve
 from minitrain.trainer import Trainer
 
@@ -23,8 +23,8 @@ MAY_CHANGE = {
     "logger": {"mode", "project", "group", "name", "tags"},
     "distributed": {"timeout_s"},
     "trainer": {"max_steps", "log_every", "eval_every", "eval_batches", "save_every", "sample_tokens", "out_dir",
-                "device", "compile", "compile_mode", "compile_check", "peak_flops", "memory_budget", "micro_batch",
-                "max_skipped_steps"},
+                "device", "compile", "compile_mode", "compile_check", "deterministic", "peak_flops", "memory_budget",
+                "micro_batch", "max_skipped_steps"},
     "plan": set(),  # what the plan resolved from `auto` on this device: precision, world size, mode, vocabulary
 }
 NOT_COMPARED = {"trainer.resume"}  # every resume changes how it finds its checkpoint
@@ -61,7 +61,7 @@ def test_each_key_of_each_group_may_change_or_is_refused(make_cfg, group):
     for key in saved[group]:
         dotted = f"{group}.{key}"
         now = {**saved, group: {**saved[group], key: "changed on resume"}}
-        changes = resume.config_changes(saved, now)
+        changes = checkpoint.config_changes(saved, now)
         if dotted in NOT_COMPARED:
             assert (changes.allowed, changes.breaking) == ({}, {}), dotted
         elif key in MAY_CHANGE[group]:
@@ -76,7 +76,7 @@ def test_the_refusal_names_each_breaking_key_with_both_values_and_nothing_it_all
     saved = identity(make_cfg)
     now = identity(make_cfg, "model.n_layer=2", "data.vocab_size=8192", "trainer.max_steps=40", "logger.project=x",
                    "data.val_fraction=0.01")
-    changes = resume.config_changes(saved, now)
+    changes = checkpoint.config_changes(saved, now)
     assert changes.refusal("checkpoints/latest.pt") == (
         "checkpoints/latest.pt was saved by a run with a different config; resuming would silently make it another "
         "run:\n"
@@ -97,7 +97,7 @@ def test_precision_auto_resumed_on_another_kind_of_device_is_refused(make_cfg, t
     assert state["config"]["plan"]["precision"] == "fp32" and state["config"]["precision"]["name"] == "auto"
     state["config"]["plan"]["precision"] = "bf16"  # as a run on a GPU with bf16 saved it
     torch.save(state, latest)
-    with pytest.raises(resume.CheckpointError, match=r"\n  plan\.precision: saved bf16, now fp32\nPut the saved"):
+    with pytest.raises(checkpoint.CheckpointError, match=r"\n  plan\.precision: saved bf16, now fp32\nPut the saved"):
         Trainer(make_cfg("trainer.max_steps=3", "trainer.sample_tokens=0", "trainer.resume=auto"), progress=False)
 
 
@@ -105,7 +105,7 @@ def test_deliberate_changes_are_allowed_and_the_rest_break_the_run(make_cfg):
     saved = config_dict(make_cfg)
     now = config_dict(make_cfg, "trainer.max_steps=50", "trainer.log_every=2", "trainer.micro_batch=4",
                       "logger.project=other", "trainer.lr=0.01", "precision=bf16", "trainer.batch_size=16")
-    changes = resume.config_changes(saved, now)
+    changes = checkpoint.config_changes(saved, now)
     assert changes.allowed == {"trainer.max_steps": (10, 50), "trainer.log_every": (5, 2),
                                "trainer.micro_batch": ("auto", "4"), "logger.project": ("minitrain", "other")}
     assert changes.breaking["trainer.lr"] == (0.001, 0.01)
@@ -123,10 +123,10 @@ def test_deliberate_changes_are_allowed_and_the_rest_break_the_run(make_cfg):
 
 
 def test_the_same_config_has_no_changes(make_cfg):
-    changes = resume.config_changes(config_dict(make_cfg), config_dict(make_cfg))
+    changes = checkpoint.config_changes(config_dict(make_cfg), config_dict(make_cfg))
     assert changes.allowed == {} and changes.breaking == {}
     # the resume itself is no change of config worth a note at every resume
-    changes = resume.config_changes(config_dict(make_cfg), config_dict(make_cfg, "trainer.resume=auto"))
+    changes = checkpoint.config_changes(config_dict(make_cfg), config_dict(make_cfg, "trainer.resume=auto"))
     assert changes.allowed == {} and changes.breaking == {}
 
 
@@ -135,18 +135,18 @@ def test_a_key_on_one_side_only_is_a_change(make_cfg):
     del saved["optimizer"]["eps"]  # a checkpoint older than the key
     del saved["logger"]["tags"]
     now = {**config_dict(make_cfg), "plan": {"world_size": 2, "param_dtype": "fp32"}}
-    changes = resume.config_changes(saved, now)
-    assert changes.breaking["optimizer.eps"] == (resume._ABSENT, 1e-8)
-    assert changes.breaking["plan.world_size"] == (resume._ABSENT, 2)
-    assert changes.allowed == {"logger.tags": (resume._ABSENT, [])}
+    changes = checkpoint.config_changes(saved, now)
+    assert changes.breaking["optimizer.eps"] == (checkpoint._ABSENT, 1e-8)
+    assert changes.breaking["plan.world_size"] == (checkpoint._ABSENT, 2)
+    assert changes.allowed == {"logger.tags": (checkpoint._ABSENT, [])}
     assert "  plan.world_size: saved (not set), now 2\n" in changes.refusal("latest.pt")
-    gone = resume.config_changes(now, saved)  # and the converse: a key this run no longer has
-    assert gone.breaking["plan.param_dtype"] == ("fp32", resume._ABSENT)
+    gone = checkpoint.config_changes(now, saved)  # and the converse: a key this run no longer has
+    assert gone.breaking["plan.param_dtype"] == ("fp32", checkpoint._ABSENT)
 
 
 def test_nested_values_compare_whole(make_cfg):
-    changes = resume.config_changes(config_dict(make_cfg), config_dict(make_cfg, "optimizer.betas=[0.9,0.99]"))
+    changes = checkpoint.config_changes(config_dict(make_cfg), config_dict(make_cfg, "optimizer.betas=[0.9,0.99]"))
     assert changes.breaking == {"optimizer.betas": ([0.9, 0.95], [0.9, 0.99])}
-    deep = resume.config_changes({"plan": {"memory": {"budget_gb": 20, "fits": True}}},
+    deep = checkpoint.config_changes({"plan": {"memory": {"budget_gb": 20, "fits": True}}},
                                  {"plan": {"memory": {"budget_gb": 40, "fits": True}}})
     assert deep.breaking == {"plan.memory.budget_gb": (20, 40)}

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from minitrain import resume
+from minitrain import checkpoint
 from minitrain.config import ConfigError
 from minitrain.trainer import NonFiniteLossError, Progress, Trainer, train
 
@@ -140,7 +140,7 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(make_cfg, tmp_path,
     monkeypatch.setattr(t.train_step, "forward_loss", poisoned)
     with pytest.raises(NonFiniteLossError, match="inf/NaN"):
         t.fit()
-    state = resume.load(resume.checkpoint_dir(tmp_path / "run") / resume.LATEST, torch.device("cpu"))
+    state = checkpoint.load(checkpoint.checkpoint_dir(tmp_path / "run") / checkpoint.LATEST, torch.device("cpu"))
     assert state["progress"]["step"] == 5
     assert all(torch.isfinite(v).all() for v in state["model"].values())
 
@@ -184,7 +184,7 @@ def test_wandb_offline_run_holds_the_metrics(make_cfg, tmp_path):
 def test_a_run_refused_by_the_lock_leaves_the_holders_record_alone(data_cache, tmp_path):
     """.hydra/ holds the config of the run that owns the dir: a second run, refused at the lock, must not
     overwrite it (Hydra writes its copy before any code of ours runs)."""
-    from minitrain.resume import RunDirLock
+    from minitrain.checkpoint import RunDirLock
 
     run_dir = tmp_path / "run"
     (run_dir / ".hydra").mkdir(parents=True)
@@ -199,7 +199,7 @@ def test_a_run_refused_by_the_lock_leaves_the_holders_record_alone(data_cache, t
 
 
 def test_a_sweep_cell_refused_by_anothers_lock_leaves_that_runs_record_alone(data_cache, tmp_path):
-    from minitrain.resume import RunDirLock
+    from minitrain.checkpoint import RunDirLock
 
     cell = tmp_path / "sweep" / "0"
     (cell / ".hydra").mkdir(parents=True)
@@ -433,7 +433,7 @@ def test_a_second_run_in_the_same_dir_is_refused_naming_the_holder(make_cfg):
     import os
 
     first = Trainer(make_cfg(), progress=False)
-    with pytest.raises(resume.RunDirBusyError, match=f"pid {os.getpid()}"):
+    with pytest.raises(checkpoint.RunDirBusyError, match=f"pid {os.getpid()}"):
         Trainer(make_cfg(), progress=False)
     first.close()
     Trainer(make_cfg(), progress=False).close()  # free again once the holder is done
@@ -441,9 +441,9 @@ def test_a_second_run_in_the_same_dir_is_refused_naming_the_holder(make_cfg):
 
 def test_resume_refuses_a_different_run_and_accepts_a_longer_one(make_cfg, tmp_path):
     train(make_cfg("trainer.max_steps=4", "trainer.save_every=4"), progress=False)
-    with pytest.raises(resume.CheckpointError, match=r"trainer\.lr: saved 0\.001, now 0\.002"):
+    with pytest.raises(checkpoint.CheckpointError, match=r"trainer\.lr: saved 0\.001, now 0\.002"):
         Trainer(make_cfg("trainer.max_steps=4", "trainer.lr=2e-3", "trainer.resume=auto"), progress=False)
-    with pytest.raises(resume.CheckpointError, match="trainer.resume=auto"):  # a fresh start would overwrite it
+    with pytest.raises(checkpoint.CheckpointError, match="trainer.resume=auto"):  # a fresh start would overwrite it
         Trainer(make_cfg("trainer.max_steps=4"), progress=False)
     longer = Trainer(make_cfg("trainer.max_steps=6", "trainer.resume=auto"), progress=False)
     assert longer.step == 4
@@ -630,7 +630,7 @@ def test_sigterm_saves_a_checkpoint_after_the_step_and_exits_143(data_cache, tmp
     assert job.returncode == 128 + signal.SIGTERM, err[-2000:]
     assert "stopped by SIGTERM: saving a checkpoint after this step" in out and "Traceback" not in err
     step = int(re.search(r"stopped at step (\d+) of 100000", err).group(1))
-    state = resume.load(resume.checkpoint_dir(run_dir) / resume.LATEST, torch.device("cpu"))
+    state = checkpoint.load(checkpoint.checkpoint_dir(run_dir) / checkpoint.LATEST, torch.device("cpu"))
     assert state["progress"]["step"] == step >= 4
 
 
