@@ -25,14 +25,11 @@ metrics and overwrite each other's checkpoints.
 from __future__ import annotations
 
 import errno
-import fcntl
 import fnmatch
 import json
 import os
 import random
-import secrets
 import shutil
-import socket
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,59 +38,19 @@ from typing import Any, Optional
 import numpy as np
 import torch
 
-from .config import error_reason, unusable_run_dir
+from . import files
+from .config import error_reason
+from .rundir import RunDirError, checkpoint_dir
 
 LATEST, PREVIOUS = "latest.pt", "previous.pt"
 LATEST_SHARDED, PREVIOUS_SHARDED = "latest", "previous"  # torch.distributed.checkpoint directories
 JOB_INFO = "minitrain.json"  # in a sharded checkpoint: world_size, mode, config
-LOCK = ".lock"
-_TEMP_MARK = ".tmp"  # every temporary name holds it; no published name does
 UNUSABLE_MARK = ".unusable-"  # a checkpoint resume=auto fell back past, kept aside for the user to look at
 _PER_RANK = ("rng", "progress")  # differ by rank: each rank's generators, its running loss sums
 
 
-class RunDirError(RuntimeError):
-    """A problem with the run directory or its checkpoints that the user can fix; the message names the
-    file and what to do (scripts/train.py prints it as one line, without a traceback)."""
-
-
 class CheckpointError(RunDirError):
     """No usable checkpoint where one was asked for, or one that does not fit this run."""
-
-
-class RunDirBusyError(RunDirError):
-    """Another live process holds the run directory."""
-
-
-def checkpoint_dir(out_dir: Path) -> Path:
-    return Path(out_dir) / "checkpoints"
-
-
-def make_run_dir(out_dir: Path) -> Path:
-    """`out_dir`, created if absent; a path through a file or a directory this user cannot write is named with
-    what to change, not left to fail as an OSError traceback at the first file the run writes."""
-    try:
-        out_dir.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise RunDirError(unusable_run_dir("trainer.out_dir", out_dir, e)) from None
-    return out_dir
-
-
-def remove_if_empty(run_dir: Path, below: Path) -> None:
-    """`run_dir` if a run refused at start left it empty, and its parents strictly below `below` that then hold
-    nothing (the runs/<date>/ of Hydra's default run dir, made before any of our checks run): a refused run
-    leaves no trace. Only empty directories go (rmdir): never `below`, the working directory or one above them
-    (hydra.run.dir=. names the working directory)."""
-    d, stop, cwd = run_dir.resolve(), below.resolve(), Path.cwd().resolve()
-    kept = {stop, *stop.parents, cwd, *cwd.parents}
-    while d not in kept:
-        try:
-            d.rmdir()
-        except OSError:  # not empty, or not there
-            return
-        d = d.parent
-        if stop not in d.parents:
-            return
 
 
 class RandomState:
@@ -117,122 +74,13 @@ class RandomState:
             torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
-# -- the run-directory lock -------------------------------------------------------------------------
-class RunDirLock:
-    """An exclusive flock on `out_dir/.lock`, holding the holder's pid and host.
-
-    The kernel drops a flock when its holder's last descriptor closes, so a run killed by any means
-    leaves no stale lock. Holding it makes this process the run dir's only writer: temporaries found
-    under `checkpoints/` at acquire time belong to dead runs and are removed.
-    """
-
-    def __init__(self, out_dir: Path):
-        self.out_dir = Path(out_dir)
-        self.path = self.out_dir / LOCK
-        self._fd: Optional[int] = None
-        self._made_file = False
-
-    def acquire(self) -> None:
-        make_run_dir(self.out_dir)
-        self._made_file = not self.path.exists()
-        try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        except OSError as e:  # a read-only run dir
-            raise RunDirError(unusable_run_dir("trainer.out_dir", self.out_dir, e)) from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            os.close(fd)
-            raise RunDirBusyError(self._busy_message()) from None
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname()}).encode(), 0)
-        self._fd = fd
-        remove_stale_temporaries(self.out_dir)
-
-    def release(self, remove_file: bool = False) -> None:
-        """remove_file: also delete the lock file if acquire() made it, while still holding it (a run refused at
-        start leaves its dir as it found it, so an empty one can go). A finished run's file stays: deleting it
-        would let a process that opened it just before lock the deleted file beside one that makes a new one."""
-        if self._fd is not None:
-            os.ftruncate(self._fd, 0)  # a reader never sees a finished holder's pid
-            if remove_file and self._made_file:
-                self.path.unlink(missing_ok=True)
-            os.close(self._fd)
-            self._fd = None
-
-    def __enter__(self) -> "RunDirLock":
-        self.acquire()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.release()
-
-    def _busy_message(self) -> str:
-        try:
-            holder = json.loads(self.path.read_text())
-            pid, host = holder["pid"], holder["host"]
-        except (OSError, ValueError, KeyError):  # the holder has the lock but has not written its pid yet
-            pid, host = None, None
-        here = host is None or host == socket.gethostname()
-        who = f"pid {pid}" if pid is not None else "a process that has not yet recorded its pid"
-        where = "" if here else f" on host {host}"
-        stop = f"stop pid {pid}{where}" if pid is not None else "stop the other run"
-        return (f"run dir {self.out_dir} is in use by another run ({who}{where}); two runs in one directory "
-                f"would corrupt each other's checkpoints and metrics. Give this run its own directory "
-                f"(hydra.run.dir=...), or {stop} first")
-
-
-def remove_stale_temporaries(out_dir: Path) -> list[Path]:
-    """Delete the temporaries of interrupted saves and log rewrites (a checkpoint's can be as large as a
-    checkpoint). Only safe for the holder of the run dir's lock: another live writer's temporary would go
-    too."""
-    stale = sorted([*checkpoint_dir(out_dir).glob(f"*{_TEMP_MARK}*"),
-                    *Path(out_dir).glob(f"metrics.jsonl{_TEMP_MARK}*")])  # the logger's rewrite on resume
-    for path in stale:
-        if path.is_dir():
-            shutil.rmtree(path, ignore_errors=True)
-        else:
-            path.unlink(missing_ok=True)
-    return stale
-
-
 # -- saving -------------------------------------------------------------------------------------------
-def _temp_path(path: Path) -> Path:
-    """A name no other process or earlier save uses (two writers of one name can publish a mix of both)."""
-    return path.with_name(f"{path.name}{_TEMP_MARK}.{os.getpid()}.{secrets.token_hex(4)}")
-
-
-def _fsync(path: Path) -> None:
-    """Make a file's bytes, or a directory's entries (the renames in it), durable."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _publish(tmp: Path, latest: Path, previous: Path) -> None:
-    """`tmp` (complete and synced) becomes `latest`; the `latest` it replaces becomes `previous`. Each
-    step is one rename, so a crash between any two leaves `latest`, or else `previous`, complete."""
-    aside = None
-    if latest.exists():
-        if previous.is_dir():  # a rename cannot replace a non-empty directory: move the oldest aside first
-            aside = _temp_path(previous)
-            os.replace(previous, aside)
-        os.replace(latest, previous)
-        _fsync(latest.parent)
-    os.replace(tmp, latest)
-    _fsync(latest.parent)
-    if aside is not None:
-        shutil.rmtree(aside, ignore_errors=True)
-
-
 def save_checkpoint(state: dict[str, Any], out_dir: Path) -> Path:
     """Single process: publish `state` as checkpoints/latest.pt, keeping the one before as previous.pt."""
     ckpts = checkpoint_dir(out_dir)
     ckpts.mkdir(parents=True, exist_ok=True)
     latest = ckpts / LATEST
-    tmp = _temp_path(latest)
+    tmp = files.temp_path(latest)
     try:
         try:
             with open(tmp, "wb") as f:
@@ -242,7 +90,7 @@ def save_checkpoint(state: dict[str, Any], out_dir: Path) -> Path:
         except (OSError, RuntimeError) as e:  # a full disk, a quota: torch.save's writer says RuntimeError
             tmp.unlink(missing_ok=True)  # first: the free space the message gives is what the next try will have
             raise _unwritable(ckpts, e, state_bytes(state)) from None
-        _publish(tmp, latest, ckpts / PREVIOUS)
+        files.publish(tmp, latest, ckpts / PREVIOUS)
     finally:
         tmp.unlink(missing_ok=True)  # still there only when the save failed
     return latest
@@ -308,7 +156,7 @@ def save_sharded(state: dict[str, Any], out_dir: Path, rank: int, mode: str) -> 
 
     ckpts = checkpoint_dir(out_dir)
     latest = ckpts / LATEST_SHARDED
-    name = [_temp_path(latest).name if rank == 0 else None]
+    name = [files.temp_path(latest).name if rank == 0 else None]
     dist.broadcast_object_list(name, src=0)  # every rank writes into the directory rank 0 named
     tmp = ckpts / name[0]
     try:
@@ -325,8 +173,8 @@ def save_sharded(state: dict[str, Any], out_dir: Path, rank: int, mode: str) -> 
                 json.dump(info, f, indent=1)
                 f.flush()
                 os.fsync(f.fileno())
-            _fsync(tmp)
-            _publish(tmp, latest, ckpts / PREVIOUS_SHARDED)
+            files.fsync(tmp)
+            files.publish(tmp, latest, ckpts / PREVIOUS_SHARDED)
     finally:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # still there only when the save failed
@@ -467,7 +315,7 @@ def _set_aside(path: Path) -> Path:
         n += 1
         aside = path.with_name(f"{path.name}{UNUSABLE_MARK}{stamp}-{n}")
     os.replace(path, aside)
-    _fsync(path.parent)
+    files.fsync(path.parent)
     return aside
 
 

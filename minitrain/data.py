@@ -9,7 +9,6 @@ sees.
 
 from __future__ import annotations
 
-import fcntl
 import glob
 import hashlib
 import json
@@ -24,6 +23,7 @@ from typing import Callable, Optional
 import numpy as np
 import torch
 
+from . import files
 from .config import DataConfig, DataSource, error_reason
 
 EOT = "<|endoftext|>"
@@ -277,16 +277,15 @@ def _open_cache(path: Path) -> TokenData:
 
 def _build_cache(cfg: DataConfig, final: Path, progress: bool, notify: Callable[[str], None]) -> TokenData:
     """Builds the cache at `final` under an exclusive lock on `<final>.lock`, so that concurrent ranks or sweep
-    jobs build it once. It is published by renaming a complete `<final>.tmp` (a crash mid-build leaves only that),
-    an unusable cache moved aside first: a reader sees a whole cache or none, never a half-replaced one."""
+    jobs build it once. It is published by renaming a complete `<final>.tmp` (a crash mid-build leaves only that)
+    over it (files.publish): a reader sees a whole cache or none, never a half-replaced one."""
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
-        lock = open(final.with_name(final.name + ".lock"), "a")
+        lock = files.lock(final.with_name(final.name + ".lock"))  # waits for a build under way elsewhere
     except OSError as e:  # a path through a file, a directory this user cannot write
         raise DataError(f"data.cache_dir={cfg.cache_dir!r}: cannot keep the token cache there ({error_reason(e)}); "
                         "point data.cache_dir at a writable directory") from None
-    with lock:
-        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes, also when its holder dies
+    try:
         try:
             return _open_cache(final)  # another process built it while this one waited
         except _UnusableCache as why:
@@ -295,9 +294,9 @@ def _build_cache(cfg: DataConfig, final: Path, progress: bool, notify: Callable[
         ds = load_corpus(cfg, notify)  # the corpus is read only to build the cache
         if len(ds) == 0:
             raise DataError(f"the {cfg.name} corpus has no documents")
-        tmp, aside = final.with_name(final.name + ".tmp"), final.with_name(final.name + ".old")
-        for leftover in (tmp, aside):  # of a build that crashed
+        for leftover in final.parent.glob(f"{final.name}.tmp*"):  # of a build that crashed
             shutil.rmtree(leftover, ignore_errors=True)
+        tmp = final.with_name(final.name + ".tmp")
         tmp.mkdir()
         if cfg.tokenizer == "train":
             tokenizer = _train_tokenizer(ds, cfg.vocab_size, progress)
@@ -308,12 +307,11 @@ def _build_cache(cfg: DataConfig, final: Path, progress: bool, notify: Callable[
         tokenizer.save(str(tmp / "tokenizer.json"))
         meta = _write_tokens(ds, tokenizer, tmp, cfg, progress)
         meta["tokenizer_checksum"] = hashlib.sha256((tmp / "tokenizer.json").read_bytes()).hexdigest()
-        (tmp / "meta.json").write_text(json.dumps(meta, indent=1))
-        if final.exists():
-            os.replace(final, aside)
-        os.replace(tmp, final)
-        shutil.rmtree(aside, ignore_errors=True)
+        files.atomic_write(tmp / "meta.json", json.dumps(meta, indent=1))
+        files.publish(tmp, final)
         return _open_cache(final)
+    finally:
+        lock.release()
 
 
 def _print_to_stderr(message: str) -> None:

@@ -13,19 +13,18 @@ a checkpoint after the current step, a second Ctrl-C aborts.
 from __future__ import annotations
 
 import json
-import shlex
 import signal
 import sys
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional
 
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from . import checkpoint, compile_check, determinism, distributed, hf, memory, recompute
+from . import checkpoint, compile_check, files, determinism, distributed, hf, memory, recompute
 from .config import SCRATCH, Config, ConfigError, resolve
 from .data import DeviceBatches, TokenData, prepare_data
 from .generate import Sampler, Sampling
@@ -33,6 +32,7 @@ from .logger import RunLogger
 from .metrics import Throughput, memory_stats, peak_flops
 from .model import GPT
 from .plan import Plan, make_plan, pick_device
+from .rundir import RunDirLock, RunInfo, make_run_dir
 from .step import Phase, TrainStep, record_function
 
 
@@ -78,67 +78,6 @@ def build_optimizer(plan: Plan, cfg: Config, model: GPT, sharded: bool = False):
                        lr=plan.schedule.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
                        max_grad_norm=o.max_grad_norm or None,
                        reduce_sumsq=distributed.all_reduce_sum_ if sharded else None)
-
-
-@dataclass
-class RunInfo:
-    """Where this run sits in a Hydra sweep (for wandb grouping), and the command line's overrides (kept in
-    the run dir's .hydra/ once the run owns the dir); empty for a run built in code."""
-
-    group: Optional[str] = None
-    name: Optional[str] = None
-    overrides: Optional[list[str]] = None
-    recorded: bool = field(default=False, init=False)  # this run's record is in its dir (write)
-
-    @staticmethod
-    def from_hydra() -> "RunInfo":
-        from hydra.core.hydra_config import HydraConfig
-        from hydra.types import RunMode
-
-        if not HydraConfig.initialized():
-            return RunInfo()
-        hc = HydraConfig.get()
-        overrides = OmegaConf.to_container(hc.overrides.task, resolve=False)  # as typed: an `${...}` in one is text
-        if hc.mode != RunMode.MULTIRUN:
-            return RunInfo(name=Path(hc.runtime.output_dir).name, overrides=overrides)
-        sweep = Path(hc.sweep.dir)
-        return RunInfo(group=f"{sweep.parent.name}_{sweep.name}",
-                       name=hc.job.override_dirname or f"job{hc.job.num}", overrides=overrides)
-
-    def write_failure(self, out_dir: Path, message: str) -> None:
-        """A sweep cell that could not run, or stopped (diverged): error.txt and its overrides beside it, for the
-        sweep's report; in a dir that holds no run, or this run's own record (a cell refused at start must not
-        touch another run's)."""
-        if self.overrides is None or ((out_dir / "metrics.jsonl").exists() and not self.recorded):
-            return
-        self._write_overrides(out_dir)
-        (out_dir / "error.txt").write_text(message + "\n")
-
-    def write(self, out_dir: Path, config: dict[str, Any]) -> None:
-        """.hydra/config.yaml (the resolved config) and overrides.yaml, written by the run that holds the
-        dir's lock (Hydra's own copy, written before any lock, would let a refused second run overwrite
-        the first run's record)."""
-        if self.overrides is None:
-            return
-        self._write_overrides(out_dir).joinpath("config.yaml").write_text(OmegaConf.to_yaml(config))
-        (out_dir / "error.txt").unlink(missing_ok=True)  # of an earlier start that failed: this one may finish
-        self.recorded = True
-
-    def _write_overrides(self, out_dir: Path) -> Path:
-        folder = out_dir / ".hydra"
-        folder.mkdir(parents=True, exist_ok=True)
-        (folder / "overrides.yaml").write_text(OmegaConf.to_yaml(self.overrides))
-        return folder
-
-    def continue_command(self, out_dir: Path, torchrun: bool = False) -> str:
-        """The command line that resumes this run in `out_dir`: its own overrides with trainer.resume=auto (a
-        resume without them would be refused as another config). A run built in code has no command line."""
-        where = f"hydra.run.dir={shlex.quote(str(out_dir))}"
-        if self.overrides is None:
-            return f"trainer.resume=auto {where} and this run's other settings"
-        kept = [shlex.quote(o) for o in self.overrides if not o.startswith("trainer.resume=")]
-        launcher = "torchrun <its arguments> scripts/train.py" if torchrun else "python scripts/train.py"
-        return " ".join([launcher, *kept, "trainer.resume=auto", where])
 
 
 @dataclass
@@ -240,8 +179,8 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(self.device)
         self.show_progress = progress and self.dist.is_main
         self.run = run
-        self.out_dir = checkpoint.make_run_dir(Path(cfg.trainer.out_dir).expanduser())
-        self.lock = checkpoint.RunDirLock(self.out_dir) if self.dist.is_main else None
+        self.out_dir = make_run_dir(Path(cfg.trainer.out_dir).expanduser())
+        self.lock = RunDirLock(self.out_dir) if self.dist.is_main else None
         if self.lock is not None:
             self.lock.acquire()
         try:
@@ -299,7 +238,7 @@ class Trainer:
         self.progress.wandb_id = self.logger.run_id
         if self.dist.is_main:
             run.write(self.out_dir, self.config_dict)
-            self.data.tokenizer.save(str(self.out_dir / "tokenizer.json"))  # for sample.py and export_hf.py
+            files.atomic_write(self.out_dir / "tokenizer.json", self.data.tokenizer.to_str(pretty=True))  # sample.py, export_hf.py
         self.logger.print(plan.describe())
         if weights is not None and loaded is None:
             self.logger.print(f"weights: {cfg.model.init_from} ({weights})")
@@ -533,7 +472,7 @@ class Trainer:
     def _write_memory_json(self, record: dict[str, Any]) -> None:
         """Predicted terms beside the measured peaks: what scripts/report.py reads per sweep cell."""
         measured = {k: v for k, v in record.items() if k.startswith("mem/")}
-        (self.out_dir / "memory.json").write_text(json.dumps({**self.plan.memory.as_dict(), **measured}, indent=1))
+        files.atomic_write(self.out_dir / "memory.json", json.dumps({**self.plan.memory.as_dict(), **measured}, indent=1))
 
     def sample(self) -> str:
         """A short continuation of a fixed prompt (at most what fits model.block_size): a human-readable check of
@@ -551,7 +490,7 @@ class Trainer:
         self.model.train()
         text = self.data.decode(out.tokens[0].tolist())
         if self.dist.is_main:
-            (self.out_dir / "sample.txt").write_text(text)
+            files.atomic_write(self.out_dir / "sample.txt", text)
         self.logger.print(f"sample:\n{text}")
         return text
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from minitrain.config import ConfigError
 from minitrain.data import DataError
 from minitrain.hf import export, open_weights
-from minitrain.checkpoint import RunDirError
+from minitrain.rundir import RunDirError
 
 
 def main() -> None:

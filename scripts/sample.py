@@ -14,7 +14,7 @@ from minitrain.config import ConfigError, KernelImpl
 from minitrain.data import DataError
 from minitrain.generate import GenerationError, Sampling, sample_texts
 from minitrain.hf import open_weights
-from minitrain.checkpoint import RunDirError
+from minitrain.rundir import RunDirError
 
 
 def main() -> None:

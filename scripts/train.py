@@ -31,9 +31,9 @@ try:  # the imports take seconds (torch): a Ctrl-C in them ends in one line, not
     from minitrain.compile_check import CompileMismatchError
     from minitrain.config import ConfigError, command_line, register_configs
     from minitrain.data import DataError
-    from minitrain.checkpoint import RunDirBusyError, RunDirError, remove_if_empty
+    from minitrain.rundir import RunDirBusyError, RunDirError, RunInfo, remove_if_empty
     from minitrain.sweep import FAILED_CELL_EXIT_CODE, stop_cells
-    from minitrain.trainer import NonFiniteLossError, RunInfo, TrainingInterrupted, train
+    from minitrain.trainer import NonFiniteLossError, TrainingInterrupted, train
 
     register_configs()
 except KeyboardInterrupt:

@@ -182,17 +182,17 @@ def test_a_cache_rebuilt_by_another_process_while_waiting_is_used(tmp_path, monk
     good = tmp_path / "good"
     shutil.copytree(fresh.path, good)
     _truncate(fresh.path)
-    real_flock = data_mod.fcntl.flock
+    real_lock = data_mod.files.lock
 
-    def flock_after_another_rebuild(fd, op):
+    def lock_after_another_rebuild(path, wait=True):
         shutil.rmtree(fresh.path)  # what the lock's holder does before it lets go
         shutil.copytree(good, fresh.path)
-        return real_flock(fd, op)
+        return real_lock(path, wait)
 
     def fail(*a, **k):
         raise AssertionError("rebuilt a cache that another process had just rebuilt")
 
-    monkeypatch.setattr(data_mod.fcntl, "flock", flock_after_another_rebuild)
+    monkeypatch.setattr(data_mod.files, "lock", lock_after_another_rebuild)
     monkeypatch.setattr(data_mod, "load_corpus", fail)
     said = []
     again = prepare_data(cfg, block_size=16, progress=False, notify=said.append)

@@ -10,7 +10,9 @@ import pytest
 import torch
 
 from minitrain import checkpoint, distributed
-from minitrain.checkpoint import CheckpointError, RunDirBusyError, RunDirError
+from minitrain import rundir
+from minitrain.checkpoint import CheckpointError
+from minitrain.rundir import RunDirBusyError, RunDirError
 
 CPU = torch.device("cpu")
 CONFIG = {"trainer": {"lr": 0.001, "max_steps": 20}, "model": {"n_layer": 2}}
@@ -42,7 +44,7 @@ def test_random_state_restores_every_generator(tmp_path):
 
 
 # -- the run-directory lock ---------------------------------------------------------------------------
-HOLDER = ("import sys\nfrom minitrain.checkpoint import RunDirLock\nRunDirLock(sys.argv[1]).acquire()\n"
+HOLDER = ("import sys\nfrom minitrain.rundir import RunDirLock\nlock = RunDirLock(sys.argv[1])\nlock.acquire()\n"
           "print('locked', flush=True)\nsys.stdin.read()\n")
 
 
@@ -52,51 +54,51 @@ def test_a_second_process_is_refused_naming_the_holder_until_the_holder_is_kille
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(RunDirBusyError) as busy:
-            checkpoint.RunDirLock(tmp_path).acquire()
+            rundir.RunDirLock(tmp_path).acquire()
         message = str(busy.value)
         assert f"pid {holder.pid}" in message and str(tmp_path) in message and "hydra.run.dir=" in message
         assert isinstance(busy.value, RunDirError)
     finally:
         holder.kill()  # SIGKILL: no cleanup runs in the holder; the kernel drops its lock
         holder.wait()
-    with checkpoint.RunDirLock(tmp_path) as lock:
-        assert json.loads(lock.path.read_text())["pid"] == os.getpid()
+    with rundir.RunDirLock(tmp_path) as lock:
+        assert json.loads(lock.holder.read_text())["pid"] == os.getpid()
 
 
 def test_the_lock_is_released_on_exit_and_excludes_a_second_holder_meanwhile(tmp_path):
     with pytest.raises(KeyError):
-        with checkpoint.RunDirLock(tmp_path):
+        with rundir.RunDirLock(tmp_path):
             with pytest.raises(RunDirBusyError, match=f"pid {os.getpid()}"):
-                checkpoint.RunDirLock(tmp_path).acquire()
+                rundir.RunDirLock(tmp_path).acquire()
             raise KeyError("the run failed")
-    lock = checkpoint.RunDirLock(tmp_path)
+    lock = rundir.RunDirLock(tmp_path)
     lock.acquire()
     lock.release()
-    assert (tmp_path / checkpoint.LOCK).read_text() == ""  # no pid of a finished holder left to mislead
+    assert (tmp_path / rundir.HOLDER).read_text() == ""  # no pid of a finished holder left to mislead
 
 
 def test_a_refused_run_removes_only_the_lock_file_it_made(tmp_path):
     """So that the empty dir of a run refused at start can go; a file that was there, and a finished run's, stay."""
-    lock = checkpoint.RunDirLock(tmp_path / "new")
+    lock = rundir.RunDirLock(tmp_path / "new")
     lock.acquire()
     lock.release(remove_file=True)
     assert list((tmp_path / "new").iterdir()) == []
-    lock = checkpoint.RunDirLock(tmp_path / "new")
+    lock = rundir.RunDirLock(tmp_path / "new")
     lock.acquire()
     lock.release()
-    again = checkpoint.RunDirLock(tmp_path / "new")
+    again = rundir.RunDirLock(tmp_path / "new")
     again.acquire()
     again.release(remove_file=True)
-    assert (tmp_path / "new" / checkpoint.LOCK).exists()
+    assert (tmp_path / "new" / rundir.LOCK).exists()
 
 
 def test_a_run_dir_that_cannot_be_made_or_written_names_trainer_out_dir(tmp_path):
     (tmp_path / "a-file").write_text("")
     with pytest.raises(RunDirError, match=r"trainer\.out_dir: cannot use .*a-file/run as the run dir"):
-        checkpoint.RunDirLock(tmp_path / "a-file" / "run").acquire()
-    (tmp_path / "run" / checkpoint.LOCK).mkdir(parents=True)  # the lock file cannot be opened for writing
+        rundir.RunDirLock(tmp_path / "a-file" / "run").acquire()
+    (tmp_path / "run" / rundir.LOCK).mkdir(parents=True)  # the lock file cannot be opened for writing
     with pytest.raises(RunDirError, match=r"trainer\.out_dir: cannot use .*run as the run dir"):
-        checkpoint.RunDirLock(tmp_path / "run").acquire()
+        rundir.RunDirLock(tmp_path / "run").acquire()
 
 
 def test_taking_the_lock_removes_the_temporaries_of_dead_runs(tmp_path):
@@ -107,7 +109,7 @@ def test_taking_the_lock_removes_the_temporaries_of_dead_runs(tmp_path):
     (ckpts / "latest.tmp.999.beef" / "__0_0.distcp").write_bytes(b"a shard")
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
     (tmp_path / "metrics.jsonl.tmp.999").write_text('{"step": 1}\n')  # a log rewrite killed mid-way
-    with checkpoint.RunDirLock(tmp_path):
+    with rundir.RunDirLock(tmp_path):
         assert sorted(p.name for p in ckpts.iterdir()) == [checkpoint.LATEST]
         assert not list(tmp_path.glob("metrics.jsonl.tmp*")) and (tmp_path / "metrics.jsonl").exists()
 
@@ -221,12 +223,6 @@ def test_a_sharded_save_that_cannot_be_written_says_so_and_leaves_both_checkpoin
     assert resumed_step(tmp_path, is_sharded=True) == 2
 
 
-def test_temporary_names_differ_between_saves(tmp_path):
-    latest = checkpoint.checkpoint_dir(tmp_path) / checkpoint.LATEST
-    a, b = checkpoint._temp_path(latest), checkpoint._temp_path(latest)
-    assert a != b and str(os.getpid()) in a.name and checkpoint._TEMP_MARK in a.name
-
-
 class Crash(BaseException):
     """The process dies: this filesystem operation and every later one never happen."""
 
@@ -312,7 +308,7 @@ def test_a_crash_between_any_two_filesystem_operations_leaves_a_checkpoint_to_re
             both = [checkpoint.load_checkpoint(str(checkpoint.checkpoint_dir(out_dir) / n), out_dir, CPU, template=template(),
                                            sharded=is_sharded) for n in names]
             assert [b.state["step"] for b in both] == [2, 1]
-        with checkpoint.RunDirLock(out_dir):  # a restart: the dead save's temporaries go, the next save works
+        with rundir.RunDirLock(out_dir):  # a restart: the dead save's temporaries go, the next save works
             save(out_dir, 4)
             assert resumed_step(out_dir, is_sharded) == 4
             assert not list(checkpoint.checkpoint_dir(out_dir).glob("*.tmp*"))
@@ -405,7 +401,7 @@ def test_after_a_fallback_previous_stays_the_checkpoint_that_loaded_and_the_bad_
         f"checkpoints/latest.pt is absent (a save was interrupted, or it was kept aside as {aside.name}); resumed")
     checkpoint.save_checkpoint(state_at(2), tmp_path)
     assert (saved_step(ckpts / checkpoint.LATEST), saved_step(ckpts / checkpoint.PREVIOUS)) == (2, 1)
-    with checkpoint.RunDirLock(tmp_path):  # a restart: what it removes as a dead save's temporary, it must not be
+    with rundir.RunDirLock(tmp_path):  # a restart: what it removes as a dead save's temporary, it must not be
         assert aside.read_bytes() == torn
     truncate(ckpts / checkpoint.LATEST)  # and a second fallback finds the one that loaded
     assert resumed_step(tmp_path, is_sharded=False) == 1
@@ -541,21 +537,21 @@ def test_a_refused_run_s_empty_dirs_go_and_nothing_else(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     runs = tmp_path / "runs"
     (runs / "d1" / "t1").mkdir(parents=True)
-    checkpoint.remove_if_empty(runs / "d1" / "t1", below=runs)
+    rundir.remove_if_empty(runs / "d1" / "t1", below=runs)
     assert [p.name for p in tmp_path.rglob("*")] == ["runs"]
     (runs / "d2" / "t1").mkdir(parents=True)
     (runs / "d2" / "t2").mkdir()
-    checkpoint.remove_if_empty(runs / "d2" / "t2", below=runs)  # its date dir holds another run's
+    rundir.remove_if_empty(runs / "d2" / "t2", below=runs)  # its date dir holds another run's
     assert sorted(str(p.relative_to(runs)) for p in runs.rglob("*")) == ["d2", "d2/t1"]
-    checkpoint.remove_if_empty(runs / "d2" / "t1" / "missing", below=runs)
+    rundir.remove_if_empty(runs / "d2" / "t1" / "missing", below=runs)
     (runs / "d2" / "t1" / "metrics.jsonl").write_text("{}")
-    checkpoint.remove_if_empty(runs / "d2" / "t1", below=runs)
+    rundir.remove_if_empty(runs / "d2" / "t1", below=runs)
     assert (runs / "d2" / "t1" / "metrics.jsonl").exists()
     (tmp_path / "mine" / "a" / "b").mkdir(parents=True)
-    checkpoint.remove_if_empty(tmp_path / "mine" / "a" / "b", below=runs)  # outside runs/: the run dir alone
+    rundir.remove_if_empty(tmp_path / "mine" / "a" / "b", below=runs)  # outside runs/: the run dir alone
     assert (tmp_path / "mine" / "a").is_dir() and not (tmp_path / "mine" / "a" / "b").exists()
-    checkpoint.remove_if_empty(runs, below=runs)
+    rundir.remove_if_empty(runs, below=runs)
     (tmp_path / "cwd").mkdir()
     monkeypatch.chdir(tmp_path / "cwd")
-    checkpoint.remove_if_empty(tmp_path / "cwd", below=runs)  # hydra.run.dir=. in an empty directory
+    rundir.remove_if_empty(tmp_path / "cwd", below=runs)  # hydra.run.dir=. in an empty directory
     assert runs.is_dir() and (tmp_path / "cwd").is_dir()

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from minitrain import checkpoint
+from minitrain import checkpoint, rundir
 from minitrain.config import ConfigError
 from minitrain.trainer import NonFiniteLossError, Progress, Trainer, train
 
@@ -184,7 +184,7 @@ def test_wandb_offline_run_holds_the_metrics(make_cfg, tmp_path):
 def test_a_run_refused_by_the_lock_leaves_the_holders_record_alone(data_cache, tmp_path):
     """.hydra/ holds the config of the run that owns the dir: a second run, refused at the lock, must not
     overwrite it (Hydra writes its copy before any code of ours runs)."""
-    from minitrain.checkpoint import RunDirLock
+    from minitrain.rundir import RunDirLock
 
     run_dir = tmp_path / "run"
     (run_dir / ".hydra").mkdir(parents=True)
@@ -199,7 +199,7 @@ def test_a_run_refused_by_the_lock_leaves_the_holders_record_alone(data_cache, t
 
 
 def test_a_sweep_cell_refused_by_anothers_lock_leaves_that_runs_record_alone(data_cache, tmp_path):
-    from minitrain.checkpoint import RunDirLock
+    from minitrain.rundir import RunDirLock
 
     cell = tmp_path / "sweep" / "0"
     (cell / ".hydra").mkdir(parents=True)
@@ -433,7 +433,7 @@ def test_a_second_run_in_the_same_dir_is_refused_naming_the_holder(make_cfg):
     import os
 
     first = Trainer(make_cfg(), progress=False)
-    with pytest.raises(checkpoint.RunDirBusyError, match=f"pid {os.getpid()}"):
+    with pytest.raises(rundir.RunDirBusyError, match=f"pid {os.getpid()}"):
         Trainer(make_cfg(), progress=False)
     first.close()
     Trainer(make_cfg(), progress=False).close()  # free again once the holder is done
@@ -477,7 +477,7 @@ def test_a_fresh_run_in_a_dir_whose_run_saved_no_checkpoint_starts_the_metrics_a
 
 
 def test_the_continue_command_repeats_the_runs_overrides():
-    from minitrain.trainer import RunInfo
+    from minitrain.rundir import RunInfo
 
     run = RunInfo(name="r", overrides=["model.n_layer=2", "data.paths=my corpus/*.txt", "trainer.resume=none"])
     assert run.continue_command(Path("/runs/r")) == (
@@ -508,7 +508,7 @@ def test_ctrl_c_saves_a_checkpoint_after_the_step_and_the_run_continues_from_it(
 
     from minitrain.trainer import TrainingInterrupted
 
-    from minitrain.trainer import RunInfo
+    from minitrain.rundir import RunInfo
 
     t = Trainer(make_cfg("trainer.max_steps=10"), RunInfo(name="run", overrides=["trainer.max_steps=10"]),
                 progress=False)
