@@ -28,14 +28,12 @@ import errno
 import fnmatch
 import json
 import os
-import random
 import shutil
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Optional
 
-import numpy as np
 import torch
 
 from . import files
@@ -51,27 +49,6 @@ _PER_RANK = ("rng", "progress")  # differ by rank: each rank's generators, its r
 
 class CheckpointError(RunDirError):
     """No usable checkpoint where one was asked for, or one that does not fit this run."""
-
-
-class RandomState:
-    """The process's random generators (Python, NumPy, torch CPU and CUDA) as a checkpoint part: dropout
-    masks and anything else drawn after a resume continue the sequence of an unbroken run."""
-
-    def state_dict(self) -> dict[str, Any]:
-        return {
-            "python": random.getstate(),
-            "numpy": np.random.get_state(),
-            "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-        }
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """`state` as torch.load(map_location=device) returns it: the generators take CPU tensors only."""
-        random.setstate(state["python"])
-        np.random.set_state(state["numpy"])
-        torch.set_rng_state(state["torch"].cpu())
-        if state["cuda"] is not None and torch.cuda.is_available():
-            torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
 
 
 # -- saving -------------------------------------------------------------------------------------------

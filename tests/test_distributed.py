@@ -56,7 +56,7 @@ def run_job(trainer, job):
                 raise Crash
             return real_step(step)
 
-        trainer.train_step = step_then_crash
+        trainer.parts.train_step = step_then_crash
     if job.get("overflow_at") is not None:  # an inf in one gradient of rank 1's shard only
         real_opt_step = trainer.optimizer.step
 

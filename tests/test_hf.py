@@ -144,7 +144,7 @@ def test_a_fine_tune_starts_at_transformers_loss_and_resumes_bit_for_bit(make_cf
             raise RuntimeError("simulated crash after the step-3 checkpoint")
         return real_step(step)
 
-    monkeypatch.setattr(crashing, "train_step", step_then_crash)
+    monkeypatch.setattr(crashing.parts, "train_step", step_then_crash)
     with pytest.raises(RuntimeError, match="simulated"):
         crashing.fit()
     resumed = Trainer(finetune(make_cfg, hf_gpt2, gpt2_corpus, *overrides, f"trainer.out_dir={tmp_path / 'b'}",

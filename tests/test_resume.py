@@ -12,6 +12,7 @@ import torch
 from minitrain import checkpoint, distributed
 from minitrain import rundir
 from minitrain.checkpoint import CheckpointError
+from minitrain.parts import RandomState
 from minitrain.rundir import RunDirBusyError, RunDirError
 
 CPU = torch.device("cpu")
@@ -35,10 +36,10 @@ def test_random_state_restores_every_generator(tmp_path):
 
     import numpy as np
 
-    saved = checkpoint.RandomState().state_dict()
+    saved = RandomState().state_dict()
     draws = (random.random(), np.random.rand(), torch.rand(()).item())
     checkpoint.save_checkpoint({**state_at(1), "rng": saved}, tmp_path)
-    checkpoint.RandomState().load_state_dict(torch.load(checkpoint.checkpoint_dir(tmp_path) / checkpoint.LATEST,
+    RandomState().load_state_dict(torch.load(checkpoint.checkpoint_dir(tmp_path) / checkpoint.LATEST,
                                                     weights_only=False)["rng"])
     assert (random.random(), np.random.rand(), torch.rand(()).item()) == draws
 

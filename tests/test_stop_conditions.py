@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from minitrain import checkpoint
-from minitrain.trainer import NonFiniteLossError, Trainer
+from minitrain.divergence import NonFiniteLossError
+from minitrain.trainer import Trainer
 
 SMALL = ("model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=32", "trainer.batch_size=4",
          "trainer.eval_every=100", "trainer.eval_batches=1", "trainer.sample_tokens=0")
@@ -29,7 +30,7 @@ def poison(monkeypatch, t: Trainer, factors: dict[int, float]) -> list[float]:
         return loss
 
     monkeypatch.setattr(t.train_step, "forward_loss", poisoned)
-    monkeypatch.setattr(t, "train_step", recorded)
+    monkeypatch.setattr(t.parts, "train_step", recorded)
     return losses
 
 

@@ -11,7 +11,9 @@ import torch
 
 from minitrain import checkpoint, rundir
 from minitrain.config import ConfigError
-from minitrain.trainer import NonFiniteLossError, Progress, Trainer, train
+from minitrain.divergence import NonFiniteLossError
+from minitrain.progress import Progress
+from minitrain.trainer import Trainer, train
 
 from conftest import REPO, round_trip
 
@@ -334,7 +336,7 @@ def test_evaluate_reads_each_loss_before_the_next_call(make_cfg):
     def replay(x, y):
         return graph_output.fill_(next(calls))
 
-    t.forward_loss = replay
+    t.parts.forward_loss = replay
     assert t.evaluate() == pytest.approx(3.0)
 
 
@@ -376,7 +378,7 @@ def test_resume_restores_every_part_and_the_logged_metrics(make_cfg, tmp_path, m
             raise RuntimeError("simulated crash after the step-6 checkpoint")
         return real_step(step)
 
-    monkeypatch.setattr(crashing, "train_step", step_then_crash)
+    monkeypatch.setattr(crashing.parts, "train_step", step_then_crash)
     with pytest.raises(RuntimeError, match="simulated"):
         crashing.fit()
     resumed = Trainer(make_cfg(*overrides, f"trainer.out_dir={crash_dir}", "trainer.resume=auto"), progress=False)
@@ -506,7 +508,7 @@ def test_ctrl_c_saves_a_checkpoint_after_the_step_and_the_run_continues_from_it(
     import os
     import signal
 
-    from minitrain.trainer import TrainingInterrupted
+    from minitrain.interrupts import TrainingInterrupted
 
     from minitrain.rundir import RunInfo
 
@@ -519,7 +521,7 @@ def test_ctrl_c_saves_a_checkpoint_after_the_step_and_the_run_continues_from_it(
             os.kill(os.getpid(), signal.SIGINT)  # arrives while the step runs
         return real_step(step)
 
-    monkeypatch.setattr(t, "train_step", interrupted_at_3)
+    monkeypatch.setattr(t.parts, "train_step", interrupted_at_3)
     with pytest.raises(TrainingInterrupted, match=re.escape(
             f"continue with: python scripts/train.py trainer.max_steps=10 trainer.resume=auto hydra.run.dir={t.out_dir}")):
         t.fit()
@@ -550,7 +552,7 @@ def test_tokens_per_s_leaves_out_the_processes_first_steps(make_cfg, monkeypatch
         now[0] += 100.0 if step == 0 else 1.0  # the warm-up step takes long
         return real_step(step)
 
-    monkeypatch.setattr(t, "train_step", timed_step)
+    monkeypatch.setattr(t.parts, "train_step", timed_step)
     t.fit()
     records = [r for r in read_jsonl(t.out_dir / "metrics.jsonl") if "step" in r]
     assert "perf/step_ms" not in records[0]
@@ -570,7 +572,7 @@ def test_a_compiled_run_says_its_first_steps_compile(make_cfg, tmp_path, monkeyp
 
     t = Trainer(make_cfg(), progress=False)
     t.plan = dataclasses.replace(t.plan, compile_mode="default")  # as planned with trainer.compile=true
-    monkeypatch.setattr(t, "train_step", first_step)
+    monkeypatch.setattr(t.parts, "train_step", first_step)
     with pytest.raises(FirstStep):
         t.fit()
     log = (tmp_path / "run" / "train.log").read_text()
@@ -579,11 +581,12 @@ def test_a_compiled_run_says_its_first_steps_compile(make_cfg, tmp_path, monkeyp
 
 def test_a_copy_of_the_interrupt_within_a_moment_is_the_same_interrupt_a_later_one_aborts(monkeypatch):
     """Under torchrun the terminal's SIGINT and torchrun's forwarded copy arrive together: one request."""
-    from minitrain import trainer as trainer_module
+    from minitrain import interrupts as interrupts_module
+    from minitrain.distributed import Dist
 
     said, now = [], [100.0]
-    monkeypatch.setattr(trainer_module.time, "monotonic", lambda: now[0])
-    interrupts = trainer_module._Interrupts(said.append, "after this step")
+    monkeypatch.setattr(interrupts_module.time, "monotonic", lambda: now[0])
+    interrupts = interrupts_module.Interrupts(said.append, Dist(), CPU)
     interrupts._handle(signal.SIGINT, None)
     now[0] += 0.9 * interrupts.SAME_INTERRUPT_S
     try:
