@@ -1,25 +1,21 @@
 """Training checkpoints: nothing lost on a crash, and a resumed run identical to an unbroken one.
 
-A checkpoint holds everything the next step depends on — model, optimizer (masters, moments, step),
-loss scaler, RNG states, the data sampler's position, the wandb run id and the config. The run dir
-keeps the last two: `checkpoints/latest.pt` and `checkpoints/previous.pt`. A save writes a temporary
-file whose name is unique to the process, fsyncs it, renames `latest.pt` to `previous.pt`, then the
-temporary to `latest.pt`, and fsyncs the directory: a crash at any point leaves `latest.pt`, or else
-`previous.pt`, complete, and `resume=auto` tries them in that order, falling back past an unreadable
-one with a note. The unreadable one is then kept aside as `latest.pt.unusable-<time>` (never deleted,
-never taken for a checkpoint): the next save must not rotate it into `previous.pt` over the checkpoint
-the run resumed from.
+A checkpoint holds everything the next step depends on — model, optimizer (masters, moments, step), loss
+scaler, RNG states, the loop's progress — and the config. It has one format for every world size:
+torch.distributed.checkpoint (DCP) writes it as a directory of shards (fsdp: each rank its 1/N of the weights
+and Adam moments; ddp and one process: each tensor once) beside `minitrain.json`, which records the job's world
+size, mode and config so that a resume checks the config before anything reads a shard. DCP reshards on load:
+a checkpoint of one process resumes under ddp or fsdp and the other way round, as long as the global batch is
+unchanged (the config check refuses another one). The parts that differ by rank (RNG states, running loss sums)
+are stored per rank; a job of another size merges them (each part's `combine_ranks`).
 
-Under torchrun (ddp, fsdp) a checkpoint is a directory written by torch.distributed.checkpoint: every
-rank writes its own shards (fsdp: its 1/N of the weights and Adam moments; ddp: replicated tensors are
-written once) into a temporary directory that rank 0 publishes as `latest/`, the one before kept as
-`previous/`, the same way. Beside the shards, `minitrain.json` records the job's world size, mode and
-config, so a resume checks the kind of job and the config before any rank reads a shard. A
-multi-node job needs `trainer.out_dir` on a filesystem every node sees. The parts that differ by rank
-(RNG states, running loss sums) are stored per rank.
-
-One run at a time owns a run dir (`RunDirLock`): two runs in one directory would interleave their
-metrics and overwrite each other's checkpoints.
+The run dir keeps the last two: `checkpoints/latest/` and `checkpoints/previous/`. A save writes a temporary
+directory named by rank 0, fsyncs it, renames `latest` to `previous`, then the temporary to `latest`, and
+fsyncs the folder: a crash at any point leaves `latest`, or else `previous`, complete, and `resume=auto` tries
+them in that order, falling back past an unreadable one with a note. The unreadable one is then kept aside as
+`latest.unusable-<time>` (never deleted, never taken for a checkpoint): the next save must not rotate it into
+`previous` over the checkpoint the run resumed from. A multi-node job needs `trainer.out_dir` on a filesystem
+every node sees.
 """
 
 from __future__ import annotations
@@ -30,9 +26,11 @@ import json
 import os
 import shutil
 import time
+import warnings
+from copy import deepcopy
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -40,42 +38,39 @@ from . import files
 from .config import error_reason
 from .rundir import RunDirError, checkpoint_dir
 
-LATEST, PREVIOUS = "latest.pt", "previous.pt"
-LATEST_SHARDED, PREVIOUS_SHARDED = "latest", "previous"  # torch.distributed.checkpoint directories
-JOB_INFO = "minitrain.json"  # in a sharded checkpoint: world_size, mode, config
+LATEST, PREVIOUS = "latest", "previous"  # torch.distributed.checkpoint directories
+JOB_INFO = "minitrain.json"  # beside the shards: world_size, mode, config
 UNUSABLE_MARK = ".unusable-"  # a checkpoint resume=auto fell back past, kept aside for the user to look at
-_PER_RANK = ("rng", "progress")  # differ by rank: each rank's generators, its running loss sums
+
+# The parts that differ by rank, each with how a rank of a job of another size makes its state from the saved
+# ranks' states (a list, by rank).
+PerRank = dict[str, Callable[[list[dict[str, Any]]], dict[str, Any]]]
 
 
 class CheckpointError(RunDirError):
     """No usable checkpoint where one was asked for, or one that does not fit this run."""
 
 
+def _collective() -> bool:
+    """Under torchrun every rank takes part in a save and a load; a single process runs DCP without a group."""
+    return torch.distributed.is_available() and torch.distributed.is_initialized()
+
+
+def _dcp(save: bool, state: dict[str, Any], path: Path, alone: bool = False) -> None:
+    """torch.distributed.checkpoint's save or load of `state` at `path`, collective under torchrun; `alone`: in
+    this process only, whatever the group (a warning says so each time: here it is what is meant)."""
+    import torch.distributed.checkpoint as dcp
+
+    no_dist = alone or not _collective()
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is (disabled, )?unavailable or uninitialized")
+        (dcp.save if save else dcp.load)(state, checkpoint_id=path, no_dist=no_dist)
+
+
 # -- saving -------------------------------------------------------------------------------------------
-def save_checkpoint(state: dict[str, Any], out_dir: Path) -> Path:
-    """Single process: publish `state` as checkpoints/latest.pt, keeping the one before as previous.pt."""
-    ckpts = checkpoint_dir(out_dir)
-    ckpts.mkdir(parents=True, exist_ok=True)
-    latest = ckpts / LATEST
-    tmp = files.temp_path(latest)
-    try:
-        try:
-            with open(tmp, "wb") as f:
-                torch.save(state, f)
-                f.flush()
-                os.fsync(f.fileno())
-        except (OSError, RuntimeError) as e:  # a full disk, a quota: torch.save's writer says RuntimeError
-            tmp.unlink(missing_ok=True)  # first: the free space the message gives is what the next try will have
-            raise _unwritable(ckpts, e, state_bytes(state)) from None
-        files.publish(tmp, latest, ckpts / PREVIOUS)
-    finally:
-        tmp.unlink(missing_ok=True)  # still there only when the save failed
-    return latest
-
-
 def state_bytes(state: Any) -> int:
-    """The bytes of every tensor in a (nested) checkpoint state: what its file or shards take on disk, near
-    enough. A DTensor counts whole (its numel is the global one): every rank's shards are written."""
+    """The bytes of every tensor in a (nested) checkpoint state: what its shards take on disk, near enough. A
+    DTensor counts whole (its numel is the global one): every rank's shards are written."""
     if isinstance(state, torch.Tensor):
         return state.numel() * state.element_size()
     if isinstance(state, dict):
@@ -86,7 +81,7 @@ def state_bytes(state: Any) -> int:
 
 
 def _disk_full(e: BaseException) -> bool:
-    """ENOSPC or EDQUOT in `e` or what it was raised from (torch.save reports the write's OSError as the context
+    """ENOSPC or EDQUOT in `e` or what it was raised from (a writer may report the write's OSError as the context
     of a RuntimeError of its own)."""
     while e is not None:
         if isinstance(e, OSError) and e.errno in (errno.ENOSPC, errno.EDQUOT):
@@ -119,51 +114,66 @@ def _unwritable(ckpts: Path, e: BaseException, needed: int) -> "CheckpointError"
                            "with trainer.resume=auto")
 
 
-def _by_rank(state: dict[str, Any], rank: int) -> dict[str, Any]:
-    return {(f"{k}_rank{rank}" if k in _PER_RANK else k): v for k, v in state.items()}
+def _by_rank(state: dict[str, Any], rank: int, per_rank) -> dict[str, Any]:
+    return {(f"{k}_rank{rank}" if k in per_rank else k): v for k, v in state.items()}
 
 
-def save_sharded(state: dict[str, Any], out_dir: Path, rank: int, mode: str) -> Path:
-    """Collective: every rank calls it with its own state (DTensors for sharded tensors). Publishes
-    checkpoints/latest/, keeping the one before as previous/; `mode` (ddp | fsdp), the world size and
-    the state's `config` go into its minitrain.json, read by load_checkpoint before any shard."""
-    import torch.distributed as dist
-    import torch.distributed.checkpoint as dcp
+def save_checkpoint(state: dict[str, Any], out_dir: Path, *, per_rank=(), rank: int = 0, world_size: int = 1,
+                    mode: str = "none") -> Path:
+    """Every rank calls it with its own state (DTensors for sharded tensors; `per_rank`: the names of the parts
+    that differ by rank). Publishes checkpoints/latest/, keeping the one before as previous/; `mode`, the world
+    size and the state's `config` go into its minitrain.json, read by load_checkpoint before any shard."""
     from torch.distributed.checkpoint.api import CheckpointException
 
-    ckpts = checkpoint_dir(out_dir)
-    latest = ckpts / LATEST_SHARDED
+    ckpts, collective = checkpoint_dir(out_dir), _collective()
+    latest = ckpts / LATEST
     name = [files.temp_path(latest).name if rank == 0 else None]
-    dist.broadcast_object_list(name, src=0)  # every rank writes into the directory rank 0 named
+    if collective:
+        torch.distributed.broadcast_object_list(name, src=0)  # every rank writes into the directory rank 0 named
     tmp = ckpts / name[0]
     try:
         shards = {k: v for k, v in state.items() if k != "config"}  # the config lives in minitrain.json
         try:  # returns once every rank's shards and .metadata exist; a rank's failure is raised on every rank
-            dcp.save(_by_rank(shards, rank), checkpoint_id=tmp)
+            _dcp(True, _by_rank(shards, rank, per_rank), tmp)
         except (CheckpointException, OSError) as e:  # not RuntimeError: a collective's (a peer gone) stays raw
             if rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)  # first: the free space the message gives
             raise _unwritable(ckpts, e, state_bytes(shards)) from None
         if rank == 0:
-            info = {"world_size": dist.get_world_size(), "mode": mode, "config": state["config"]}
+            info = {"world_size": world_size, "mode": mode, "config": state["config"]}
             with open(tmp / JOB_INFO, "w") as f:
                 json.dump(info, f, indent=1)
                 f.flush()
                 os.fsync(f.fileno())
             files.fsync(tmp)
-            files.publish(tmp, latest, ckpts / PREVIOUS_SHARDED)
+            files.publish(tmp, latest, ckpts / PREVIOUS)
     finally:
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)  # still there only when the save failed
-    dist.barrier()
+    if collective:
+        torch.distributed.barrier()
     return latest
+
+
+def read_part(path: Path, name: str) -> dict[str, Any]:
+    """One part of a checkpoint, whole, read in this one process without a live template (exports, samples,
+    tests): its tensors as they were saved, its other values as they were. A flat part (the model's state_dict,
+    a rank's progress): nested values come back under dotted keys."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype) if isinstance(m, TensorStorageMetadata) else None
+             for k, m in meta.items() if k.startswith(f"{name}.")}
+    _dcp(False, state, path, alone=True)
+    return {k.removeprefix(f"{name}."): v for k, v in state.items()}
 
 
 # -- loading ------------------------------------------------------------------------------------------
 @dataclass
 class Loaded:
     """A checkpoint read for resuming: its state, where it came from, and lines for the console (a
-    fallback past an unreadable checkpoint, the config changes that were allowed)."""
+    fallback past an unreadable checkpoint, the config changes that were allowed, a change of world size)."""
 
     state: dict[str, Any]
     path: Path
@@ -174,18 +184,6 @@ class _Unusable(Exception):
     """Why one candidate checkpoint cannot be resumed from (the next one may be)."""
 
 
-def load(path: Path, device: torch.device) -> dict[str, Any]:
-    """A single-process checkpoint file; raises CheckpointError naming the file if it cannot be read."""
-    try:
-        # weights_only=False: the checkpoint holds RNG states and the config, written by us.
-        state = torch.load(path, map_location=device, weights_only=False)
-    except Exception as e:  # whatever the reader trips on (zip, pickle, EOF), the file is unusable
-        raise CheckpointError(f"{path} is unreadable ({error_reason(e)})") from None
-    if not isinstance(state, dict):
-        raise CheckpointError(f"{path} is not a minitrain checkpoint (it holds a {type(state).__name__})")
-    return state
-
-
 def _shown(path: Path, out_dir: Path) -> str:
     try:
         return str(path.relative_to(out_dir))
@@ -193,48 +191,27 @@ def _shown(path: Path, out_dir: Path) -> str:
         return str(path)
 
 
-def _candidates(ckpts: Path, sharded: bool) -> list[Path]:
-    names = (LATEST_SHARDED, PREVIOUS_SHARDED) if sharded else (LATEST, PREVIOUS)
-    return [ckpts / name for name in names]
+def _candidates(ckpts: Path) -> list[Path]:
+    return [ckpts / LATEST, ckpts / PREVIOUS]
 
 
 def holds_checkpoint(out_dir: Path) -> bool:
-    """Whether a run dir has a published checkpoint of either kind (a fresh run there would overwrite it)."""
-    ckpts = checkpoint_dir(out_dir)
-    return any(p.exists() for kind in (False, True) for p in _candidates(ckpts, kind))
+    """Whether a run dir has a published checkpoint (a fresh run there would overwrite it)."""
+    return any(p.exists() for p in _candidates(checkpoint_dir(out_dir)))
 
 
-def _kind_error(path: Path, shown: str, resume_value: str) -> CheckpointError:
-    """A checkpoint of the other kind: a torchrun job's directory under one process, or the converse."""
-    if path.is_dir():
-        try:
-            info = json.loads((path / JOB_INFO).read_text())
-            world, mode = info["world_size"], info["mode"]
-        except (OSError, ValueError, KeyError):
-            world, mode = "N", "ddp|fsdp"
-        return CheckpointError(
-            f"{shown} was written by a torchrun job ({world} processes, distributed={mode}); this run is a "
-            f"single process. Resume it with `torchrun --standalone --nproc_per_node={world} scripts/train.py "
-            f"distributed={mode} trainer.resume={resume_value} ...` and the run's other overrides, or give "
-            f"this run its own directory (hydra.run.dir=...)")
-    return CheckpointError(
-        f"{shown} was written by a single-process run; this job runs under torchrun. Resume it with "
-        f"`python scripts/train.py trainer.resume={resume_value} ...` and the run's other overrides, or give "
-        f"this job its own directory (hydra.run.dir=...)")
-
-
-def load_checkpoint(resume: str, out_dir: Path, device: torch.device, *, template: dict[str, Any],
-                    sharded: bool = False, rank: int = 0) -> Optional[Loaded]:
+def load_checkpoint(resume: str, out_dir: Path, *, template: dict[str, Any], per_rank: PerRank = {},
+                    rank: int = 0, world_size: int = 1) -> Optional[Loaded]:
     """The checkpoint `trainer.resume` names, checked against this run; None for a fresh start.
 
-    resume: `none`; `auto` (out_dir's latest checkpoint, else the previous one, else a fresh start); a
-    run dir or its checkpoints/ dir (the same, in that dir); or a checkpoint file / sharded directory
-    (that one only). template: this run's live state: its keys are required in the checkpoint, and its
-    `config` is compared with the saved one (config_changes: a breaking change raises). sharded: a
-    torchrun job's checkpoint, loaded collectively into `template` (load_sharded); which one is decided
+    resume: `none`; `auto` (out_dir's latest checkpoint, else the previous one, else a fresh start); a run dir or
+    its checkpoints/ dir (the same, in that dir); or a checkpoint directory (that one only). template: this
+    run's live state, its tensors loaded in place (under torchrun collectively: each rank reads the shards it
+    holds); its keys are required in the checkpoint, and its `config` is compared with the saved one
+    (config_changes: a breaking change raises). per_rank: the parts stored per rank. Which checkpoint is decided
     from the files, identically on every rank, before any shard is read.
 
-    Raises CheckpointError naming each file tried and why, or the config keys that changed.
+    Raises CheckpointError naming each checkpoint tried and why, or the config keys that changed.
     """
     if resume == "none":
         return None
@@ -244,19 +221,14 @@ def load_checkpoint(resume: str, out_dir: Path, device: torch.device, *, templat
         if resume == "auto":
             return None
         raise CheckpointError(f"trainer.resume={resume!r}: no checkpoint at {path}")
-    if path.is_dir() and not (path / ".metadata").exists():  # a run dir or a checkpoints dir: search it
+    if path.is_dir() and not (path / JOB_INFO).exists() and not (path / ".metadata").exists():  # a run dir
         ckpts = checkpoint_dir(path) if checkpoint_dir(path).is_dir() else path
-        candidates = _candidates(ckpts, sharded)
+        candidates = _candidates(ckpts)
         if not any(p.exists() for p in candidates):
-            other = next((p for p in _candidates(ckpts, not sharded) if p.exists()), None)
-            if other is not None:
-                raise _kind_error(other, _shown(other, out_dir), resume)
             if resume == "auto":
                 return None
             raise CheckpointError(f"trainer.resume={resume!r}: no checkpoint in {ckpts}")
     else:
-        if path.is_dir() != sharded:
-            raise _kind_error(path, _shown(path, out_dir), resume)
         candidates = [path]
 
     problems, unusable = [], []
@@ -266,8 +238,7 @@ def load_checkpoint(resume: str, out_dir: Path, device: torch.device, *, templat
             problems.append(f"{shown} is absent ({_why_absent(candidate)})")
             continue
         try:
-            state, config_notes = (_load_sharded_checked(candidate, shown, template, rank) if sharded
-                                   else _load_file_checked(candidate, shown, template, device))
+            state, notes = _load_checked(candidate, shown, template, per_rank, rank, world_size)
         except _Unusable as e:
             problems.append(f"{shown} {e}")
             unusable.append(candidate)
@@ -275,7 +246,7 @@ def load_checkpoint(resume: str, out_dir: Path, device: torch.device, *, templat
         if unusable and rank == 0 and candidate.parent.resolve() == checkpoint_dir(out_dir).resolve():
             problems += [f"kept aside as {_shown(_set_aside(bad), out_dir)}" for bad in unusable]
         fallback = [f"{'; '.join(problems)}; resumed from {shown}"] if problems else []
-        return Loaded(state=state, path=candidate, notes=fallback + config_notes)
+        return Loaded(state=state, path=candidate, notes=fallback + notes)
     raise CheckpointError("no usable checkpoint to resume from: " + "; ".join(problems)
                           + ". Point trainer.resume at a good checkpoint, or start a new run dir "
                             "(hydra.run.dir=...) with trainer.resume=none")
@@ -308,62 +279,56 @@ def _check_config(saved: dict, template: dict[str, Any], shown: str) -> list[str
     return [changes.accepted()] if changes.allowed else []
 
 
-def _load_file_checked(path: Path, shown: str, template: dict[str, Any],
-                       device: torch.device) -> tuple[dict[str, Any], list[str]]:
-    try:
-        state = load(path, device)
-    except CheckpointError as e:
-        raise _Unusable(str(e).removeprefix(f"{path} ")) from None
-    missing = sorted(template.keys() - state.keys())
-    if missing:
-        raise _Unusable(f"is incomplete (no {', '.join(missing)})")
-    return state, _check_config(state["config"], template, shown)
-
-
-def _load_sharded_checked(path: Path, shown: str, template: dict[str, Any],
-                          rank: int) -> tuple[dict[str, Any], list[str]]:
-    import torch.distributed as dist
+def _load_checked(path: Path, shown: str, template: dict[str, Any], per_rank: PerRank, rank: int,
+                  world_size: int) -> tuple[dict[str, Any], list[str]]:
     from torch.distributed.checkpoint.api import CheckpointException
 
+    if not path.is_dir():
+        raise _Unusable("is not a checkpoint directory (a file: written by an older minitrain?)")
     if not (path / ".metadata").is_file():
         raise _Unusable("is incomplete (no .metadata: its save did not finish)")
     try:
         info = json.loads((path / JOB_INFO).read_text())
-        world, config = info["world_size"], info["config"]
+        saved_world, config = info["world_size"], info["config"]
     except (OSError, ValueError, KeyError) as e:
         raise _Unusable(f"has no readable {JOB_INFO} ({error_reason(e)})") from None
-    if world != dist.get_world_size():
-        raise CheckpointError(
-            f"{shown} was written by {world} processes; this job has {dist.get_world_size()} (each rank's RNG "
-            f"state and data position are its own). Resume with torchrun --nproc_per_node={world}, or start a new "
-            "run dir (hydra.run.dir=...)")
     notes = _check_config(config, template, shown)
+    if saved_world != world_size:
+        saved_by = f"{saved_world} process" + ("es" if saved_world > 1 else "")
+        notes.append(f"{shown} was saved by {saved_by}, this run has {world_size}: the same global batch, its "
+                     "gradients summed in another order (the losses differ by rounding)")
     try:
-        state = load_sharded(path, {k: v for k, v in template.items() if k != "config"}, rank)
-    except (CheckpointException, RuntimeError, OSError, ValueError) as e:  # a shard torn after its save
+        state = _load_into(path, {k: v for k, v in template.items() if k != "config"}, per_rank, rank,
+                           saved_world, world_size)
+    except (Exception, CheckpointException) as e:  # whatever the reader trips on (a torn shard, a missing part)
+        failed = rank
         if isinstance(e, CheckpointException):  # it wraps what each rank's reader raised
-            rank_failed, (e, _) = next(iter(e.failures.items()))
-            shown = f"{shown} (rank {rank_failed})"
-        raise CheckpointError(f"{shown} could not be loaded ({error_reason(e)}); point trainer.resume at "
-                              "another checkpoint or start a new run dir (hydra.run.dir=...)") from None
+            failed, (e, _) = next(iter(e.failures.items()))
+        raise _Unusable(f"could not be loaded (rank {failed}: {error_reason(e)})") from None
     return {**state, "config": config}, notes
 
 
-def load_sharded(path: Path, template: dict[str, Any], rank: int) -> dict[str, Any]:
-    """Collective: `template` is the live state, its tensors loaded in place (each rank reads the
-    shards it holds); returns the template with the saved values."""
-    import torch.distributed.checkpoint as dcp
-
-    state = _by_rank(template, rank)
-    dcp.load(state, checkpoint_id=path)
-    return {k: state[f"{k}_rank{rank}" if k in _PER_RANK else k] for k in template}
+def _load_into(path: Path, template: dict[str, Any], per_rank: PerRank, rank: int, saved_world: int,
+               world_size: int) -> dict[str, Any]:
+    """`template`'s tensors loaded in place (each rank reads the shards it holds); returns the template with the
+    saved values. The parts stored per rank: this rank's own, or under another world size, every saved rank's
+    merged by the part's `combine_ranks`."""
+    if saved_world == world_size:
+        state = _by_rank(template, rank, per_rank)
+        _dcp(False, state, path)
+        return {k: state[f"{k}_rank{rank}" if k in per_rank else k] for k in template}
+    state = {k: v for k, v in template.items() if k not in per_rank}
+    state.update({f"{k}_rank{r}": deepcopy(template[k]) for k in per_rank if k in template for r in range(saved_world)})
+    _dcp(False, state, path)
+    merged = {k: per_rank[k]([state[f"{k}_rank{r}"] for r in range(saved_world)]) for k in per_rank if k in template}
+    return {k: merged[k] if k in merged else state[k] for k in template}
 
 
 # -- the config a run resumes with ---------------------------------------------------------------------
 # Keys that may change between a checkpoint and its resume, each with why the resumed run is still the
 # same run: they steer how long it goes, what is reported, where files go, or how the same arithmetic is
-# scheduled on the device. Any other difference (shapes, data, precision, lr, batch, seed, optimizer,
-# world size...) changes what the steps compute and is refused. fnmatch patterns.
+# scheduled on the device or over processes. Any other difference (shapes, data, precision, the params' stored
+# dtype, lr, global batch, seed, optimizer...) changes what the steps compute and is refused. fnmatch patterns.
 ALLOWED_CHANGES: dict[str, str] = {
     "trainer.max_steps": "extending or shortening the run is what resuming is for (the cosine schedule "
                          "is laid over the new length from here on)",
@@ -387,6 +352,12 @@ ALLOWED_CHANGES: dict[str, str] = {
     "data.num_proc": "how many processes tokenize; the tokens are the same",
     "data.cache_dir": "where the token cache lives; its contents are the same",
     "distributed.timeout_s": "how long a rank waits for a stalled peer",
+    "distributed.mode": "the same global batch over one process, replicas (ddp) or shards (fsdp); the gradient "
+                        "sums add in another order",
+    "distributed.fsdp_unit_blocks": "how many blocks FSDP gathers at once; the same sums",
+    "distributed.reshard_after_forward": "whether FSDP keeps the gathered params until backward; the same values",
+    "plan.world_size": "the same global batch over more or fewer processes; the gradient sums add in another order",
+    "plan.distributed": "as distributed.mode",
     "loss.chunk_bytes": "the fused loss's workspace tile; the same loss",
 }
 

@@ -48,12 +48,18 @@ class RandomState:
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """`state` as torch.load(map_location=device) returns it: the generators take CPU tensors only."""
+        """The generators take CPU tensors only."""
         random.setstate(state["python"])
         np.random.set_state(state["numpy"])
         torch.set_rng_state(state["torch"].cpu())
         if state["cuda"] is not None and torch.cuda.is_available():
             torch.cuda.set_rng_state_all([s.cpu() for s in state["cuda"]])
+
+    @staticmethod
+    def combine_ranks(states: list[dict[str, Any]]) -> dict[str, Any]:
+        """A job of another size continues rank 0's generators on every rank: each rank seeds them with
+        trainer.seed alike."""
+        return states[0]
 
 
 @dataclass
@@ -73,6 +79,11 @@ class Parts:
     def stateful(self) -> dict[str, Stateful]:
         """Everything a checkpoint restores."""
         return {"model": self.model, "optimizer": self.optimizer, "rng": self.rng, "progress": self.progress}
+
+    def per_rank(self) -> dict[str, Callable[[list[dict[str, Any]]], dict[str, Any]]]:
+        """The parts whose state differs by rank, stored per rank, each with how a rank of a job of another size
+        makes its state from the saved ranks'."""
+        return {"rng": RandomState.combine_ranks, "progress": Progress.combine_ranks}
 
 
 def build_loss(plan: Plan, cfg: Config):

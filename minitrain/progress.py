@@ -66,6 +66,15 @@ class Progress:
         # A checkpoint saved before the last loss was recorded: unknown (NaN), said so if the run diverges.
         self.last_loss.copy_(state.get("last_loss", torch.tensor(float("nan"))))
 
+    @staticmethod
+    def combine_ranks(states: list[dict[str, Any]]) -> dict[str, Any]:
+        """The progress a rank of a job of another size resumes with: the saved ranks' mean loss sums (the log step
+        averages over ranks, and a mean of means is the mean), a non-finite loss if any rank saw one; the step and
+        the skip counts are every rank's alike."""
+        mean = lambda key: torch.stack([s[key] for s in states]).mean()  # noqa: E731
+        return {**states[0], "loss_sum": mean("loss_sum"), "last_loss": mean("last_loss"),
+                "nonfinite_loss": torch.stack([s["nonfinite_loss"] for s in states]).any()}
+
     def last_global_loss(self) -> float:
         """The last step's training loss over all ranks: the loss a checkpoint taken now was trained to."""
         return distributed.mean(self.last_loss, self.dist).item()

@@ -64,8 +64,9 @@ class Trainer:
         record: a fresh start begins metrics.jsonl again from step 0 (a run that died here before its first
         checkpoint leaves records no step of this one continues)."""
         t, p = cfg.trainer, self.progress
-        loaded = checkpoint.load_checkpoint(t.resume, self.out_dir, self.device, template=self._state(),
-                                            sharded=self.dist.enabled, rank=self.dist.rank)
+        loaded = checkpoint.load_checkpoint(t.resume, self.out_dir, template=self._state(),
+                                            per_rank=self.parts.per_rank(), rank=self.dist.rank,
+                                            world_size=self.dist.world_size)
         if loaded is not None:
             for name, part in self.parts.stateful().items():
                 part.load_state_dict(loaded.state[name])
@@ -106,8 +107,10 @@ class Trainer:
     def _identity(self) -> dict[str, Any]:
         """What a resumed run must share with the checkpoint: the config, and what the plan resolved from it."""
         p = self.plan
+        param_dtype = str(p.precision.stored_param_dtype(self.dist.sharded)).removeprefix("torch.")
         return {**self.config_dict, "plan": {"precision": p.precision.name, "world_size": p.world_size,
-                                             "distributed": p.distributed.value, "vocab_size": p.model.vocab_size}}
+                                             "distributed": p.distributed.value, "vocab_size": p.model.vocab_size,
+                                             "param_dtype": param_dtype}}
 
     def _state(self) -> dict[str, Any]:
         return {**{name: part.state_dict() for name, part in self.parts.stateful().items()},
@@ -117,10 +120,9 @@ class Trainer:
         """Publish every part's state as the latest checkpoint; never a diverged one (it would replace the last
         checkpoint worth resuming from): a divergence since the last log step stops the run here instead."""
         divergence.check(self.progress, self.plan, self.dist, self.kept, self.cfg.trainer)
-        if self.dist.enabled:
-            path = checkpoint.save_sharded(self._state(), self.out_dir, self.dist.rank, mode=self.dist.mode.value)
-        else:
-            path = checkpoint.save_checkpoint(self._state(), self.out_dir)
+        path = checkpoint.save_checkpoint(self._state(), self.out_dir, per_rank=self.parts.per_rank(),
+                                          rank=self.dist.rank, world_size=self.dist.world_size,
+                                          mode=self.dist.mode.value)
         self.kept = Kept(path, self.progress.step, self.progress.last_global_loss())
         return path
 

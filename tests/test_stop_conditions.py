@@ -5,11 +5,12 @@ and the loss it was trained to) or saying there is none."""
 import math
 
 import pytest
-import torch
 
 from minitrain import checkpoint
 from minitrain.divergence import NonFiniteLossError
 from minitrain.trainer import Trainer
+
+from conftest import saved_state
 
 SMALL = ("model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=32", "trainer.batch_size=4",
          "trainer.eval_every=100", "trainer.eval_batches=1", "trainer.sample_tokens=0")
@@ -35,7 +36,7 @@ def poison(monkeypatch, t: Trainer, factors: dict[int, float]) -> list[float]:
 
 
 def step_of(path) -> int:
-    return checkpoint.load(path, torch.device("cpu"))["progress"]["step"]
+    return saved_state(path)["progress"]["step"]
 
 
 @pytest.mark.parametrize("in_a_row, stops", [(2, False), (3, True)])

@@ -15,7 +15,7 @@ from minitrain.divergence import NonFiniteLossError
 from minitrain.progress import Progress
 from minitrain.trainer import Trainer, train
 
-from conftest import REPO, round_trip
+from conftest import REPO, round_trip, saved_state
 
 CPU = torch.device("cpu")
 SMALL_MODEL = ("model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=32", "trainer.eval_batches=1",
@@ -142,7 +142,7 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(make_cfg, tmp_path,
     monkeypatch.setattr(t.train_step, "forward_loss", poisoned)
     with pytest.raises(NonFiniteLossError, match="inf/NaN"):
         t.fit()
-    state = checkpoint.load(checkpoint.checkpoint_dir(tmp_path / "run") / checkpoint.LATEST, torch.device("cpu"))
+    state = saved_state(checkpoint.checkpoint_dir(tmp_path / "run") / checkpoint.LATEST)
     assert state["progress"]["step"] == 5
     assert all(torch.isfinite(v).all() for v in state["model"].values())
 
@@ -459,7 +459,7 @@ def test_a_run_ends_with_where_its_results_are_and_a_finished_run_started_again_
     record = train(make_cfg("trainer.max_steps=4", "trainer.save_every=4"), progress=False)
     last = (run / "train.log").read_text().splitlines()[-1]
     assert last == (f"finished: step 4 of 4, loss {record['train/loss']:.4f}, val {record['val/loss']:.4f} | "
-                    f"checkpoint {run / 'checkpoints' / 'latest.pt'} | metrics {run / 'metrics.jsonl'}")
+                    f"checkpoint {run / 'checkpoints' / 'latest'} | metrics {run / 'metrics.jsonl'}")
     memory_json, sample = (run / "memory.json").read_text(), (run / "sample.txt").read_text()
     assert "mem/peak_rss_gb" in memory_json
     again = train(make_cfg("trainer.max_steps=4", "trainer.resume=auto"), progress=False)
@@ -633,7 +633,7 @@ def test_sigterm_saves_a_checkpoint_after_the_step_and_exits_143(data_cache, tmp
     assert job.returncode == 128 + signal.SIGTERM, err[-2000:]
     assert "stopped by SIGTERM: saving a checkpoint after this step" in out and "Traceback" not in err
     step = int(re.search(r"stopped at step (\d+) of 100000", err).group(1))
-    state = checkpoint.load(checkpoint.checkpoint_dir(run_dir) / checkpoint.LATEST, torch.device("cpu"))
+    state = saved_state(checkpoint.checkpoint_dir(run_dir) / checkpoint.LATEST)
     assert state["progress"]["step"] == step >= 4
 
 
