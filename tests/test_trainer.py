@@ -412,6 +412,7 @@ def test_progress_resumed_mid_log_window_logs_what_an_unbroken_one_does():
     record_steps(crashed, range(4, 6), losses, skipped)
     resumed = Progress(CPU)
     resumed.load_state_dict(round_trip(crashed.state_dict()))
+    assert resumed.last_loss.item() == losses[5]  # the loss a diverged run names for this checkpoint
     record_steps(resumed, range(6, 8), losses, skipped)
 
     assert resumed.step == straight.step == 8
