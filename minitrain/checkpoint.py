@@ -155,6 +155,19 @@ def save_checkpoint(state: dict[str, Any], out_dir: Path, *, per_rank=(), rank: 
     return latest
 
 
+def locate(path: Path) -> Path:
+    """The checkpoint a path names (exports, samples, evaluation): itself, or the latest one of a run dir or of its
+    checkpoints/ folder."""
+    if (path / JOB_INFO).is_file() or (path / ".metadata").is_file():
+        return path
+    if not path.exists():
+        raise CheckpointError(f"{path}: no such run dir or checkpoint")
+    ckpts = checkpoint_dir(path) if checkpoint_dir(path).is_dir() else path
+    if (ckpts / LATEST).exists():
+        return ckpts / LATEST
+    raise CheckpointError(f"{path}: no checkpoint there (checkpoints/{LATEST}/)")
+
+
 def read_part(path: Path, name: str) -> dict[str, Any]:
     """One part of a checkpoint, whole, read in this one process without a live template (exports, samples,
     tests): its tensors as they were saved, its other values as they were. A flat part (the model's state_dict,
@@ -335,6 +348,7 @@ ALLOWED_CHANGES: dict[str, str] = {
     "trainer.log_every": "how often metrics are reported, not what a step computes",
     "trainer.eval_every": "evaluation reads the model without changing it",
     "trainer.eval_batches": "evaluation reads the model without changing it",
+    "trainer.eval_hellaswag*": "evaluation reads the model without changing it",
     "trainer.save_every": "how often checkpoints are written",
     "trainer.sample_tokens": "the end-of-run sample only",
     "trainer.out_dir": "a run dir moved or copied elsewhere",
@@ -349,8 +363,8 @@ ALLOWED_CHANGES: dict[str, str] = {
     "trainer.max_skipped_steps": "when a diverging run is stopped, not what a step computes",
     "checkpointing.*": "which activations are recomputed in backward instead of kept; the same values",
     "logger.*": "where and under which names metrics are reported",
-    "data.num_proc": "how many processes tokenize; the tokens are the same",
     "data.cache_dir": "where the token cache lives; its contents are the same",
+    "data.shard_tokens": "how the token streams are cut into files; windows cross shards, so the batches are the same",
     "distributed.timeout_s": "how long a rank waits for a stalled peer",
     "distributed.mode": "the same global batch over one process, replicas (ddp) or shards (fsdp); the gradient "
                         "sums add in another order",

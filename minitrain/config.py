@@ -62,6 +62,14 @@ class DType(str, Enum):
         return {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[self.value]
 
 
+class Float8Recipe(str, Enum):
+    """torchao's float8 training recipes: how each cast to float8 is scaled (minitrain/fp8.py)."""
+
+    none = "none"  # every matmul in the param dtype
+    tensorwise = "tensorwise"  # one scale per tensor: cuBLAS's fp8 GEMM, the fastest
+    rowwise = "rowwise"  # one scale per row: kinder to outliers, costlier casts and GEMMs
+
+
 class CheckpointPolicy(str, Enum):
     auto = "auto"  # the plan picks the cheapest policy that fits trainer.memory_budget
     none = "none"
@@ -165,7 +173,7 @@ class DataConfig:
     source: DataSource = DataSource.stdlib
     # source=files: a glob of local text files (recursive `**` allowed).
     paths: Optional[str] = None
-    # source=hub: a Hugging Face dataset by name.
+    # source=hub: a Hugging Face dataset by name (or a local copy's directory), streamed.
     hub_name: Optional[str] = None
     hub_config: Optional[str] = None
     hub_split: str = "train"
@@ -173,16 +181,25 @@ class DataConfig:
     # train: a byte-level BPE of data.vocab_size tokens trained on the corpus; else a pretrained one: a Hugging
     # Face name (gpt2) or a directory holding tokenizer.json (or vocab.json + merges.txt) (minitrain/tokenizer.py).
     tokenizer: str = "train"
-    vocab_size: int = 4096
+    vocab_size: int = 4096  # tokenizer=train only
+    # tokenizer=train learns its merges from at most this many MB of the corpus (evenly spaced over local files,
+    # the first MB of a hub stream), so its memory and time do not grow with the corpus.
+    tokenizer_sample_mb: int = 64
+    # Each document goes to validation with this probability, decided by a hash of its text.
     val_fraction: float = 0.005
-    num_proc: int = 2
+    shard_tokens: int = 1 << 26  # tokens per shard file (the last of each split holds the rest)
     cache_dir: str = "~/.cache/minitrain"
 
     def __post_init__(self):
-        _require(self.vocab_size >= 260, "data.vocab_size",
-                 f"a byte-level BPE needs >= 260 tokens (256 bytes + specials), got {self.vocab_size}")
+        if self.tokenizer == "train":
+            _require(self.vocab_size >= 260, "data.vocab_size",
+                     f"a byte-level BPE needs >= 260 tokens (256 bytes + specials), got {self.vocab_size}")
+        _require(self.tokenizer.strip() != "", "data.tokenizer",
+                 "train, or a pretrained tokenizer's name (gpt2) or directory, got ''")
+        _require(self.tokenizer_sample_mb >= 1, "data.tokenizer_sample_mb",
+                 f"must be >= 1, got {self.tokenizer_sample_mb}")
         _require(0.0 < self.val_fraction < 0.5, "data.val_fraction", f"must be in (0, 0.5), got {self.val_fraction}")
-        _require(self.num_proc >= 1, "data.num_proc", f"must be >= 1, got {self.num_proc}")
+        _require(self.shard_tokens >= 1024, "data.shard_tokens", f"must be >= 1024, got {self.shard_tokens}")
         if self.source == DataSource.files:
             _require(bool(self.paths), "data.paths", "source=files needs a glob of text files, e.g. data.paths='corpus/**/*.txt'")
         if self.source == DataSource.hub:
@@ -197,6 +214,7 @@ class PrecisionConfig:
     master_weights: bool = False  # fp32 master copy in the optimizer (for bf16/fp16 params)
     grad_dtype: Optional[DType] = None  # None: gradients in param dtype; fp32: fp32 main grads
     loss_scaling: bool = False  # dynamic loss scaling (fp16 range)
+    float8: Float8Recipe = Float8Recipe.none  # the blocks' linears multiply in float8 (torchao), cast from bf16
     init_scale: float = 65536.0
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
@@ -219,6 +237,9 @@ class PrecisionConfig:
                  f"must be null (param dtype) or fp32, got {self.grad_dtype}")
         _require(self.grad_dtype is None or self.master_weights, "precision.grad_dtype",
                  "fp32 main grads go with fp32 master weights (precision.master_weights=true)")
+        _require(self.float8 == Float8Recipe.none or self.param_dtype == DType.bf16, "precision.float8",
+                 f"float8 matmuls cast from bf16 params (precision=fp8); got precision.param_dtype="
+                 f"{self.param_dtype.value}")
 
 
 @dataclass
@@ -275,6 +296,9 @@ class DistributedConfig:
     # fsdp only. false keeps each unit's gathered params from forward to backward (no second all-gather,
     # ZeRO-2-like: + the compute-dtype params at the peak).
     reshard_after_forward: bool = True
+    # fsdp with precision.float8=tensorwise only. The float8 linears' weights are cast to float8 on their shard and
+    # all-gathered as such (torchao's float8 all-gather: half the bytes of bf16, one cast per weight and step).
+    fsdp_float8_all_gather: bool = True
 
     def __post_init__(self):
         _require(self.timeout_s >= 1, "distributed.timeout_s", f"must be >= 1, got {self.timeout_s}")
@@ -297,6 +321,10 @@ class TrainerConfig:
     warmup_steps: Optional[int] = None  # linear warmup, then cosine decay; None: 10% of max_steps
     eval_every: int = 100
     eval_batches: int = 10
+    # HellaSwag accuracy at every eval: null (off), hub (its validation set from the Hugging Face hub, needs
+    # network once), or a local copy's path (hellaswag_val.jsonl: ctx, endings, label per line).
+    eval_hellaswag: Optional[str] = None
+    eval_hellaswag_examples: Optional[int] = None  # the first N examples; null: all (10042 in the validation set)
     log_every: int = 10
     save_every: int = 100
     sample_tokens: int = 64
@@ -344,6 +372,8 @@ class TrainerConfig:
         _require(self.warmup_steps is None or 0 <= self.warmup_steps <= self.max_steps, "trainer.warmup_steps",
                  f"must be in [0, trainer.max_steps={self.max_steps}], got {self.warmup_steps}")
         _require(self.sample_tokens >= 0, "trainer.sample_tokens", f"must be >= 0, got {self.sample_tokens}")
+        _require(self.eval_hellaswag_examples is None or self.eval_hellaswag_examples >= 1,
+                 "trainer.eval_hellaswag_examples", f"must be >= 1 or null, got {self.eval_hellaswag_examples}")
         # An empty path is the current directory: the run's files would land among the user's own.
         _require(self.out_dir.strip() != "", "trainer.out_dir",
                  f"must name the run's directory, got {self.out_dir!r} (leave it out for runs/<date>/<time>/)")
@@ -631,6 +661,26 @@ def compose_config(overrides: list[str]) -> DictConfig:
     register_configs()
     with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
         return compose("config", overrides=with_pretrained_preset(list(overrides)))
+
+
+def resolve_data(overrides: list[str]) -> DataConfig:
+    """The data group of `configs/` with `overrides`, checked as scripts/train.py checks them: for the scripts that
+    need the data only (prepare_data.py, eval.py), which thus take train.py's command line as it is."""
+    from hydra.errors import OverrideParseException
+
+    check_override_keys(overrides)
+    check_override_values(overrides)
+    try:
+        data = compose_config(overrides).data
+    except OverrideParseException as e:  # e.g. an unquoted ~, which Hydra's grammar does not allow in a value
+        override = str(e).splitlines()[0].split(": ", 1)[-1]
+        raise ConfigError(f"{override}: Hydra cannot parse this override; quote the value for Hydra inside the "
+                          f"shell's quotes, e.g. data.paths=\"'~/corpus/**/*.txt'\"") from None
+    try:
+        plain = OmegaConf.to_container(data, resolve=True)
+    except InterpolationResolutionError as e:
+        raise ConfigError(f"{e.full_key}: {str(e).splitlines()[0]}") from None
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DataConfig), plain))
 
 
 def resolve(cfg: DictConfig | Config) -> Config:

@@ -284,28 +284,16 @@ def open_weights(source: str, tokenizer: str | None = None) -> Weights:
     return Weights(cfg, model.state_dict(), pretrained_tokenizer(tokenizer or source), weights_path)
 
 
-def _checkpoint_in(path: Path) -> Path:
-    """The checkpoint a path names: itself, or the latest one of a run dir."""
-    from .checkpoint import JOB_INFO, LATEST, checkpoint_dir
-
-    if (path / JOB_INFO).is_file() or (path / ".metadata").is_file():
-        return path
-    ckpts = checkpoint_dir(path) if checkpoint_dir(path).is_dir() else path
-    if (ckpts / LATEST).exists():
-        return ckpts / LATEST
-    raise SourceError(f"{path}: no checkpoint there (checkpoints/{LATEST}/)")
-
-
 def read_checkpoint(path: Path, tokenizer: str | None = None) -> Weights:
     """The model of a minitrain checkpoint: its config (shape and vocab as the run settled them), its weights
     (whole, whatever the world size that saved them), and the run's tokenizer (saved beside checkpoints/ by the
     trainer), else `tokenizer`."""
     from omegaconf import OmegaConf
 
-    from .checkpoint import JOB_INFO, read_part
+    from .checkpoint import JOB_INFO, locate, read_part
     from .tokenizer import pretrained_tokenizer
 
-    ckpt = _checkpoint_in(path)
+    ckpt = locate(path)
     try:
         config = json.loads((ckpt / JOB_INFO).read_text())["config"]
     except (OSError, ValueError, KeyError) as e:

@@ -20,7 +20,8 @@ from .config import ConfigError, LoggerConfig, LoggerMode, error_reason
 
 # Console columns: (key, label, format); a key absent from a record is left out of the line.
 _CONSOLE = [
-    ("train/loss", "loss", "{:.4f}"), ("val/loss", "val", "{:.4f}"), ("opt/lr", "lr", "{:.2e}"),
+    ("train/loss", "loss", "{:.4f}"), ("val/loss", "val", "{:.4f}"), ("val/ppl", "ppl", "{:.2f}"),
+    ("hellaswag/acc_norm", "hellaswag", "{:.1%}"), ("opt/lr", "lr", "{:.2e}"),
     ("opt/grad_norm", "gnorm", "{:.3f}"), ("amp/loss_scale", "scale", "{:.0f}"),
     ("amp/skipped_steps", "skipped", "{:.0f}"), ("perf/step_ms", "ms", "{:.1f}"),
     ("perf/tokens_per_s", "tok/s", "{:,.0f}"), ("perf/mfu", "mfu", "{:.1%}"),

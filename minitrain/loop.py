@@ -16,6 +16,7 @@ from .config import Config
 from .data import TokenData
 from .distributed import Dist
 from .divergence import Kept
+from .evaluate import hellaswag, perplexity
 from .generate import Sampler, Sampling
 from .interrupts import Interrupts, TrainingInterrupted
 from .logger import RunLogger
@@ -76,7 +77,7 @@ def fit(parts: Parts, run: Run) -> dict[str, Any]:
                         run.logger.print(memory_comparison(run.plan))
                         compared = True
                 if evaluating:
-                    record = {**(record if logging else {"step": p.step}), "val/loss": evaluate(parts, run)}
+                    record = {**(record if logging else {"step": p.step}), **eval_record(parts, run)}
                 if logging or evaluating:
                     run.logger.log(record)
                     bar.set_postfix(loss=f"{record.get('train/loss', float('nan')):.3f}")
@@ -168,6 +169,22 @@ def evaluate(parts: Parts, run: Run) -> float:
                           for i in range(run.cfg.trainer.eval_batches)])
     parts.model.train()
     return distributed.mean(losses.mean(), run.dist).item()
+
+
+def eval_record(parts: Parts, run: Run) -> dict[str, Any]:
+    """What an eval step logs: the validation loss (trainer.eval_batches random windows) and its perplexity, and
+    with trainer.eval_hellaswag the HellaSwag accuracy (every rank scores every example: under fsdp each forward
+    is collective)."""
+    loss = evaluate(parts, run)
+    record = {"val/loss": loss, "val/ppl": perplexity(loss)}
+    if parts.hellaswag is not None:
+        plan = run.plan
+        parts.model.eval()
+        with plan.precision.autocast(plan.device.type):
+            record.update(hellaswag(parts.model, run.data.tokenizer, parts.hellaswag, plan.model.block_size,
+                                    plan.device))
+        parts.model.train()
+    return record
 
 
 def memory_comparison(plan: Plan) -> str:

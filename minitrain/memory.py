@@ -15,7 +15,10 @@ holds it. Assumptions, checked by tests/test_memory.py on CPU and by the GPU swe
     zero_grad; the fused step reads them in place, loop and foreach gather them into a flat buffer
     (every tensor padded to ALIGN elements, one bucket per dtype); fp32 main grads live in that
     buffer from the first backward;
-  - no torch.compile: Inductor's partitioner chooses its own saved set (usually smaller);
+  - no torch.compile: Inductor's partitioner chooses its own saved set (for bf16 blocks the same bytes), except
+    with float8 linears (precision=fp8, `compiled`): there the partitioner keeps float8 copies, or nothing, where
+    eager torchao keeps bf16 inputs (_float8_saved_delta), and fuses the casts that eager runs through fp32
+    temporaries (_float8_casts);
   - SDPA runs a fused kernel (CUDA flash/efficient, CPU flash) that saves q, k, v, the output and an
     fp32 logsumexp; only CPU with attention dropout takes the math path, which saves T x T matrices;
   - the allocator is not modelled: reserved exceeds allocated by fragmentation, `compare` shows by how much;
@@ -30,7 +33,7 @@ from dataclasses import asdict, astuple, dataclass, field
 import torch
 
 from .recompute import recomputed_blocks
-from .config import CheckpointingConfig, CheckpointPolicy, DistributedConfig, ModelConfig
+from .config import CheckpointingConfig, CheckpointPolicy, DistributedConfig, KernelImpl, ModelConfig
 from .model import GPT
 from .ops.cross_entropy import DEFAULT_CHUNK_BYTES, fitting
 from .optim.layout import padded as _padded
@@ -117,17 +120,32 @@ def param_numels(model_cfg: ModelConfig) -> list[tuple[list[int], bool]]:
     return _model_numels(astuple(model_cfg))[0]
 
 
-def _params_per_block(model_cfg: ModelConfig) -> int:
+def _block_params(model_cfg: ModelConfig) -> dict[str, int]:
+    """The numel of each parameter of one block, by name (attn.c_attn.weight, ...)."""
     return _model_numels(astuple(model_cfg))[1]
 
 
 @functools.lru_cache(maxsize=8)
-def _model_numels(key: tuple) -> tuple[list[tuple[list[int], bool]], int]:
+def _model_numels(key: tuple) -> tuple[list[tuple[list[int], bool]], dict[str, int]]:
     """Built once per shape: the plan predicts many (micro-batch, policy) candidates of one model."""
     with torch.device("meta"):
         model = GPT(ModelConfig(*key))
     groups = [([p.numel() for p in g["params"]], g["weight_decay"] > 0) for g in model.param_groups(1.0)]
-    return groups, sum(p.numel() for p in model.blocks[0].parameters())
+    return groups, {name: p.numel() for name, p in model.blocks[0].named_parameters()}
+
+
+def _float8_saved_delta(cfg: ModelConfig, float8_linears: tuple[str, ...], tokens: int, a: int) -> int:
+    """What a kept block saves compiled with float8 linears, less what its bf16 twin saves (tests/test_fp8.py reads
+    both off the compiled block). A converted linear's weight gradient needs its input in float8: for a LayerNorm's
+    output (c_attn's, c_fc's input) the partitioner recomputes it from the block's input and the norm's
+    statistics instead of keeping it; GELU's output (mlp.c_proj's input) it recomputes from torch's GELU, or keeps
+    in float8 from our kernel's, which it cannot rerun. Attention's output (attn.c_proj's input) SDPA keeps anyway."""
+    C = cfg.n_embd
+    norm_fed = sum(name in float8_linears for name in ("attn.c_attn", "mlp.c_fc"))
+    gelu_out = 0
+    if "mlp.c_proj" in float8_linears:
+        gelu_out = 4 * C * (1 if cfg.gelu == KernelImpl.fused else 0) - 4 * C * a
+    return tokens * (gelu_out - norm_fed * C * a)
 
 
 def _block_bytes(cfg: ModelConfig, tokens: int, seq_len: int, r: int, a: int, stats: int, device: str,
@@ -151,16 +169,52 @@ def _block_bytes(cfg: ModelConfig, tokens: int, seq_len: int, r: int, a: int, st
     return tokens * (2 * C * r + 4 * stats + 2 * C * a + attention + 8 * C * a + 2 * C * mask)
 
 
+def _float8_block_delta(cfg: ModelConfig, float8_linears: tuple[str, ...], tokens: int, a: int, compiled: bool,
+                        kind: str) -> int:
+    """What a block of `kind` saves with float8 linears beyond its bf16 twin. Eager, torchao keeps each linear's
+    bf16 input, as a bf16 linear does; `selective` runs on torch's save tags then (recompute.apply_policy),
+    which also keep mlp.c_proj's matmul output. Compiled, `selective` saves what bf16 does, a kept block less
+    (_float8_saved_delta)."""
+    if not float8_linears or kind == "recomputed":
+        return 0
+    if compiled:
+        return _float8_saved_delta(cfg, float8_linears, tokens, a) if kind == "kept" else 0
+    return tokens * cfg.n_embd * a if kind == "selective" else 0
+
+
+def _float8_casts(C: int, N: int, float8_linears: tuple[str, ...], a: int) -> int:
+    """The MLP's backward in the last block with eager float8 linears, beyond the incoming gradient. torchao casts
+    an operand of M elements to float8 through two fp32 temporaries (the upcast times the scale, then its clamp)
+    beside the float8 result: 9·M bytes at the cast. The widest casts (M = 4·C per token) and what is alive then:
+      mlp.c_proj's input (GELU's output, for the weight gradient): the incoming gradient's two float8 copies (one
+        per GEMM), the weight's float8 copy, the gradient of GELU's output;
+      mlp.c_fc's output gradient (GELU's output and the MLP hidden freed by then): that gradient, its first
+        float8 copy, the weight's float8 copy, the gradient of the norm's output.
+    Compiled, each cast is one fused kernel with no fp32 temporaries."""
+    casting = 9 * 4 * N * C
+    moments = [0]
+    if "mlp.c_proj" in float8_linears:
+        moments.append(2 * N * C + 4 * C * C + 4 * N * C * a + casting)
+    if "mlp.c_fc" in float8_linears:
+        moments.append(4 * N * C * a + 4 * N * C + 4 * C * C + N * C * a + casting - 8 * N * C * a)
+    return max(moments)
+
+
 def predict(model_cfg: ModelConfig, precision: Precision, ckpt_cfg: CheckpointingConfig,
             micro_batch: int, seq_len: int, loss_impl: str, chunk_bytes: int | None, grad_accum: int = 1,
             loss_low_memory: bool = False,
             world_size: int = 1, sharded: bool = False, device: str = "cuda",
             optimizer_impl: str = "fused", fsdp_unit_blocks: int = DistributedConfig.fsdp_unit_blocks,
-            reshard_after_forward: bool = DistributedConfig.reshard_after_forward) -> MemoryEstimate:
+            reshard_after_forward: bool = DistributedConfig.reshard_after_forward,
+            float8_linears: tuple[str, ...] = (), float8_all_gather: bool = False,
+            compiled: bool = False) -> MemoryEstimate:
     """Predicted memory of one training step. `loss_impl`, `optimizer_impl` as resolved for the device
     (fused | torch; fused | foreach | loop). `sharded`: FSDP, the persistent state divided by `world_size`
     plus the gathered units (`fsdp_unit_blocks`, `reshard_after_forward`: distributed's config).
-    grad_accum > 1 adds the grads to the forward and backward moments (micro-batches after the first)."""
+    grad_accum > 1 adds the grads to the forward and backward moments (micro-batches after the first).
+    `float8_linears`: each block's linears that multiply in float8 (the plan's), `float8_all_gather`: their weights
+    gathered in float8 under FSDP; `compiled`: the step runs under torch.compile (it changes only what float8
+    blocks save)."""
     p = precision.param_dtype.itemsize
     a = precision.compute_dtype.itemsize
     autocast = precision.autocast_dtype is not None
@@ -184,10 +238,13 @@ def predict(model_cfg: ModelConfig, precision: Precision, ckpt_cfg: Checkpointin
         # prefetched one), or every block from forward to backward when reshard_after_forward is false.
         if precision.master_weights:
             weights, grads = 0, 4 * padded
-        per_block = _params_per_block(model_cfg)
+        block_params = _block_params(model_cfg)
+        per_block = sum(block_params.values())
         unit = fsdp_unit_blocks * per_block
         blocks = model_cfg.n_layer if not reshard_after_forward else min(2 * fsdp_unit_blocks, model_cfg.n_layer)
-        fsdp_gathered = (n_params - model_cfg.n_layer * per_block + blocks * per_block) * p
+        # float8 all-gather: the converted linears' weights arrive as 1-byte float8, already cast
+        float8 = sum(block_params[f"{name}.weight"] for name in float8_linears) if float8_all_gather else 0
+        fsdp_gathered = (n_params - model_cfg.n_layer * per_block) * p + blocks * (per_block * p - float8 * (p - 1))
         unit_grads = unit * (p + 4)  # in backward: a unit's new grads + the previous unit's fp32 reduce-scatter input
         notes.append(f"FSDP: persistent state / {world_size}; {fsdp_unit_blocks} block(s) per unit, "
                      f"reshard_after_forward={reshard_after_forward}")
@@ -197,7 +254,8 @@ def predict(model_cfg: ModelConfig, precision: Precision, ckpt_cfg: Checkpointin
     recomputed = recomputed_blocks(ckpt_cfg, model_cfg.n_layer)
     selective = ckpt_cfg.policy == CheckpointPolicy.selective
     kinds = ["selective" if selective else "recomputed" if rec else "kept" for rec in recomputed]
-    block = {k: _block_bytes(model_cfg, N, T, p, a, stats, device, k) for k in set(kinds) | {"kept"}}
+    block = {k: _block_bytes(model_cfg, N, T, p, a, stats, device, k)
+             + _float8_block_delta(model_cfg, float8_linears, N, a, compiled, k) for k in set(kinds) | {"kept"}}
     # Autocast caches each weight's low-precision copy until the forward + loss region ends: with the
     # loss's peak inside that region, every block holds its 12·C² copies then, whatever the policy.
     per_layer = [block[k] + (12 * C * C * a if autocast else 0) for k in kinds]
@@ -228,9 +286,10 @@ def predict(model_cfg: ModelConfig, precision: Precision, ckpt_cfg: Checkpointin
 
     # The top of backward in the last block: incoming grad, grads of the MLP hidden (GELU out, fc out),
     # the block's recomputed activations, and the wte gradient produced by the loss before accumulation.
-    # selective reruns GELU's output there (then, smaller, each norm's).
+    # selective reruns GELU's output there (then, smaller, each norm's). Eager float8 linears cast there.
     recompute = {"recomputed": block["kept"], "selective": N * 4 * C * a, "kept": 0}[kinds[-1]]
-    backward_transient = N * C * p + 8 * N * C * a + recompute + V * C * p + unit_grads
+    mlp_grads = 8 * N * C * a if compiled else max(8 * N * C * a, _float8_casts(C, N, float8_linears, a))
+    backward_transient = N * C * p + mlp_grads + recompute + V * C * p + unit_grads
 
     # Optimizer step temporaries. The fused step reads the grads in place: none. loop and foreach first
     # gather autograd's grads into the flat buffer (both exist for that copy; not with fp32 main grads,

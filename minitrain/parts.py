@@ -1,10 +1,11 @@
-"""The run's parts, built from the plan: the model (its weights, its recompute policy), the loss, the optimizer
-(with its loss scaler), the batches, the step that combines them, and the loop's progress.
+"""The run's parts, built from the plan: the model (its weights, its float8 linears, its recompute policy), the
+loss, the optimizer (with its loss scaler), the batches and the HellaSwag examples, the step that combines them,
+and the loop's progress.
 
 The parts that hold state are `Stateful` (state_dict / load_state_dict), and a checkpoint is
 `{name: part.state_dict()}` over `Parts.stateful()`: adding a part with state adds it to the checkpoint by
-construction. The others hold none: the recompute policy and the loss are functions, and the batches a pure
-function of (seed, step).
+construction. The others hold none: the recompute policy and the loss are functions, the batches a pure
+function of (seed, step), the HellaSwag examples read once.
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from . import distributed, hf, recompute
+from . import distributed, fp8, hf, recompute
 from .config import SCRATCH, Config
 from .data import DeviceBatches, TokenData
 from .distributed import Dist
+from .evaluate import HellaSwagExample, load_hellaswag
 from .model import GPT
 from .plan import Plan
 from .precision import Precision
@@ -69,6 +71,7 @@ class Parts:
     optimizer: Any  # minitrain.optim's AdamW or TorchAdamW
     train_batches: DeviceBatches
     val_batches: DeviceBatches
+    hellaswag: Optional[list[HellaSwagExample]]  # trainer.eval_hellaswag's examples, scored at each eval step
     forward_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # compiled when the plan compiles
     eager_forward_loss: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # what the compile check compares with
     train_step: TrainStep
@@ -111,11 +114,13 @@ def build_optimizer(plan: Plan, cfg: Config, model: GPT, sharded: bool = False):
 
 def build_model(plan: Plan, cfg: Config, dist: Dist) -> tuple[GPT, Optional[Path]]:
     """The GPT on the plan's device, with model.init_from's weights (and the file they came from) before anything
-    copies them, in the dtype it is stored in, its blocks run by the recompute policy."""
+    copies them, in the dtype it is stored in, the plan's float8 linears swapped in, its blocks run by the recompute
+    policy."""
     with torch.device(plan.device):
         model = GPT(plan.model)
     weights = hf.load_weights(model) if cfg.model.init_from != SCRATCH else None
     model.to(dtype=plan.precision.stored_param_dtype(dist.sharded))
+    fp8.convert(model.blocks, plan.float8_linears, plan.precision.float8, plan.float8_all_gather)
     recompute.apply_policy(model, plan.checkpointing, compiled=plan.compiled)
     return model, weights
 
@@ -140,9 +145,10 @@ def build(plan: Plan, cfg: Config, data: TokenData, dist: Dist, phase: Phase = r
     checked = dict(vocab_size=data.vocab_size, cache_path=data.path)
     train_batches = DeviceBatches(data.train, T, t.batch_size, t.seed, device, grad_accum=plan.grad_accum, **checked)
     val_batches = DeviceBatches(data.val, T, plan.micro_batch * dist.world_size, t.seed + 1, device, **checked)
+    hellaswag = load_hellaswag(t.eval_hellaswag, t.eval_hellaswag_examples) if t.eval_hellaswag else None
     eager = forward_loss_of(loss_module, plan.precision, device.type)
     compiled = torch.compile(eager, mode=plan.compile_mode) if plan.compiled else eager
     train_step = TrainStep(compiled, loss_module, optimizer, train_batches, plan.schedule, plan.grad_accum, dist,
                            plan.cuda_graphs, phase)
-    return Parts(model, loss_module, optimizer, train_batches, val_batches, compiled, eager, train_step,
+    return Parts(model, loss_module, optimizer, train_batches, val_batches, hellaswag, compiled, eager, train_step,
                  Progress(device, dist), RandomState(), weights)

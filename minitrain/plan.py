@@ -20,10 +20,10 @@ from typing import Any, Optional
 import psutil
 import torch
 
-from . import memory
+from . import fp8, memory
 from .recompute import recomputed_blocks
 from .config import SCRATCH, CheckpointingConfig, CheckpointPolicy, Config, ConfigError, DistributedMode, \
-    KernelImpl, ModelConfig, OptimizerImpl
+    Float8Recipe, KernelImpl, ModelConfig, OptimizerImpl
 from .memory import GB, MemoryEstimate
 from .precision import Precision, resolve_precision
 from .schedule import LRSchedule, default_warmup
@@ -79,6 +79,8 @@ class Plan:
     placement: dict[str, Any]  # where this process runs: placement()
     auto: tuple[str, ...] = ()  # the settings resolved from `auto`
     notes: tuple[str, ...] = field(default=())
+    float8_linears: tuple[str, ...] = ()  # precision.float8: each block's linears that multiply in float8
+    float8_all_gather: bool = False  # fsdp: those linears' weights are all-gathered in float8
 
     @property
     def compiled(self) -> bool:
@@ -108,7 +110,9 @@ class Plan:
             (" (CUDA graphs)" if self.cuda_graphs else "")
         lines = [
             f"plan: {self.model.name} on {on}",
-            f"  precision      {self.precision.name}{self._tag('precision')}: {self.precision.describe()}",
+            f"  precision      {self.precision.name}{self._tag('precision')}: {self.precision.describe()}"
+            + (f" in each block's {', '.join(self.float8_linears)}" if self.float8_linears else "")
+            + (", gathered in float8" if self.float8_all_gather else ""),
             f"  compile        {compiled}{self._tag('compile')}",
             f"  kernels        loss={self.loss_impl} optimizer={self.optimizer_impl} "
             f"gelu={self.model.gelu.value}{self._tag('kernels')}",
@@ -128,6 +132,8 @@ class Plan:
         """Flat values for the wandb config and metrics.jsonl's first record."""
         return {"device": self.device_name, "world_size": self.world_size, "distributed": self.distributed.value,
                 "precision": self.precision.name, "param_dtype": str(self.precision.param_dtype),
+                "float8": self.precision.float8.value, "float8_linears": list(self.float8_linears),
+                "float8_all_gather": self.float8_all_gather,
                 "tf32": self.precision.tf32, "compile_mode": self.compile_mode or "eager",
                 "cuda_graphs": self.cuda_graphs, "loss": self.loss_impl, "optimizer": self.optimizer_impl,
                 "gelu": self.model.gelu.value, "batch_size": self.batch_size, "micro_batch": self.micro_batch,
@@ -201,6 +207,16 @@ def _policies(cfg: CheckpointingConfig, n_layer: int) -> list[CheckpointingConfi
             CheckpointingConfig(CheckpointPolicy.full)]
 
 
+def _float8_linears(precision: Precision, model: ModelConfig, device: torch.device) -> tuple[str, ...]:
+    """The blocks' linears that precision.float8 converts; a device that cannot multiply in float8 stops here."""
+    if precision.float8 == Float8Recipe.none:
+        return ()
+    reason = fp8.unavailable_reason(device)
+    if reason is not None:
+        raise PlanError(f"precision={precision.name}: {reason}")
+    return fp8.float8_linears(model, precision.float8)
+
+
 def recompute_cost(policy: CheckpointingConfig, n_layer: int) -> float:
     if policy.policy == CheckpointPolicy.selective:
         return RECOMPUTE_COST["selective"]
@@ -226,6 +242,7 @@ def make_plan(cfg: Config, tokenizer_vocab: int, device: torch.device, world_siz
     if t.compile == "auto" or (compile_mode is not None and t.compile_mode == "auto"):
         auto.append("compile")
     model = model_config_for(cfg, tokenizer_vocab, device)
+    float8_linears = _float8_linears(precision, model, device)
     loss_impl = "fused" if cfg.loss.impl.fused_on(device.type) else "torch"
     optimizer_impl = cfg.optimizer.impl.value
     if cfg.optimizer.impl == OptimizerImpl.auto:
@@ -239,12 +256,17 @@ def make_plan(cfg: Config, tokenizer_vocab: int, device: torch.device, world_siz
     elif device.type == "cpu" and precision.compute_dtype == torch.bfloat16 and not cpu_has_bf16():
         notes.append(f"precision={precision.name} on a CPU without bf16 instructions (AVX512-BF16, AMX): bf16 "
                      "matmuls run many times slower than fp32 here (precision=auto picks fp32)")
+    if precision.float8 != Float8Recipe.none and not float8_linears:
+        notes.append(f"precision={precision.name}: no linear of {model.name} is wide enough for float8 to gain "
+                     "(torchao's filter); every matmul runs in bf16")
 
     if t.batch_size % world_size:
         raise ConfigError(f"trainer.batch_size: the global batch of {t.batch_size} sequences does not split "
                           f"into {world_size} ranks")
     per_rank = t.batch_size // world_size
     sharded = cfg.distributed.mode == DistributedMode.fsdp
+    float8_all_gather = sharded and precision.float8 == Float8Recipe.tensorwise and bool(float8_linears) \
+        and cfg.distributed.fsdp_float8_all_gather
     total = device_memory(device) if device_memory_bytes is None else device_memory_bytes
     budget = int(t.memory_budget * total)
 
@@ -253,7 +275,9 @@ def make_plan(cfg: Config, tokenizer_vocab: int, device: torch.device, world_siz
                               grad_accum=per_rank // micro, loss_low_memory=cfg.loss.low_memory,
                               world_size=world_size, sharded=sharded, device=device.type,
                               optimizer_impl=optimizer_impl, fsdp_unit_blocks=cfg.distributed.fsdp_unit_blocks,
-                              reshard_after_forward=cfg.distributed.reshard_after_forward)
+                              reshard_after_forward=cfg.distributed.reshard_after_forward,
+                              float8_linears=float8_linears, float8_all_gather=float8_all_gather,
+                              compiled=compile_mode is not None)
 
     if t.micro_batch == "auto":
         auto.append("micro_batch")
@@ -291,7 +315,8 @@ def make_plan(cfg: Config, tokenizer_vocab: int, device: torch.device, world_siz
                 optimizer_impl=optimizer_impl, batch_size=t.batch_size, micro_batch=micro, checkpointing=policy,
                 schedule=LRSchedule(t.lr, t.min_lr, warmup, t.max_steps), max_skipped_steps=max_skipped,
                 memory=estimate, memory_budget=budget, device_memory=total, deterministic=t.deterministic,
-                placement=placement(device), auto=tuple(auto), notes=tuple(notes))
+                placement=placement(device), auto=tuple(auto), notes=tuple(notes), float8_linears=float8_linears,
+                float8_all_gather=float8_all_gather)
 
 
 def _no_fit_message(cfg: Config, precision: Precision, smallest: MemoryEstimate, micro: int, budget: int,

@@ -2,7 +2,9 @@
 
 `precision=<name>` in the config picks a preset (`configs/precision/<name>.yaml`); `precision=auto`
 picks one for the device — bf16 params + fp32 masters on a GPU with bf16, fp16 + dynamic loss scaling
-on one without, fp32 on a CPU (where bf16 and fp16 matmuls run far slower than fp32). `resolve_precision`
+on one without, fp32 on a CPU (where bf16 and fp16 matmuls run far slower than fp32); never fp8, which changes
+the numerics and is the user's choice (`precision=fp8`: bf16 params whose blocks' linears multiply in float8,
+minitrain/fp8.py). `resolve_precision`
 turns the config into a `Precision`; the model, the optimizer, the memory model and the distributed
 wrappers read that object and never re-decode the config's fields.
 """
@@ -16,12 +18,12 @@ from typing import Optional
 import torch
 from omegaconf import OmegaConf
 
-from .config import CONFIG_DIR, ConfigError, OptimizerImpl, PrecisionConfig, check_optimizer_precision
+from .config import CONFIG_DIR, ConfigError, Float8Recipe, OptimizerImpl, PrecisionConfig, check_optimizer_precision
 
 AUTO = "auto"
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 # The fields a preset sets; with precision=auto they come from the preset the device gets.
-PRESET_FIELDS = ("param_dtype", "autocast_dtype", "master_weights", "loss_scaling")
+PRESET_FIELDS = ("param_dtype", "autocast_dtype", "master_weights", "loss_scaling", "float8")
 
 
 @dataclass(frozen=True)
@@ -35,6 +37,7 @@ class Precision:
     grad_dtype: torch.dtype  # what the optimizer reads: the param dtype, or fp32 main grads
     loss_scaling: bool  # dynamic loss scaling (fp16's range)
     tf32: bool  # fp32 matmuls on tensor cores (CUDA only; TF32 keeps fp32's range, rounds the mantissa)
+    float8: Float8Recipe = Float8Recipe.none  # the blocks' linears multiply in float8 (torchao), params unchanged
     init_scale: float = 65536.0
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
@@ -50,7 +53,8 @@ class Precision:
 
     @property
     def mfu_dtype(self) -> str:
-        """The peak-FLOPs column MFU divides by: the compute dtype, fp32 matmuls under TF32 as tf32."""
+        """The peak-FLOPs column MFU divides by: the compute dtype, fp32 matmuls under TF32 as tf32. Float8
+        matmuls count against the bf16 peak, so an fp8 run's MFU reads beside its bf16 twin's."""
         name = DTYPE_NAMES[self.compute_dtype]
         return "tf32" if name == "fp32" and self.tf32 else name
 
@@ -81,6 +85,8 @@ class Precision:
             parts.append("fp32 main grads")
         if self.loss_scaling:
             parts.append("dynamic loss scaling")
+        if self.float8 != Float8Recipe.none:
+            parts.append(f"float8 matmuls ({self.float8.value} scales)")
         if self.compute_dtype == torch.float32:
             parts.append("TF32 matmuls" if self.tf32 else "true fp32 matmuls")
         return ", ".join(parts)
@@ -117,5 +123,6 @@ def resolve_precision(cfg: PrecisionConfig, device: torch.device, tf32: bool = T
         autocast_dtype=cfg.autocast_dtype.torch if cfg.autocast_dtype else None,
         master_weights=cfg.master_weights,
         grad_dtype=(cfg.grad_dtype or cfg.param_dtype).torch,
-        loss_scaling=cfg.loss_scaling, tf32=tf32 and device.type == "cuda", init_scale=cfg.init_scale,
+        loss_scaling=cfg.loss_scaling, tf32=tf32 and device.type == "cuda", float8=cfg.float8,
+        init_scale=cfg.init_scale,
         growth_factor=cfg.growth_factor, backoff_factor=cfg.backoff_factor, growth_interval=cfg.growth_interval)

@@ -24,9 +24,10 @@ from .ops import gelu_tanh_backward
 
 aten = torch.ops.aten
 
-# Ops whose outputs compiled `selective` keeps. Linear layers reach the dispatcher as mm/addmm; SDPA as one
-# fused op per backend (CUDA: flash / efficient / cuDNN; CPU: flash_for_cpu), or, on its math path (CPU
-# with dropout), as bmm + softmax, where the bmm outputs are kept and the softmax is recomputed.
+# Ops whose outputs compiled `selective` keeps. Linear layers reach the dispatcher as mm/addmm (torchao's float8
+# ones as mm on its float8 tensors); SDPA as one fused op per backend (CUDA: flash / efficient / cuDNN; CPU:
+# flash_for_cpu), or, on its math path (CPU with dropout), as bmm + softmax, where the bmm outputs are kept and
+# the softmax is recomputed.
 SAVED_OPS = frozenset(op for op in (
     aten.mm.default, aten.addmm.default, aten.bmm.default,
     aten._scaled_dot_product_flash_attention.default,
@@ -133,12 +134,15 @@ def recomputed_blocks(cfg: CheckpointingConfig, n_layer: int) -> list[bool]:
 
 
 def apply_policy(model: GPT, cfg: CheckpointingConfig, compiled: bool = False) -> None:
-    """`compiled`: the step runs under torch.compile (trainer.compile), which needs `selective` as save tags."""
+    """`compiled`: the step runs under torch.compile (trainer.compile), which needs `selective` as save tags. So
+    do blocks whose linears are not plain nn.Linear (torchao's float8 ones): the autograd functions below call
+    F.linear on the weights, which would bypass the modules' own matmuls."""
     model.block_runners = [recompute_block if r else run_block
                            for r in recomputed_blocks(cfg, model.cfg.n_layer)]
     if cfg.policy != CheckpointPolicy.selective:
         return
-    if compiled:
+    plain = all(type(m) is torch.nn.Linear for m in model.blocks.modules() if isinstance(m, torch.nn.Linear))
+    if compiled or not plain:
         model.block_runners = [recompute_elementwise] * model.cfg.n_layer
         return
     # The block's own forward, so block(x) still runs the hooks DDP and FSDP put on the block.

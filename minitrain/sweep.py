@@ -108,6 +108,34 @@ class CellDevices(Callback):
         os.environ["CUDA_VISIBLE_DEVICES"] = cell_device(devices, config.hydra.job.num, at_a_time)
 
 
+class CtrlCToCells(Callback):
+    """Ctrl-C is the cells' to handle, not submitit's. A terminal's Ctrl-C reaches every process of the sweep, and
+    the local launcher's controllers (a process per cell, waiting on it) would each end in a traceback: they start
+    with Ctrl-C ignored, and the cell stops itself, saving a checkpoint, and its controller ends with it. The cell,
+    which inherits the ignored signal, takes Ctrl-C back before its job starts."""
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        from submitit.local import local
+
+        start = local.start_controller
+        if getattr(start, "ignores_ctrl_c", False):  # a second sweep of this process
+            return
+
+        def start_ignoring_ctrl_c(*args, **kwargs):
+            previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # what a started process keeps (POSIX)
+            try:
+                return start(*args, **kwargs)
+            finally:
+                signal.signal(signal.SIGINT, previous)
+
+        start_ignoring_ctrl_c.ignores_ctrl_c = True
+        local.start_controller = start_ignoring_ctrl_c
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        if signal.getsignal(signal.SIGINT) is signal.SIG_IGN and config.hydra.mode == RunMode.MULTIRUN:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def cell_device(devices: list[str], job_num: int, at_a_time: Optional[int]) -> str:
     """The device of cell `job_num`. Hydra launches a sweep's cells in batches of `at_a_time` consecutive job
     numbers (None: all at once), so the cells of a batch take distinct devices while there are enough, and share

@@ -1,7 +1,8 @@
 """The run, put together: the plan, the parts it names, a checkpoint resumed into them, the loop.
 
     plan = make_plan(cfg, device)        everything `auto` settled once; refuses a step that cannot fit
-    parts = build(plan, cfg, ...)        model, recompute policy, loss, optimizer (+ loss scaler), batches, progress
+    parts = build(plan, cfg, ...)        model (float8 linears, recompute policy), loss, optimizer (+ loss scaler),
+                                         batches, progress
     resume                               every part's state, checked against the saved config (checkpoint.py)
     fit(parts, run)                      step -> log / eval / save; a diverged run stops (loop.py)
 
@@ -80,6 +81,7 @@ class Trainer:
         p.wandb_id = self.logger.run_id
         if self.dist.is_main:
             self.run.write(self.out_dir, self.config_dict)
+            # the run's tokenizer, for sample.py, export_hf.py and eval.py
             files.atomic_write(self.out_dir / "tokenizer.json", self.data.tokenizer.to_str(pretty=True))
         self.logger.print(self.plan.describe())
         if self.parts.init_weights is not None and loaded is None:
@@ -105,12 +107,13 @@ class Trainer:
     step = property(lambda self: self.parts.progress.step)
 
     def _identity(self) -> dict[str, Any]:
-        """What a resumed run must share with the checkpoint: the config, and what the plan resolved from it."""
+        """What a resumed run must share with the checkpoint: the config, and what the plan resolved from it (the
+        float8 linears come from torchao's shape filter, which a torchao upgrade may move)."""
         p = self.plan
         param_dtype = str(p.precision.stored_param_dtype(self.dist.sharded)).removeprefix("torch.")
         return {**self.config_dict, "plan": {"precision": p.precision.name, "world_size": p.world_size,
                                              "distributed": p.distributed.value, "vocab_size": p.model.vocab_size,
-                                             "param_dtype": param_dtype}}
+                                             "param_dtype": param_dtype, "float8_linears": list(p.float8_linears)}}
 
     def _state(self) -> dict[str, Any]:
         return {**{name: part.state_dict() for name, part in self.parts.stateful().items()},

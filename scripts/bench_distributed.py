@@ -124,10 +124,10 @@ def main() -> None:
     if args.worker:
         return worker(args)
 
-    from minitrain.config import DataConfig
+    from minitrain.config import resolve_data
     from minitrain.data import prepare_data
 
-    prepare_data(DataConfig(), 1024, progress=False)  # build the data cache once, before any rank needs it
+    prepare_data(resolve_data([]), 1024, progress=False)  # build the data cache once, before any rank needs it
     rows = []
     with tempfile.TemporaryDirectory() as scratch:
         for model in args.models:

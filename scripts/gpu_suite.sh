@@ -3,7 +3,8 @@
 # Usage: scripts/gpu_suite.sh OUT_DIR [tests] [optimizer] [cross_entropy] [ce_rows] [ce_chunks] [gelu] [train]
 #        [step] [step_ablate] [step15b] [step_sizes] [curve] [sweep] [sweep_alone] [defaults] [defaults15b] [plan]
 #        [attention] [diverge15b] [compile15b] [compile_check] [determinism] [determinism_cost]
-#        [determinism_cost15b] [sample] [sample15b] [sample_run] [smoke]
+#        [determinism_cost15b] [sample] [sample15b] [sample_run] [prepare_corpus] [prepare_many] [prepare_one]
+#        [fp8_tests] [fp8_speed] [fp8_sizes] [fp8_defaults15b] [fp8_quality] [smoke]
 # smoke: every benchmark script once in its quickest mode (the tiny model, one small shape), a few minutes: each
 #   still runs end to end on this GPU; its figures are not results
 # plan: PLAN_MODELS and PLAN_BATCHES (space-separated) pick the grid, default gpt2-124m at 16 64 512; it starts no
@@ -93,6 +94,48 @@ for what in "$@"; do
         timeout 300 python3 scripts/sample.py /tmp/sample-run --num-samples 4 --max-new-tokens 100 --top-p 0.95 $extra \
           2>&1 | tail -3
       done ;;
+    prepare_corpus|prepare_many|prepare_one)  # a 1 GB corpus's preparation on the host's cores against the
+      # tokenizers library alone (CPU only); prepare_corpus builds the corpus (kept in /tmp/bench-prepare), then each
+      # layout is a call of its own
+      layout=${what#prepare_}
+      if [ $layout = corpus ]; then
+        timeout 590 python3 scripts/bench_prepare.py --gb 1 --work /tmp/bench-prepare --rounds 0 2>&1 | tail -2
+      else
+        timeout 590 python3 scripts/bench_prepare.py --gb 1 --work /tmp/bench-prepare --rounds 2 --layouts $layout \
+          --out "$out/bench_prepare_$layout.json" 2>&1 | tail -6
+      fi ;;
+    fp8_tests)  # tests/test_fp8.py on the GPU: the whole-run tests with torchao's real float8 kernels (compiled with
+      # CUDA graphs under every checkpointing policy, eager policies ending bitwise equal, a resume), ddp/fsdp on gloo
+      TRITON_INTERPRET=0 timeout 520 python3 -m pytest -q tests/test_fp8.py 2>&1 \
+        | grep -E "^(E  |FAILED|[0-9]+ (passed|failed))" | tail -20 ;;
+    fp8_speed|fp8_sizes)  # fp8 against bf16, tokens/s in alternating rounds, both resident in 47% of the GPU each at
+      # bf16's policy on the whole GPU: fp8_speed the issue's target (>= 1.12x at gpt2-1.5b, the default batch of 32),
+      # fp8_sizes gpt2-774m then gpt2-124m (no model starts after 300 s); FP8_MODELS overrides either's models
+      models=$([ $what = fp8_speed ] && echo gpt2-1.5b || echo gpt2-774m gpt2-124m)
+      timeout 510 python3 scripts/bench_fp8.py speed --models ${FP8_MODELS:-$models} --time-limit-s 300 \
+        --out "$out/bench_$what.json" 2>&1 | grep -vE "it/s\]|Failed to load|register_constant" | tail -24 ;;
+    fp8_defaults15b)  # what a user gets: precision=fp8 with the plan's own micro-batch and policy on the whole GPU,
+      # the trainer's memory line against its prediction (bf16's B=32 figures: step15b, plan)
+      rm -rf /tmp/fp8-defaults-15b
+      timeout 470 python3 scripts/train.py model=gpt2-1.5b precision=fp8 trainer.max_steps=12 trainer.log_every=4 \
+        trainer.eval_every=1000 trainer.save_every=1000 trainer.sample_tokens=0 hydra.run.dir=/tmp/fp8-defaults-15b \
+        2>&1 | grep -v "it/s\]\|step/s\]" | grep -aE "^(plan|  |step|memory|compile check|error)" | tail -20
+      cp /tmp/fp8-defaults-15b/metrics.jsonl "$out/fp8_defaults_15b.jsonl" ;;
+    fp8_quality)  # validation loss, fp8 against bf16: QUALITY_MODEL (gpt2-124m), QUALITY_STEPS (1000) on the built-in
+      # corpus at GPT-3's peak lr for the size, a cell per precision in QUALITY_PRECISIONS (bf16,fp8) and seed in
+      # QUALITY_SEEDS (1337) through train.py -m, QUALITY_AT_A_TIME side by side (1). The cells' records (not their
+      # checkpoints) go to OUT/fp8_quality/; `bench_fp8.py quality OUT*/fp8_quality/*/*` compares them all
+      model=${QUALITY_MODEL:-gpt2-124m}; precisions=${QUALITY_PRECISIONS:-bf16,fp8}; seeds=${QUALITY_SEEDS:-1337}
+      name=$model-${precisions//,/-}-s${seeds//,/-}; sw=/tmp/fp8-quality/$name; rm -rf $sw
+      lr=$(python3 -c "from minitrain.tools.benchmarks.step import LR; print(LR.get('$model', 6e-4))")
+      timeout 510 python3 scripts/train.py -m model=$model precision=$precisions trainer.seed=$seeds \
+        trainer.max_steps=${QUALITY_STEPS:-1000} trainer.lr=$lr trainer.min_lr=$(python3 -c "print(f'{$lr / 10:g}')") \
+        trainer.eval_every=100 trainer.eval_batches=20 trainer.log_every=50 trainer.save_every=1000 \
+        trainer.sample_tokens=0 hydra.sweeper.max_batch_size=${QUALITY_AT_A_TIME:-1} hydra.sweep.dir=$sw 2>&1 | tail -3
+      mkdir -p "$out/fp8_quality"
+      tar -C /tmp/fp8-quality --exclude=checkpoints -cf - $name | tar -C "$out/fp8_quality" -xf -
+      python3 scripts/report.py $sw --out "$out/fp8_quality/$name" 2>&1 | sed -n 1,8p
+      python3 scripts/bench_fp8.py quality $sw/* --out "$out/fp8_quality/$name.json" ;;
     gelu) timeout 60 python3 scripts/bench_gelu.py --out "$out/bench_gelu.json" 2>&1 | tail -6 ;;
     attention) timeout 120 python3 scripts/bench_attention.py --out "$out/bench_attention.json" 2>&1 | tail -24 ;;
     ce_rows) timeout 200 python3 scripts/tune_cross_entropy_rows.py --out "$out/tune_ce_rows.json" 2>&1 | tail -60 ;;
@@ -113,7 +156,11 @@ for what in "$@"; do
       timeout 200 python3 scripts/bench_plan.py --models tiny --batches 8 --warmup 3 --steps 1 --rounds 2 \
         --out "$s/plan.json" 2>&1 | tail -4
       timeout 150 python3 scripts/bench_distributed.py --gpus 1 --models tiny --modes ddp --steps 12 \
-        --out "$s/distributed.json" 2>&1 | tail -2 ;;
+        --out "$s/distributed.json" 2>&1 | tail -2
+      timeout 150 python3 scripts/bench_prepare.py --gb 0.01 --work /tmp/bench-prepare-smoke --rounds 1 \
+        --out "$s/prepare.json" 2>&1 | tail -3
+      timeout 200 python3 scripts/bench_fp8.py speed --models tiny --extra model.n_layer=2 model.n_embd=768 \
+        model.n_head=12 --warmup 3 --rounds 2 --steps 2 --out "$s/fp8.json" 2>&1 | grep -E "^(model|tiny)" ;;
     sweep|sweep_alone)  # the README's sweep through `train.py -m`: gpt2-124m, precision x checkpointing, each cell a
       # process of its own; `sweep` runs three side by side on the one GPU (each process's allocator counts its own
       # peak), `sweep_alone` one at a time (after `sweep`: its compiled graphs come from the cache) and sets each

@@ -12,10 +12,9 @@ MAIN_PID = os.getpid()
 
 def ctrl_c(signum, frame):
     """SIGINT until fit's own handler is on: KeyboardInterrupt, reported in one line. A terminal's Ctrl-C also
-    reaches the children the libraries fork (the datasets library's tokenizing pool and its manager), which
-    inherit this handler: there it passes, and this process's teardown of the pool ends them. Each would
-    otherwise print a traceback of its own, and a pool whose workers die of it can hang in its teardown (the
-    replacements it forks hold its queue's lock)."""
+    reaches any child a library forks (a fork-started worker pool), which inherits this handler: there it passes,
+    and this process's teardown of the pool ends it. Each would otherwise print a traceback of its own, and a
+    pool whose workers die of it can hang in its teardown (the replacements it forks hold its queue's lock)."""
     if os.getpid() == MAIN_PID:
         raise KeyboardInterrupt
 
@@ -51,14 +50,6 @@ def run_dir(cfg: DictConfig, hydra_dir: str) -> str:
         return hydra_dir
 
 
-def by_ctrl_c(e: BaseException) -> bool:
-    """A KeyboardInterrupt, or an error raised while one was being handled: the datasets library's worker pool
-    turns a Ctrl-C during its map into a TimeoutError of its own."""
-    while e is not None and not isinstance(e, KeyboardInterrupt):
-        e = e.__context__
-    return e is not None
-
-
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
 def main(cfg: DictConfig) -> str | None:
     """None, or in a -m sweep the message of a cell that could not run (minitrain/sweep.py reports it)."""
@@ -77,9 +68,7 @@ def main(cfg: DictConfig) -> str | None:
                 run.write_failure(Path(runtime.output_dir), str(e))
             return str(e)  # the next cells still run; the sweep's end names this one and exits non-zero
         sys.exit(FAILED_CELL_EXIT_CODE)
-    except BaseException as e:  # Ctrl-C before fit's own handler is on (data, tokenizer, compile), or a second one
-        if not by_ctrl_c(e):
-            raise  # a bug: its traceback is what to report
+    except KeyboardInterrupt:  # Ctrl-C before fit's own handler is on (data, tokenizer, compile), or a second one
         print(f"minitrain: aborted (Ctrl-C) without saving a checkpoint; any saved before in "
               f"{run_dir(cfg, runtime.output_dir)} are kept", file=sys.stderr)
         sys.exit(ABORTED_EXIT_CODE)

@@ -303,7 +303,7 @@ def test_every_recipes_batch_is_probed_before_this_process_holds_gpu_memory(monk
         probed_extras.append(extra)
         return 8
 
-    def start(model, batch, recipe, extra, out_dir, warmup):
+    def start(model, batch, recipe, extra, out_dir, warmup, graphed_before):
         events.append(("start", recipe))
         raise RuntimeError("no GPU here")
 

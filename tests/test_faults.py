@@ -475,7 +475,7 @@ def process_group_alive(pgid: int, grace_s: float) -> bool:
 
 @pytest.fixture(scope="module")
 def stdlib_modules(tmp_path_factory) -> Path:
-    """The standard library's top-level modules (5 MB): a second or more of tokenizing for two workers."""
+    """The standard library's top-level modules (5 MB): a second or more of tokenizing."""
     corpus = tmp_path_factory.mktemp("stdlib-modules")
     for module in Path(os.__file__).parent.glob("*.py"):
         shutil.copy(module, corpus)
@@ -484,18 +484,13 @@ def stdlib_modules(tmp_path_factory) -> Path:
 
 def moment_reached(moment: str) -> Callable[[int, bytes], bool]:
     """importing: the script's imports have reached torch (its libraries are mapped; loading them and the rest of
-    torch takes a second or more). tokenizing: the datasets library's worker pool (two workers and its manager)
-    is tokenizing the corpus, for a moment already: not in the microseconds of a fork, which no Python code can
-    make safe."""
-    pool_since = []
+    torch takes a second or more). tokenizing: the preparation's progress bar is up (the corpus is one batch,
+    encoded for a second or more)."""
 
     def reached(pid: int, stderr: bytes) -> bool:
         if moment == "importing":
             return "libtorch" in Path(f"/proc/{pid}/maps").read_text()
-        children = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-        if not pool_since and b"tokenizing" in stderr and len(children) >= 3:
-            pool_since.append(time.monotonic())
-        return bool(pool_since) and time.monotonic() - pool_since[0] > 0.05
+        return b"tokenizing" in stderr
 
     return reached
 
@@ -503,14 +498,13 @@ def moment_reached(moment: str) -> Callable[[int, bytes], bool]:
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads a process's mapped libraries from /proc")
 @pytest.mark.parametrize("moment, said", [
     ("importing", "minitrain: aborted (Ctrl-C) while starting, before the run began"),
-    # the terminal's Ctrl-C reaches the workers too; the pool turns the script's KeyboardInterrupt into an error
     ("tokenizing", "minitrain: aborted (Ctrl-C) without saving a checkpoint; any saved before in {run} are kept"),
 ])
 def test_ctrl_c_before_training_ends_in_one_line_and_exit_130(stdlib_modules, tmp_path, moment, said):
     """Ctrl-C as a terminal sends it (to the whole process group) while torch and minitrain are imported, or
     while a fresh corpus is tokenized: one line, exit 130, no traceback from the script or any worker."""
     run = tmp_path / "run"
-    args = [*train_args(stdlib_modules, tmp_path / "cache", 2), "data.num_proc=2", f"hydra.run.dir={run}"]
+    args = [*train_args(stdlib_modules, tmp_path / "cache", 2), f"hydra.run.dir={run}"]
     job = subprocess.Popen([sys.executable, str(REPO / "scripts" / "train.py"), *args], cwd=tmp_path,
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True,
                            env=checkout_env())
@@ -535,6 +529,6 @@ def test_ctrl_c_before_training_ends_in_one_line_and_exit_130(stdlib_modules, tm
         if process_group_alive(job.pid, grace_s=0):
             os.killpg(job.pid, signal.SIGKILL)
     text = err.decode()
-    assert "tokenizing (num_proc=2): 100%" not in text, "the Ctrl-C came after the tokenizing"
+    assert "tokenizing: 100%" not in text, "the Ctrl-C came after the tokenizing"
     assert job.returncode == 130 and "Traceback" not in text, text[-3000:]
     assert text.rstrip().splitlines()[-1] == said.format(run=run), repr(text[-600:])

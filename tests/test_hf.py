@@ -381,8 +381,9 @@ def test_a_tokenizer_that_is_not_a_byte_level_bpe_with_eot_is_refused(tmp_path):
         pretrained_tokenizer(str(tmp_path / "empty"))
 
 
-def test_the_data_cache_is_keyed_by_the_tokenizer(hf_gpt2, gpt2_corpus, data_cache):
-    """The same corpus tokenised by the fixture's tokenizer and by one trained on it: two caches, each with its own."""
+def test_the_data_cache_is_keyed_by_the_tokenizer(hf_gpt2, gpt2_corpus, data_cache, tmp_path):
+    """The same corpus tokenised by the fixture's tokenizer, by one trained on it and by that one read from a
+    directory: three caches, each with its own."""
     from minitrain.config import DataConfig, DataSource
     from minitrain.data import prepare_data
 
@@ -392,3 +393,6 @@ def test_the_data_cache_is_keyed_by_the_tokenizer(hf_gpt2, gpt2_corpus, data_cac
     pretrained = prepare_data(DataConfig(**files, vocab_size=300, tokenizer=str(hf_gpt2)), 64, progress=False)
     assert (trained.vocab_size, pretrained.vocab_size) == (300, GPT2_VOCAB) and trained.path != pretrained.path
     assert pretrained.tokenizer.to_str() == pretrained_tokenizer(str(hf_gpt2)).to_str()
+    trained.tokenizer.save(str(tmp_path / "tokenizer.json"))
+    other = prepare_data(DataConfig(**files, vocab_size=300, tokenizer=str(tmp_path)), 64, progress=False)
+    assert other.vocab_size == 300 and other.path not in (trained.path, pretrained.path)

@@ -16,7 +16,7 @@ from minitrain.trainer import Trainer
 # The keys a resume may change, group by group, and nothing else: every other key of the config is refused.
 MAY_CHANGE = {
     "model": set(),
-    "data": {"num_proc", "cache_dir"},  # how the same tokens are made and where they are kept
+    "data": {"shard_tokens", "cache_dir"},  # how the same token streams are cut into files and where they are kept
     "precision": set(),
     "checkpointing": {"policy", "every_k"},  # what backward recomputes: the same values
     "optimizer": set(),
@@ -25,12 +25,14 @@ MAY_CHANGE = {
     "distributed": {"timeout_s", "mode", "fsdp_unit_blocks", "reshard_after_forward"},  # the same global batch
     "trainer": {"max_steps", "log_every", "eval_every", "eval_batches", "save_every", "sample_tokens", "out_dir",
                 "device", "compile", "compile_mode", "compile_check", "deterministic", "peak_flops", "memory_budget",
-                "micro_batch", "max_skipped_steps"},
-    # what the plan resolved from `auto` on this device: precision, world size, mode, vocabulary, the params' dtype
+                "micro_batch", "max_skipped_steps", "eval_hellaswag", "eval_hellaswag_examples"},
+    # what the plan resolved from `auto` on this device: precision, world size, mode, vocabulary, the params' dtype,
+    # the float8 linears
     "plan": {"world_size", "distributed"},
 }
 NOT_COMPARED = {"trainer.resume"}  # every resume changes how it finds its checkpoint
-PLAN = {"precision": "fp32", "world_size": 1, "distributed": "none", "vocab_size": 4096, "param_dtype": "float32"}
+PLAN = {"precision": "fp32", "world_size": 1, "distributed": "none", "vocab_size": 4096, "param_dtype": "float32",
+        "float8_linears": []}
 
 
 def config_dict(make_cfg, *overrides) -> dict:
@@ -82,7 +84,7 @@ def test_the_refusal_names_each_breaking_key_with_both_values_and_nothing_it_all
     assert changes.refusal("checkpoints/latest.pt") == (
         "checkpoints/latest.pt was saved by a run with a different config; resuming would silently make it another "
         "run:\n"
-        "  data.val_fraction: saved 0.005, now 0.01\n"
+        "  data.val_fraction: saved 0.02, now 0.01\n"
         "  data.vocab_size: saved 4096, now 8192\n"
         "  model.n_layer: saved 4, now 2\n"
         "Put the saved values back to resume it, or start a new run dir (hydra.run.dir=...) for the new config")

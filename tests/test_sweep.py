@@ -97,6 +97,7 @@ def test_ctrl_c_stops_the_sweep_and_leaves_no_cell_running(data_cache, tmp_path)
     _, stderr = sweep_process.communicate(timeout=120)
     assert sweep_process.returncode == 130, stderr[-3000:]
     assert stderr.strip().endswith("the cells after them did not run")
+    assert "Traceback" not in stderr, stderr[-3000:]  # submitit's controller of the cell leaves Ctrl-C to it
     _, alive = psutil.wait_procs(processes, timeout=5)
     assert not alive
     assert "interrupted (Ctrl-C)" in (sweep_dir / "0" / "train.log").read_text()
@@ -119,6 +120,28 @@ def test_a_signal_to_the_sweeps_process_alone_stops_its_cells(data_cache, tmp_pa
     _, alive = psutil.wait_procs(processes, timeout=5)
     assert not alive
     assert "interrupted (Ctrl-C)" in (sweep_dir / "0" / "train.log").read_text()  # told, not killed unawares
+
+
+def test_submitits_controllers_start_with_ctrl_c_ignored_and_the_cells_take_it_back(monkeypatch):
+    """Ignored only while a controller starts (the sweep's own process keeps its handler), and only in a sweep's
+    cell is it taken back (a run started with Ctrl-C ignored, as by nohup, keeps it ignored)."""
+    from submitit.local import local
+
+    seen = []
+    monkeypatch.setattr(local, "start_controller", lambda *a, **k: seen.append(signal.getsignal(signal.SIGINT)))
+    sweep.CtrlCToCells().on_multirun_start(cell_config(0, 1))
+    wrapped = local.start_controller
+    sweep.CtrlCToCells().on_multirun_start(cell_config(0, 1))  # a second sweep of the process: wrapped once
+    assert local.start_controller is wrapped
+    local.start_controller()
+    assert seen == [signal.SIG_IGN] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    for mode, expected in ((RunMode.RUN, signal.SIG_IGN), (RunMode.MULTIRUN, signal.default_int_handler)):
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            sweep.CtrlCToCells().on_job_start(cell_config(0, 1, mode))
+            assert signal.getsignal(signal.SIGINT) is expected
+        finally:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def test_the_plan_record_says_where_the_cell_ran(monkeypatch):

@@ -48,6 +48,10 @@ def _cross_entropy_row(row_ptr, row, cols, targets_ptr, loss_ptr, lse_ptr, grad_
                 offs = start + cols
                 tl.store(row_ptr + offs, tl.zeros([BLOCK], row_ptr.dtype.element_ty), mask=offs < V)
     else:
+        # The target's logit is read before pass 1's block-wide reductions, whose barriers order the read before
+        # any warp's gradient store: read after them, a lagging warp could find the gradient in its place (a
+        # race: now and then a row's loss was wrong, and the logged loss differed from run to run).
+        x_target = tl.load(row_ptr + target).to(tl.float32)
         if ONE_BLOCK:
             # The whole row in one block: read once; the gradient below comes from the same registers.
             x = tl.load(row_ptr + cols, mask=cols < V, other=-float("inf")).to(tl.float32)
@@ -68,7 +72,6 @@ def _cross_entropy_row(row_ptr, row, cols, targets_ptr, loss_ptr, lse_ptr, grad_
                 if label_smoothing > 0:
                     x_sum += tl.sum(tl.where(offs < V, x, 0.0), axis=0)
             lse = m + tl.log(s)
-        x_target = tl.load(row_ptr + target).to(tl.float32)
         loss = lse - (1.0 - label_smoothing) * x_target - label_smoothing * x_sum / V + z_loss * lse * lse
         tl.store(loss_ptr + row, loss)
         tl.store(lse_ptr + row, lse)

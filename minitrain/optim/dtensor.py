@@ -1,11 +1,21 @@
 """FSDP2's parameters are DTensors: the optimizer works on their local shards and hands DTensors back."""
 
+import sys
+
 from torch.distributed.tensor import DTensor
 
 
 def local(t):
-    """This rank's shard of a DTensor (a view: writing it writes the parameter); a tensor itself."""
-    return t._local_tensor if isinstance(t, DTensor) else t
+    """This rank's shard of a DTensor (a view: writing it writes the parameter); a tensor itself. A float8
+    all-gather weight (torchao's, precision=fp8 under fsdp) is a wrapper that changes only how FSDP gathers it:
+    the plain tensor inside holds the shard, which the kernels that take pointers must see."""
+    t = t._local_tensor if isinstance(t, DTensor) else t
+    return t._tensor if _is_float8_all_gather_weight(t) else t
+
+
+def _is_float8_all_gather_weight(t) -> bool:
+    fsdp_utils = sys.modules.get("torchao.float8.fsdp_utils")  # never imported: no such weight exists
+    return fsdp_utils is not None and isinstance(t, fsdp_utils.WeightWithDynamicFloat8CastTensor)
 
 
 def any_sharded(tensors) -> bool:

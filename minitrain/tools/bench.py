@@ -89,13 +89,17 @@ def copy_bytes_per_s(device: torch.device) -> float:
         return 2 * COPY_BYTES / (copy_ms(torch.empty(COPY_BYTES, dtype=torch.uint8, device=device)) / 1e3)
 
 
+def default_memory_budget() -> float:
+    """The default trainer.memory_budget: the share of a GPU that a plan fills when the user sets none."""
+    from minitrain.config import compose_config, resolve
+
+    return resolve(compose_config(["trainer.out_dir=."])).trainer.memory_budget
+
+
 def memory_budget_bytes() -> float:
     """The default trainer.memory_budget's share of this GPU: what a benchmark fits a recipe into, as a plan
     would."""
-    from minitrain.config import compose_config, resolve
-
-    share = resolve(compose_config(["trainer.out_dir=."])).trainer.memory_budget
-    return share * torch.cuda.get_device_properties(0).total_memory
+    return default_memory_budget() * torch.cuda.get_device_properties(0).total_memory
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,18 @@
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
 from torch.utils._pytree import tree_leaves
+
+
+def _plain_tensors(tree):
+    """The tensors with storages in `tree`: a wrapper subclass (torchao's float8 tensors) holds none of its own,
+    so its inner tensors stand for it."""
+    for t in tree_leaves(tree):
+        if is_traceable_wrapper_subclass(t):
+            yield from _plain_tensors([getattr(t, name) for name in t.__tensor_flatten__()[0]])
+        elif isinstance(t, torch.Tensor):
+            yield t
 
 
 class LiveBytes(TorchDispatchMode):
@@ -28,9 +38,9 @@ class LiveBytes(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)}
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor) and t.device.type != "meta":
+        inputs = {t.untyped_storage().data_ptr() for t in _plain_tensors((args, kwargs))}
+        for t in _plain_tensors(out):
+            if t.device.type != "meta":
                 storage = t.untyped_storage()
                 key, nbytes = storage.data_ptr(), storage.nbytes()
                 if nbytes and key not in self._live and key not in inputs:  # new, not a view or in-place

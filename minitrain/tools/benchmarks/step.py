@@ -185,17 +185,28 @@ def memory_baseline(ref: dict | None, references: list[dict]) -> dict | None:
     return ref if ref in own else next(iter(own), None)
 
 
-def start_run(model: str, batch: int, recipe: str, extra: Sequence[str], out_dir: str, warmup: int) -> tuple[Run, dict]:
-    """Build, check the first loss against the eager forward's, warm up (compilation happens here) and
-    measure peak memory over 2 steps."""
+def start_run(model: str, batch: int, recipe: str, extra: Sequence[str], out_dir: str, warmup: int,
+              graphed_before: bool = False) -> tuple[Run, dict]:
+    return start_trainer(lambda: build(model, batch, recipe, extra, out_dir), warmup, graphed_before)
+
+
+def start_trainer(make: Callable[[], Trainer], warmup: int, graphed_before: bool = False) -> tuple[Run, dict]:
+    """Build (`make()`), check the first loss against the eager forward's, warm up (compilation happens here)
+    and measure peak memory over 2 steps, net of what was resident before. `graphed_before`: a trainer of this
+    process already replays CUDA graphs."""
     gc.collect()
     torch.cuda.empty_cache()
     base_allocated, base_reserved = torch.cuda.memory_allocated(), torch.cuda.memory_reserved()
-    run = Run(build(model, batch, recipe, extra, out_dir), base_allocated, base_reserved)
+    run = Run(make(), base_allocated, base_reserved)
     t = run.trainer
     eager = float(compile_check.eager_loss(t.eager_forward_loss, t.train_batches, 0, t.plan.grad_accum, t.dist))
     run.steps(warmup)
-    return run, {**run.memory_peaks(2), "first_loss": float(run.losses[0]), "first_loss_eager": eager}
+    peaks = run.memory_peaks(2)
+    if peaks["cuda_graphs"] and graphed_before:
+        # One CUDA-graph pool serves every graphed trainer of the process: this one's graphs reuse what the
+        # earlier one reserved, so no peak here is its own.
+        peaks.update(peak_allocated_gb=None, peak_reserved_gb=None)
+    return run, {**peaks, "first_loss": float(run.losses[0]), "first_loss_eager": eager}
 
 
 @dataclass(frozen=True)
@@ -276,11 +287,7 @@ def start_runs(model: str, variants: list[Variant], rows: dict[str, dict], tmp: 
             continue
         graphed_before = any(r.trainer.plan.cuda_graphs for r in runs.values())
         try:
-            run, peaks = start_run(model, row["batch"], v.recipe, v.extra, f"{tmp}/{i}", how.warmup)
-            if peaks["cuda_graphs"] and graphed_before:
-                # One CUDA-graph pool serves every graphed recipe of the process: this one's graphs reuse what
-                # the earlier one reserved, so no peak here is its own.
-                peaks.update(peak_allocated_gb=None, peak_reserved_gb=None)
+            run, peaks = start_run(model, row["batch"], v.recipe, v.extra, f"{tmp}/{i}", how.warmup, graphed_before)
             row.update(peaks)
             runs[v.name] = run
             if alone:

@@ -1,0 +1,273 @@
+"""Evaluation beyond the training loss: validation loss and perplexity over a split, and HellaSwag accuracy.
+
+Validation loss here is exact and deterministic: the mean token loss over consecutive windows covering a split
+(or its first tokens), not a sample of random windows as the trainer's periodic `val/loss` is.
+
+HellaSwag (Zellers et al., 2019): a context and four endings, one of them right. Each ending is scored by the
+model's loss on the ending's tokens after the context; `acc_norm` picks the ending with the lowest mean loss per
+token (the length-normalised completion log-likelihood, as llm.c and nanoGPT-derived trainers compute it), `acc`
+the one with the lowest summed loss.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from omegaconf import OmegaConf
+
+from .checkpoint import JOB_INFO, CheckpointError, locate, read_part
+from .config import DataConfig, ModelConfig, error_reason
+from .data import DataError, TokenData, TokenStream, prepare_data
+from .data.corpus import hub_quietly
+from .model import GPT
+from .precision import preset, resolve_precision
+
+# The validation set on the hub: the parquet copy the hub made of the original jsonl (ctx, endings, label).
+HELLASWAG_REPO, HELLASWAG_REVISION = "Rowan/hellaswag", "refs/convert/parquet"
+HELLASWAG_FILE = "default/validation/0000.parquet"
+
+LogitsFn = Callable[[torch.Tensor], torch.Tensor]  # token ids (B, T) -> logits (B, T, vocab)
+
+
+def perplexity(loss: float) -> float:
+    """exp(loss), inf where that overflows (a diverged model), NaN for a NaN loss."""
+    try:
+        return math.exp(loss)
+    except OverflowError:
+        return math.inf
+
+
+@torch.no_grad()
+def validation_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], tokens: TokenStream,
+                    block_size: int, batch_size: int, device: torch.device,
+                    max_tokens: Optional[int] = None) -> dict[str, float]:
+    """Mean token loss over the consecutive windows of `block_size` predictions covering the first `max_tokens`
+    (default: all) of `tokens`; `loss_fn(inputs, targets)` is the batch's mean token loss."""
+    usable = len(tokens) if max_tokens is None else min(len(tokens), max_tokens + 1)
+    n_windows = (usable - 1) // block_size
+    if n_windows == 0:
+        raise DataError(f"the validation split holds {len(tokens)} tokens, fewer than one window of "
+                        f"model.block_size={block_size} + 1")
+    total = 0.0
+    for first in range(0, n_windows, batch_size):
+        rows = min(batch_size, n_windows - first)
+        windows = np.empty((rows, block_size + 1), dtype=np.int64)
+        for row in range(rows):
+            tokens.read((first + row) * block_size, windows[row])
+        ids = torch.from_numpy(windows).to(device)
+        total += float(loss_fn(ids[:, :-1], ids[:, 1:]).float()) * rows
+    loss = total / n_windows
+    return {"val/loss": loss, "val/ppl": perplexity(loss), "val/tokens": n_windows * block_size}
+
+
+@dataclass(frozen=True)
+class HellaSwagExample:
+    context: str
+    endings: tuple[str, ...]
+    label: int
+
+
+def _example(row: dict, where: str) -> HellaSwagExample:
+    try:
+        endings, label = tuple(str(e) for e in row["endings"]), int(row["label"])
+        context = str(row["ctx"])
+    except (KeyError, TypeError, ValueError) as e:
+        raise DataError(f"{where}: not a HellaSwag example ({type(e).__name__}: {e}); each needs ctx, endings "
+                        "and label") from None
+    if not 0 <= label < len(endings):
+        raise DataError(f"{where}: label {label} names none of its {len(endings)} endings")
+    return HellaSwagExample(context, endings, label)
+
+
+def load_hellaswag(source: str, limit: Optional[int] = None) -> list[HellaSwagExample]:
+    """The first `limit` (default: all) validation examples, from the hub (`hub`) or a local jsonl file with ctx,
+    endings and label on each line (hellaswag_val.jsonl as its authors publish it)."""
+    if source == "hub":
+        import pyarrow.parquet as pq
+
+        rows = pq.read_table(_download_hellaswag()).to_pylist()
+        examples = [_example(row, f"{HELLASWAG_REPO} row {i}") for i, row in enumerate(rows[:limit])]
+    else:
+        path = Path(source).expanduser()
+        try:
+            lines = path.read_text().splitlines()
+        except OSError as e:
+            raise DataError(f"trainer.eval_hellaswag={source!r}: cannot read it ({e.strerror}); give hub or the "
+                            "path of a local copy (hellaswag_val.jsonl)") from None
+        examples = []
+        for i, line in enumerate(lines, 1):
+            if line.strip() and (limit is None or len(examples) < limit):
+                try:
+                    row = json.loads(line)
+                except ValueError:
+                    raise DataError(f"{path}:{i}: not a JSON line") from None
+                examples.append(_example(row, f"{path}:{i}"))
+    if not examples:
+        raise DataError(f"HellaSwag source {source!r} holds no example")
+    return examples
+
+
+def _download_hellaswag() -> str:
+    from huggingface_hub import hf_hub_download
+
+    try:
+        with hub_quietly():
+            return hf_hub_download(HELLASWAG_REPO, HELLASWAG_FILE, repo_type="dataset", revision=HELLASWAG_REVISION)
+    except Exception as e:  # offline, or the hub moved it: either way the local copy is the way out
+        raise DataError(f"HellaSwag could not be downloaded from the hub ({type(e).__name__}); it needs network "
+                        "once. Offline, point at a local copy instead: hellaswag_val.jsonl from "
+                        "github.com/rowanz/hellaswag (data/), one example per line with ctx, endings and "
+                        "label") from None
+
+
+def _rows(tokenizer, example: HellaSwagExample, block_size: int) -> list[tuple[list[int], int]]:
+    """Each ending's token row (the context, then " " + the ending), kept to its last block_size + 1 tokens,
+    and where the ending starts in it."""
+    context = tokenizer.encode(example.context, add_special_tokens=False).ids
+    rows = []
+    for ending in example.endings:
+        completion = tokenizer.encode(" " + ending, add_special_tokens=False).ids
+        row = (context + completion)[-(block_size + 1):]
+        rows.append((row, max(1, len(row) - len(completion))))
+    return rows
+
+
+@torch.no_grad()
+def ending_losses(logits_fn: LogitsFn, tokenizer, examples: Sequence[HellaSwagExample], block_size: int,
+                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The summed and the mean loss of each ending of `examples`, in order, from one forward of all their rows
+    (right-padded: a causal model's earlier positions do not see the padding)."""
+    rows = [row for example in examples for row in _rows(tokenizer, example, block_size)]
+    width = max(len(row) for row, _ in rows)
+    ids = torch.zeros((len(rows), width), dtype=torch.int64)
+    mask = torch.zeros((len(rows), width - 1))
+    for r, (row, start) in enumerate(rows):
+        ids[r, :len(row)] = torch.tensor(row)
+        mask[r, start - 1:len(row) - 1] = 1  # the positions whose targets are the ending's tokens
+    ids, mask = ids.to(device), mask.to(device)
+    logits = logits_fn(ids[:, :-1]).float()
+    losses = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="none").view_as(mask)
+    summed = (losses * mask).sum(1)
+    return summed, summed / mask.sum(1)
+
+
+def hellaswag(logits_fn: LogitsFn, tokenizer, examples: Sequence[HellaSwagExample], block_size: int,
+              device: torch.device, batch_examples: int = 8) -> dict[str, float]:
+    """Accuracy over `examples`, picking the ending of lowest mean (`acc_norm`) and summed (`acc`) loss."""
+    right_norm = right_sum = 0
+    for first in range(0, len(examples), batch_examples):
+        batch = examples[first:first + batch_examples]
+        summed, mean = ending_losses(logits_fn, tokenizer, batch, block_size, device)
+        at = 0
+        for example in batch:
+            n = len(example.endings)
+            right_sum += int(summed[at:at + n].argmin()) == example.label
+            right_norm += int(mean[at:at + n].argmin()) == example.label
+            at += n
+    return {"hellaswag/acc_norm": right_norm / len(examples), "hellaswag/acc": right_sum / len(examples),
+            "hellaswag/examples": len(examples)}
+
+
+# -- a saved run, evaluated -------------------------------------------------------------------------------------
+
+@dataclass
+class SavedRun:
+    """A checkpoint's model, ready to evaluate, with the config and directory of the run that saved it."""
+
+    model: GPT
+    autocast: Callable[[], object]  # the run's precision's autocast context on this device
+    config: dict
+    step: int
+    run_dir: Optional[Path]
+
+    def logits(self, ids: torch.Tensor) -> torch.Tensor:
+        with self.autocast():
+            return self.model(ids)
+
+    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return F.cross_entropy(self.logits(inputs).float().flatten(0, 1), targets.flatten())
+
+    def data_config(self) -> DataConfig:
+        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DataConfig), self.config["data"]))
+
+    def tokenizer_source(self) -> Optional[str]:
+        """What data.tokenizer names this run's tokenizer as: its pretrained name, or the run dir it saved its
+        trained one in (None for a run that saved none)."""
+        trained = self.data_config().tokenizer == "train"
+        if not trained:
+            return self.data_config().tokenizer
+        return str(self.run_dir) if self.run_dir and (self.run_dir / "tokenizer.json").is_file() else None
+
+
+def _saved_state(path: Path) -> tuple[dict, dict, int]:
+    """(model state_dict, config, step) of a checkpoint, whatever the world size that saved it, read whole in this
+    one process."""
+    try:
+        config = json.loads((path / JOB_INFO).read_text())["config"]
+        weights, progress = read_part(path, "model"), read_part(path, "progress_rank0")
+    except Exception as e:  # a torn or foreign directory
+        raise CheckpointError(f"{path} could not be read ({error_reason(e)})") from None
+    return weights, config, progress["step"]
+
+
+def load_run(checkpoint: str, device: torch.device) -> SavedRun:
+    """The model a checkpoint holds, in its run's precision on `device`, in eval mode."""
+    path = locate(Path(checkpoint).expanduser())
+    weights, config, step = _saved_state(path)
+    model_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), config["model"]))
+    model = GPT(replace(model_cfg, vocab_size=config["plan"]["vocab_size"]))
+    model.load_state_dict(weights)
+    precision = resolve_precision(preset(config["plan"]["precision"]), device)
+    model.to(device=device, dtype=precision.param_dtype).eval()
+    return SavedRun(model, lambda: precision.autocast(device.type), config, step, path.parent.parent)
+
+
+def _run_tokenizer(run: SavedRun, data: Optional[TokenData]):
+    from tokenizers import Tokenizer
+
+    if run.run_dir is not None and (run.run_dir / "tokenizer.json").is_file():
+        return Tokenizer.from_file(str(run.run_dir / "tokenizer.json"))
+    if data is None:
+        raise DataError(f"{run.run_dir} holds no tokenizer.json (saved by runs since 2026-12-03); evaluate the run "
+                        "on its own data config, whose cache holds its tokenizer")
+    return data.tokenizer
+
+
+def _eval_data(run: SavedRun, data_cfg: Optional[DataConfig], progress: bool) -> TokenData:
+    """The corpus to evaluate on, tokenized with the run's tokenizer: the run's own data config (its cache, when
+    that still holds the run's tokenizer), or `data_cfg` prepared with the run's tokenizer."""
+    block_size, source = run.model.cfg.block_size, run.tokenizer_source()
+    if data_cfg is None:
+        data = prepare_data(run.data_config(), block_size, progress)
+        if source is None or data.tokenizer.to_str() == _run_tokenizer(run, data).to_str():
+            return data
+        data_cfg = run.data_config()  # its corpus changed since the run, and with it the trained tokenizer
+    if source is None:
+        raise DataError(f"{run.run_dir} holds no tokenizer.json (saved by runs since 2026-12-03): another corpus "
+                        "cannot be tokenized as this run was; evaluate it on its own data config")
+    return prepare_data(replace(data_cfg, tokenizer=source), block_size, progress)
+
+
+def evaluate_checkpoint(checkpoint: str, device: torch.device, data_cfg: Optional[DataConfig] = None,
+                        val_tokens: Optional[int] = None, hellaswag_source: Optional[str] = None,
+                        hellaswag_examples: Optional[int] = None, batch_size: int = 8,
+                        progress: bool = True) -> dict[str, float]:
+    """A checkpoint's validation loss and perplexity on its run's data config or `data_cfg` (the first
+    `val_tokens` of the split, default all; 0: none), and its HellaSwag accuracy with `hellaswag_source` (hub
+    or a local jsonl). Deterministic: the same checkpoint gives the same numbers."""
+    run = load_run(checkpoint, device)
+    record: dict[str, float] = {"step": run.step}
+    data = _eval_data(run, data_cfg, progress) if val_tokens != 0 else None
+    if data is not None:
+        record.update(validation_loss(run.loss, data.val, run.model.cfg.block_size, batch_size, device, val_tokens))
+    if hellaswag_source is not None:
+        examples = load_hellaswag(hellaswag_source, hellaswag_examples)
+        record.update(hellaswag(run.logits, _run_tokenizer(run, data), examples, run.model.cfg.block_size, device))
+    return record
