@@ -668,8 +668,7 @@ def resolve_data(overrides: list[str]) -> DataConfig:
     need the data only (prepare_data.py, eval.py), which thus take train.py's command line as it is."""
     from hydra.errors import OverrideParseException
 
-    check_override_keys(overrides)
-    check_override_values(overrides)
+    check_overrides(overrides)
     try:
         data = compose_config(overrides).data
     except OverrideParseException as e:  # e.g. an unquoted ~, which Hydra's grammar does not allow in a value
