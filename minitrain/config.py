@@ -1,10 +1,10 @@
-"""Typed configuration: one dataclass per Hydra config group.
+"""Typed configuration: one dataclass per Hydra config group, holding every default.
 
-The dataclasses are registered in Hydra's ConfigStore as the schema of `configs/config.yaml`, so an
-unknown key or a value of the wrong type fails while Hydra composes the config, naming the key; the
-command line is checked against the same schema before that (`check_override_keys`,
-`check_override_values`), in one line naming the key (and, for an unknown one, the closest settings).
-Checks that need more than a type (ranges, combinations) live in `__post_init__`, which runs when
+The dataclasses are registered in Hydra's ConfigStore as the schema of `configs/config.yaml`, which picks one
+option per group; an option's file sets only what makes it that option, so each default is written once, here.
+OmegaConf validates against this schema: while Hydra composes, and before that on the command line
+(`check_overrides`), where what it refuses is said in one line naming the key (for an unknown one, the closest
+settings). Checks that need more than a type (ranges, combinations) live in `__post_init__`, which runs when
 `resolve()` turns the composed config into these objects, before any work starts.
 """
 
@@ -18,10 +18,10 @@ import re
 from dataclasses import dataclass, field, fields, is_dataclass
 from enum import Enum
 from pathlib import Path
-from typing import List, Optional, get_args, get_origin, get_type_hints
+from typing import List, Optional, get_args, get_type_hints
 
 from hydra.core.config_store import ConfigStore
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
 
@@ -128,15 +128,16 @@ SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size")
 
 @dataclass
 class ModelConfig:
-    name: str = "tiny"
+    name: str = "custom"  # a preset (configs/model/) names itself
     # scratch (random weights), a Hugging Face GPT-2 name (gpt2, gpt2-medium, gpt2-large, gpt2-xl) or a local
     # directory in its layout (config.json + model.safetensors): then the shape comes from the weights
     # (minitrain/hf.py) and a shape key set here must agree with them.
     init_from: str = SCRATCH
-    n_layer: Optional[int] = 4  # the shape keys: None only with init_from (the weights' value)
-    n_head: Optional[int] = 4
-    n_embd: Optional[int] = 128
-    block_size: Optional[int] = 256  # with init_from: at most the weights' n_positions
+    # The shape keys: a preset's (configs/model/, model=tiny by default), or with init_from the weights'.
+    n_layer: Optional[int] = None
+    n_head: Optional[int] = None
+    n_embd: Optional[int] = None
+    block_size: Optional[int] = None  # with init_from: at most the weights' n_positions
     # None: the tokenizer's vocab rounded up to a multiple of 64 (tensor-core friendly); with init_from the
     # weights' vocab rounded up.
     vocab_size: Optional[int] = None
@@ -149,11 +150,8 @@ class ModelConfig:
     gelu: KernelImpl = KernelImpl.auto  # fused: one Triton pass each way instead of inductor's tanh
 
     def __post_init__(self):
-        for key in SHAPE_KEYS:
+        for key in SHAPE_KEYS:  # None: not set yet (Config's check), or the weights' (init_from)
             value = getattr(self, key)
-            _require(value is not None or self.init_from != SCRATCH, f"model.{key}",
-                     "needs a value to build a model from scratch (a model preset sets it, e.g. model=tiny), "
-                     "or weights to take it from (model.init_from=gpt2)")
             _require(value is None or value >= 1, f"model.{key}", f"must be >= 1, got {value}")
         if self.n_embd is not None and self.n_head is not None:
             _require(self.n_embd % self.n_head == 0, "model.n_embd",
@@ -246,7 +244,7 @@ class PrecisionConfig:
 
 @dataclass
 class CheckpointingConfig:
-    policy: CheckpointPolicy = CheckpointPolicy.none
+    policy: CheckpointPolicy = CheckpointPolicy.auto
     every_k: int = 2  # policy=every_k: recompute every k-th block
 
 
@@ -331,7 +329,7 @@ class TrainerConfig:
     save_every: int = 100
     sample_tokens: int = 64
     seed: int = 1337
-    out_dir: str = "."
+    out_dir: str = MISSING  # configs/config.yaml: the run dir Hydra made (runs/<date>/<time>/, or hydra.run.dir)
     resume: str = "none"  # none | auto (latest checkpoint in out_dir) | a checkpoint path
     device: Device = Device.auto
     # torch.compile of forward + loss: auto (on for CUDA, off on a CPU) | true | false
@@ -413,6 +411,10 @@ class Config:
     trainer: TrainerConfig = field(default_factory=TrainerConfig)
 
     def __post_init__(self):
+        for key in SHAPE_KEYS if self.model.init_from == SCRATCH else ():
+            _require(getattr(self.model, key) is not None, f"model.{key}",
+                     "needs a value to build a model from scratch (a model preset sets it, e.g. model=tiny), "
+                     "or weights to take it from (model.init_from=gpt2)")
         ck = self.checkpointing
         if ck.policy == CheckpointPolicy.every_k and self.model.n_layer is not None:  # else once init_from's is known
             _require(1 <= ck.every_k <= self.model.n_layer, "checkpointing.every_k",
@@ -432,10 +434,6 @@ CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 def register_configs() -> None:
     """Make the dataclasses the schema Hydra validates `configs/` against."""
     ConfigStore.instance().store(name="config_schema", node=Config)
-
-
-def _is_list(hint) -> bool:
-    return get_origin(hint) in (list, List) or any(_is_list(a) for a in get_args(hint))
 
 
 def _schema_keys(schema: type = Config, prefix: str = "") -> list[str]:
@@ -483,75 +481,78 @@ def _hydras_own(key: str) -> bool:
     return not key or "/" in key or "@" in key or key.split(".")[0] == "hydra"
 
 
-def check_override_keys(overrides: list[str]) -> None:
-    """Each `key=value` of the command line must name a setting of the typed config: an unknown one raises
-    ConfigError naming the closest settings (Hydra's own message, written for untyped configs, advises a `+`
-    that the schema would refuse as well). Only the key, the part before the first `=`, is read, so sweeps,
-    quoting and interpolations in values pass untouched; group options (`model=gpt2-124m`), `hydra.*`, group
-    paths (`hydra/launcher=...`), packages (`@`) and deletions (`~key`) are left to Hydra. A plain word given to
-    a setting of fixed choices (trainer.device=CPU), or as a group's option (precision=fp64), must be one of
-    them: the same one line as the other checks, where Hydra's message takes six or more and exits 1."""
-    for key, value in filter(None, map(_key_and_value, overrides)):
-        parts = key.split(".")
-        if _hydras_own(key):
-            continue
-        schema = Config
-        for i, part in enumerate(parts):
-            hints = get_type_hints(schema)
-            where = ".".join(parts[:i])
-            if part not in hints:
-                what = f"a setting of {where}" if where else "a setting or config group"
-                raise ConfigError(f"{'.'.join(parts[:i + 1])} is not {what}; "
-                                  f"{_did_you_mean('.'.join(parts[:i + 1]), list(hints))}")
-            if len(parts) == 1 and is_dataclass(hints[part]):  # a group's option: model=gpt2-124m
-                options = tuple(sorted(yaml.stem for yaml in (CONFIG_DIR / part).glob("*.yaml")))
-                if options and re.fullmatch(r"[\w.-]+", value) and value not in options:
-                    raise ConfigError(f"{part}: one of {options} (configs/{part}/), got {value!r}")
-                break
-            if is_dataclass(hints[part]):
-                schema = hints[part]
-                continue
-            if i + 1 < len(parts) and not _is_list(hints[part]):  # a list takes an index: optimizer.betas.0=0.9
-                raise ConfigError(f"{key} is not a setting: {'.'.join(parts[:i + 1])} takes a value, not settings "
-                                  "under it")
-            choices = next((t for t in (hints[part], *get_args(hints[part]))
-                            if isinstance(t, type) and issubclass(t, Enum)), None)
-            if choices is not None and value.isidentifier() and value != "null" and value not in choices.__members__:
-                raise ConfigError(f"{key}: one of {tuple(choices.__members__)}, got {value!r}")
-            break
+_KEY_ONLY = "${_}"  # an interpolation: OmegaConf takes it for any setting, so only the key is checked
 
 
-def check_override_values(overrides: list[str]) -> None:
-    """Each value given to a setting on the command line must have the setting's type (trainer.max_steps=lots,
-    model.bias=maybe): ConfigError naming the key, where Hydra's message for it takes five lines and exits 1.
-    A sweep's values are checked one by one, so a bad one stops the sweep before its first cell. This is the
-    same check Hydra makes when it composes (OmegaConf's, against the same schema), made earlier; values with
-    interpolations, range and interval sweeps, group options and `hydra.*` are left to Hydra."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
+def _values(parser, override: str, value: str) -> list:
+    """The values an override gives its key, parsed as Hydra will (each of a sweep's); where Hydra resolves or
+    expands them later (interpolations, ranges, intervals) or cannot parse them (it says so itself), the key only."""
     from hydra.core.override_parser.types import ChoiceSweep
     from hydra.errors import HydraException
-    from omegaconf.errors import ValidationError
+
+    if "${" in value:
+        return [_KEY_ONLY]
+    try:
+        parsed = parser.parse_override(override)
+    except HydraException:
+        return [_KEY_ONLY]
+    if isinstance(parsed.value(), ChoiceSweep):
+        return parsed.value().list
+    return [_KEY_ONLY] if parsed.is_sweep_override() else [parsed.value()]
+
+
+def _choices(key: str) -> Optional[tuple[str, ...]]:
+    """The names of a setting's fixed choices (its Enum), None for any other setting."""
+    hint = Config
+    for part in key.split("."):
+        hint = get_type_hints(hint).get(part) if is_dataclass(hint) else None
+    enum = next((t for t in (hint, *get_args(hint)) if isinstance(t, type) and issubclass(t, Enum)), None)
+    return tuple(enum.__members__) if enum is not None else None
+
+
+def _one_line(key: str, value, e: Exception) -> str:
+    """OmegaConf's error for `key=value` as the one line the user reads."""
+    from omegaconf.errors import ConfigAttributeError, ConfigKeyError, ValidationError
+
+    where = (getattr(e, "full_key", None) or key).split("[")[0]
+    if isinstance(e, (ConfigAttributeError, ConfigKeyError)):  # no such setting
+        parent = where.rpartition(".")[0]
+        siblings = [k.rpartition(".")[2] for k in _schema_keys() if k.rpartition(".")[0] == parent]
+        what = f"a setting of {parent}" if parent else "a setting or config group"
+        return f"{where} is not {what}; {_did_you_mean(where, siblings)}"
+    if isinstance(e, ValidationError) and key.startswith(where + "."):  # trainer.max_steps.x=1
+        return f"{key} is not a setting: {where} takes a value, not settings under it"
+    if isinstance(e, ValidationError) and (choices := _choices(key)) is not None:
+        return f"{key}: one of {choices}, got {value!r}"
+    return f"{key}: {str(e).strip().splitlines()[0]}"
+
+
+def check_overrides(overrides: list[str]) -> None:
+    """The command line against the typed config, before Hydra reads it: each `key=value` goes through OmegaConf's
+    own validation (what Hydra runs when it composes) and what it refuses is raised as a ConfigError in one line:
+    an unknown key with the settings it is closest to (Hydra's message, written for untyped configs, advises a `+`
+    the schema refuses as well), a value of the wrong type, a word outside a setting's choices (Hydra's messages
+    take five lines or more and exit 1). A sweep's values are checked one by one, so a bad one stops the sweep
+    before its first cell. A group's option (`precision=fp64`) must be one of its files in configs/. Left to Hydra:
+    `hydra.*`, group paths (`hydra/launcher=...`), packages (`@`), deletions (`~key`), what it cannot parse."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf.errors import OmegaConfBaseException
 
     schema, parser = OmegaConf.structured(Config), OverridesParser.create()
     for override in overrides:
         key, value = _key_and_value(override) or ("", "")
-        if _hydras_own(key) or "." not in key or "${" in value:  # no dot: a group's option (model=tiny)
+        if _hydras_own(key):
             continue
-        try:
-            parsed = parser.parse_override(override)
-        except HydraException:  # malformed: Hydra says so itself
+        if key in schema and "." not in key:  # a group's option: model=gpt2-124m
+            options = tuple(sorted(yaml.stem for yaml in (CONFIG_DIR / key).glob("*.yaml")))
+            if re.fullmatch(r"[\w.-]+", value) and value not in options:
+                raise ConfigError(f"{key}: one of {options} (configs/{key}/), got {value!r}")
             continue
-        if isinstance(parsed.value(), ChoiceSweep):
-            values = parsed.value().list
-        elif parsed.is_sweep_override():
-            continue
-        else:
-            values = [parsed.value()]
-        for one in values:
+        for one in _values(parser, override, value):
             try:
                 OmegaConf.update(schema, key, one, merge=True)
-            except ValidationError as e:
-                raise ConfigError(f"{key}: {str(e).splitlines()[0]}") from None
+            except (OmegaConfBaseException, ValueError) as e:  # ValueError: a list index that is not a number
+                raise ConfigError(_one_line(key, one, e)) from None
 
 
 def _cannot_make(path: Path) -> Optional[OSError]:
@@ -608,15 +609,14 @@ def with_pretrained_preset(overrides: list[str]) -> list[str]:
 
 def command_line(argv: list[str]) -> list[str]:
     """scripts/train.py's arguments, checked and completed before Hydra reads them: an unknown key or a value
-    of the wrong type raises ConfigError (check_override_keys, check_override_values), as does a run dir that
+    of the wrong type raises ConfigError (check_overrides), as does a run dir that
     cannot be made (_require_makeable_hydra_dir); model.init_from without a model preset gets model=pretrained
     (with_pretrained_preset). A single run given trainer.out_dir=X (and no hydra.run.dir) gets hydra.run.dir=X
     too: Hydra makes its run dir before any code of ours runs, so the default runs/<date>/<time>/ would be left
     behind empty, and the wandb run's name, which reads Hydra's run dir, would name it. A -m sweep given one fixed
     trainer.out_dir raises: every cell would write to that one directory, and each after the first would refuse
     to overwrite the first's checkpoints."""
-    check_override_keys(argv)
-    check_override_values(argv)
+    check_overrides(argv)
     argv = with_pretrained_preset(argv)
     keys = {kv[0]: a for a in argv if (kv := _key_and_value(a))}
     multirun = any(a in ("-m", "--multirun") or a.startswith("hydra.mode=") for a in argv)
@@ -668,8 +668,7 @@ def resolve_data(overrides: list[str]) -> DataConfig:
     need the data only (prepare_data.py, eval.py), which thus take train.py's command line as it is."""
     from hydra.errors import OverrideParseException
 
-    check_override_keys(overrides)
-    check_override_values(overrides)
+    check_overrides(overrides)
     try:
         data = compose_config(overrides).data
     except OverrideParseException as e:  # e.g. an unquoted ~, which Hydra's grammar does not allow in a value

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import math
-import warnings
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -23,8 +22,8 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from . import resume
-from .config import DataConfig, ModelConfig
+from .checkpoint import JOB_INFO, CheckpointError, locate, read_part
+from .config import DataConfig, ModelConfig, error_reason
 from .data import DataError, TokenData, TokenStream, prepare_data
 from .data.corpus import hub_quietly
 from .model import GPT
@@ -207,40 +206,20 @@ class SavedRun:
         return str(self.run_dir) if self.run_dir and (self.run_dir / "tokenizer.json").is_file() else None
 
 
-def _checkpoint_path(checkpoint: str) -> Path:
-    path = Path(checkpoint).expanduser()
-    if path.is_dir() and not (path / ".metadata").exists():  # a run dir or its checkpoints dir
-        folder = resume.checkpoint_dir(path) if resume.checkpoint_dir(path).is_dir() else path
-        found = [p for p in (folder / resume.LATEST, folder / resume.LATEST_SHARDED) if p.exists()]
-        if not found:
-            raise resume.CheckpointError(f"{checkpoint}: no checkpoint in it (checkpoints/{resume.LATEST} or "
-                                         f"checkpoints/{resume.LATEST_SHARDED}/)")
-        return found[0]
-    if not path.exists():
-        raise resume.CheckpointError(f"{checkpoint}: no such run dir or checkpoint")
-    return path
-
-
 def _saved_state(path: Path) -> tuple[dict, dict, int]:
-    """(model state_dict, config, step) of a checkpoint file or a torchrun job's checkpoint directory."""
-    if path.is_file():
-        state = resume.load(path, torch.device("cpu"))
-        return state["model"], state["config"], state["progress"]["step"]
-    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
-
+    """(model state_dict, config, step) of a checkpoint, whatever the world size that saved it, read whole in this
+    one process."""
     try:
-        info = json.loads((path / resume.JOB_INFO).read_text())
-        with warnings.catch_warnings():  # that it reads the shards in one process, which is the point here
-            warnings.filterwarnings("ignore", "torch.distributed is unavailable or uninitialized")
-            state = _load_state_dict_from_keys({"model", "progress_rank0"}, checkpoint_id=str(path))
+        config = json.loads((path / JOB_INFO).read_text())["config"]
+        weights, progress = read_part(path, "model"), read_part(path, "progress_rank0")
     except Exception as e:  # a torn or foreign directory
-        raise resume.CheckpointError(f"{path} could not be read ({type(e).__name__}: {e})") from None
-    return state["model"], info["config"], state["progress_rank0"]["step"]
+        raise CheckpointError(f"{path} could not be read ({error_reason(e)})") from None
+    return weights, config, progress["step"]
 
 
 def load_run(checkpoint: str, device: torch.device) -> SavedRun:
     """The model a checkpoint holds, in its run's precision on `device`, in eval mode."""
-    path = _checkpoint_path(checkpoint)
+    path = locate(Path(checkpoint).expanduser())
     weights, config, step = _saved_state(path)
     model_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), config["model"]))
     model = GPT(replace(model_cfg, vocab_size=config["plan"]["vocab_size"]))

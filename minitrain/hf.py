@@ -265,12 +265,12 @@ class Weights:
 
 
 def open_weights(source: str, tokenizer: str | None = None) -> Weights:
-    """A run dir, a checkpoint (latest.pt or a sharded checkpoint dir), or Hugging Face GPT-2 weights (a
-    directory or a name); `tokenizer` (a name or directory) for a run that kept none beside its checkpoints."""
-    from .resume import checkpoint_dir
+    """A run dir, a checkpoint (its checkpoints/latest/ or another), or Hugging Face GPT-2 weights (a directory or
+    a name); `tokenizer` (a name or directory) for a run that kept none beside its checkpoints."""
+    from .checkpoint import JOB_INFO, checkpoint_dir
 
     path = Path(source).expanduser()
-    if path.is_file() or (path / ".metadata").is_file() or checkpoint_dir(path).is_dir():
+    if (path / JOB_INFO).is_file() or (path / ".metadata").is_file() or checkpoint_dir(path).is_dir():
         return read_checkpoint(path, tokenizer)
     from .model import GPT
     from .tokenizer import pretrained_tokenizer
@@ -284,39 +284,24 @@ def open_weights(source: str, tokenizer: str | None = None) -> Weights:
     return Weights(cfg, model.state_dict(), pretrained_tokenizer(tokenizer or source), weights_path)
 
 
-def _checkpoint_in(path: Path) -> Path:
-    """The checkpoint a path names: itself (a file, a sharded dir), or the latest one of a run dir."""
-    from .resume import LATEST, LATEST_SHARDED, checkpoint_dir
-
-    if path.is_file() or (path / ".metadata").is_file():
-        return path
-    ckpts = checkpoint_dir(path) if checkpoint_dir(path).is_dir() else path
-    for candidate in (ckpts / LATEST, ckpts / LATEST_SHARDED):
-        if candidate.exists():
-            return candidate
-    raise SourceError(f"{path}: no checkpoint there (checkpoints/{LATEST} or checkpoints/{LATEST_SHARDED}/)")
-
-
 def read_checkpoint(path: Path, tokenizer: str | None = None) -> Weights:
-    """The model of a minitrain checkpoint: its config (shape and vocab as the run settled them), its weights,
-    and the run's tokenizer (saved beside checkpoints/ by the trainer), else `tokenizer`."""
+    """The model of a minitrain checkpoint: its config (shape and vocab as the run settled them), its weights
+    (whole, whatever the world size that saved them), and the run's tokenizer (saved beside checkpoints/ by the
+    trainer), else `tokenizer`."""
     from omegaconf import OmegaConf
 
-    from .resume import JOB_INFO, load
+    from .checkpoint import JOB_INFO, locate, read_part
     from .tokenizer import pretrained_tokenizer
 
-    ckpt = _checkpoint_in(path)
-    if ckpt.is_dir():
-        try:
-            config = json.loads((ckpt / JOB_INFO).read_text())["config"]
-        except (OSError, ValueError, KeyError) as e:
-            raise WeightsError(f"{ckpt / JOB_INFO} is unreadable ({error_reason(e)})") from None
-        state = _read_sharded_model(ckpt)
-    else:
-        saved = load(ckpt, torch.device("cpu"))
-        config, state = saved.get("config"), saved.get("model")
-        if not isinstance(config, dict) or not isinstance(state, dict):
-            raise WeightsError(f"{ckpt} is not a minitrain checkpoint (no model or config in it)")
+    ckpt = locate(path)
+    try:
+        config = json.loads((ckpt / JOB_INFO).read_text())["config"]
+    except (OSError, ValueError, KeyError) as e:
+        raise WeightsError(f"{ckpt / JOB_INFO} is unreadable ({error_reason(e)})") from None
+    try:
+        state = read_part(ckpt, "model")
+    except Exception as e:  # CheckpointException, a torn shard's OSError or pickle error
+        raise WeightsError(f"{ckpt} could not be read ({error_reason(e)})") from None
     try:
         cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), config["model"]))
         cfg = replace(cfg, vocab_size=config["plan"]["vocab_size"])
@@ -328,24 +313,6 @@ def read_checkpoint(path: Path, tokenizer: str | None = None) -> Weights:
                           "it was trained with (--tokenizer gpt2, or the data cache's directory)")
     tok = pretrained_tokenizer(tokenizer or str(run_tokenizer.parent))
     return Weights(cfg, {k: v.cpu() for k, v in state.items()}, tok, ckpt)
-
-
-def _read_sharded_model(ckpt: Path) -> dict[str, torch.Tensor]:
-    """The model's tensors of a torch.distributed.checkpoint directory, whole, read in this one process."""
-    import warnings
-
-    import torch.distributed.checkpoint as dcp
-
-    try:
-        meta = dcp.FileSystemReader(str(ckpt)).read_metadata().state_dict_metadata
-        state = {k.removeprefix("model."): torch.empty(m.size, dtype=m.properties.dtype)
-                 for k, m in meta.items() if k.startswith("model.")}
-        with warnings.catch_warnings():  # "no process group": this process reads every shard itself, as asked
-            warnings.simplefilter("ignore", UserWarning)
-            dcp.load({"model": state}, checkpoint_id=ckpt)
-    except Exception as e:  # CheckpointException, a torn shard's OSError or pickle error
-        raise WeightsError(f"{ckpt} could not be read ({error_reason(e)})") from None
-    return state
 
 
 def export(weights: Weights, out_dir: Path) -> list[Path]:

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from pathlib import Path
 from typing import Any, Optional
 
+from . import files
 from .config import ConfigError, LoggerConfig, LoggerMode, error_reason
 
 # Console columns: (key, label, format); a key absent from a record is left out of the line.
@@ -108,15 +108,7 @@ class RunLogger:
 
     def _rewrite(self, records: list[dict[str, Any]]) -> None:
         """Replace metrics.jsonl at once: a crash mid-rewrite leaves the old file, never half of one."""
-        tmp = self.jsonl.with_name(f"{self.jsonl.name}.tmp.{os.getpid()}")
-        try:
-            with open(tmp, "w") as f:
-                f.writelines(_json_line(r) for r in records)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, self.jsonl)
-        finally:
-            tmp.unlink(missing_ok=True)  # still there only when the rewrite failed
+        files.atomic_write(self.jsonl, "".join(map(_json_line, records)))
 
     def log_plan(self, plan: dict[str, Any]) -> None:
         """The run's resolved plan as metrics.jsonl's first line (replacing the plan of the run it resumes)

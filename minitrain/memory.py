@@ -32,7 +32,7 @@ from dataclasses import asdict, astuple, dataclass, field
 
 import torch
 
-from .checkpointing import recomputed_blocks
+from .recompute import recomputed_blocks
 from .config import CheckpointingConfig, CheckpointPolicy, DistributedConfig, KernelImpl, ModelConfig
 from .model import GPT
 from .ops.cross_entropy import DEFAULT_CHUNK_BYTES, fitting
@@ -172,7 +172,7 @@ def _block_bytes(cfg: ModelConfig, tokens: int, seq_len: int, r: int, a: int, st
 def _float8_block_delta(cfg: ModelConfig, float8_linears: tuple[str, ...], tokens: int, a: int, compiled: bool,
                         kind: str) -> int:
     """What a block of `kind` saves with float8 linears beyond its bf16 twin. Eager, torchao keeps each linear's
-    bf16 input, as a bf16 linear does; `selective` runs on torch's save tags then (checkpointing.apply_policy),
+    bf16 input, as a bf16 linear does; `selective` runs on torch's save tags then (recompute.apply_policy),
     which also keep mlp.c_proj's matmul output. Compiled, `selective` saves what bf16 does, a kept block less
     (_float8_saved_delta)."""
     if not float8_linears or kind == "recomputed":

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from .config import ModelConfig
 from .ops import gelu_tanh
 
-# How a block runs: plainly, or wrapped by an activation-recomputation policy (checkpointing.py).
+# How a block runs: plainly, or wrapped by an activation-recomputation policy (recompute.py).
 BlockRunner = Callable[[nn.Module, torch.Tensor], torch.Tensor]
 
 
@@ -154,7 +154,7 @@ class GPT(nn.Module):
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
-        # One runner per block; checkpointing.apply_policy swaps in recomputing ones.
+        # One runner per block; recompute.apply_policy swaps in recomputing ones.
         self.block_runners: list[BlockRunner] = [run_block] * cfg.n_layer
         self.apply(self._init_weights)
         # GPT-2: scale the residual projections by 1/sqrt(2 * n_layer) so the residual stream's

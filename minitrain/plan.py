@@ -21,7 +21,7 @@ import psutil
 import torch
 
 from . import fp8, memory
-from .checkpointing import recomputed_blocks
+from .recompute import recomputed_blocks
 from .config import SCRATCH, CheckpointingConfig, CheckpointPolicy, Config, ConfigError, DistributedMode, \
     Float8Recipe, KernelImpl, ModelConfig, OptimizerImpl
 from .memory import GB, MemoryEstimate

@@ -13,15 +13,15 @@ import torch
 from minitrain.config import ConfigError, resolve_data
 from minitrain.data import DataError
 from minitrain.evaluate import evaluate_checkpoint
-from minitrain.resume import RunDirError
+from minitrain.rundir import RunDirError
 
 USAGE_EXIT_CODE = 2
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 1)[1].strip())
-    ap.add_argument("checkpoint", help="a run dir (its latest checkpoint), a checkpoint file or a torchrun "
-                                       "job's checkpoint dir")
+    ap.add_argument("checkpoint", help="a run dir (its latest checkpoint) or a checkpoint directory "
+                                       "(checkpoints/latest/ or another), whatever the world size that saved it")
     ap.add_argument("overrides", nargs="*", help="data settings to evaluate on another corpus, as train.py takes "
                                                  "them (data=files data.paths='corpus/**/*.txt')")
     ap.add_argument("--val-tokens", type=int, default=None, help="the validation split's first N tokens "

@@ -1,6 +1,6 @@
 """Export a run to Hugging Face's GPT-2 layout: `python scripts/export_hf.py CHECKPOINT OUT_DIR`.
 
-CHECKPOINT: a run dir, its latest.pt, or a sharded checkpoint dir (checkpoints/latest/ of a ddp/fsdp run).
+CHECKPOINT: a run dir or a checkpoint directory (its checkpoints/latest/, whatever the world size that saved it).
 OUT_DIR gets config.json, model.safetensors and the run's tokenizer, which transformers loads as they are:
 GPT2LMHeadModel.from_pretrained(OUT_DIR), AutoTokenizer.from_pretrained(OUT_DIR).
 """
@@ -12,12 +12,12 @@ from pathlib import Path
 from minitrain.config import ConfigError
 from minitrain.data import DataError
 from minitrain.hf import export, open_weights
-from minitrain.resume import RunDirError
+from minitrain.rundir import RunDirError
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("checkpoint", help="run dir, latest.pt or sharded checkpoint dir")
+    p.add_argument("checkpoint", help="run dir or checkpoint dir")
     p.add_argument("out_dir", type=Path)
     p.add_argument("--tokenizer", help="for a run that kept no tokenizer.json: the name or directory it trained with")
     args = p.parse_args()

@@ -1,6 +1,6 @@
 """Sample from a GPT: `python scripts/sample.py SOURCE --prompt "def main(" --max-new-tokens 200`.
 
-SOURCE: a run dir, a checkpoint (latest.pt or a sharded checkpoint dir), or Hugging Face GPT-2 weights (a
+SOURCE: a run dir, a checkpoint directory (checkpoints/latest/ or another), or Hugging Face GPT-2 weights (a
 directory, or a name such as gpt2). bf16 on a GPU with the decode step compiled into CUDA graphs, fp32 on a CPU.
 """
 
@@ -14,7 +14,7 @@ from minitrain.config import ConfigError, KernelImpl
 from minitrain.data import DataError
 from minitrain.generate import GenerationError, Sampling, sample_texts
 from minitrain.hf import open_weights
-from minitrain.resume import RunDirError
+from minitrain.rundir import RunDirError
 
 
 def main() -> None:

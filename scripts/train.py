@@ -30,9 +30,11 @@ try:  # the imports take seconds (torch): a Ctrl-C in them ends in one line, not
     from minitrain.compile_check import CompileMismatchError
     from minitrain.config import ConfigError, command_line, register_configs
     from minitrain.data import DataError
-    from minitrain.resume import RunDirBusyError, RunDirError, remove_if_empty
+    from minitrain.rundir import RunDirBusyError, RunDirError, RunInfo, remove_if_empty
     from minitrain.sweep import FAILED_CELL_EXIT_CODE, stop_cells
-    from minitrain.trainer import NonFiniteLossError, RunInfo, TrainingInterrupted, train
+    from minitrain.divergence import NonFiniteLossError
+    from minitrain.interrupts import TrainingInterrupted
+    from minitrain.trainer import train
 
     register_configs()
 except KeyboardInterrupt:

@@ -110,3 +110,20 @@ def gpt2_corpus(tmp_path_factory) -> Path:
     for name in GPT2_TEXTS:
         (folder / f"{name}.txt").write_text((stdlib / name).read_text())
     return folder
+
+
+def saved_state(path, rank: int = 0) -> dict:
+    """A checkpoint directory read whole in this process: {part: state}, the parts stored per rank as `rank`'s."""
+    import re
+    import tempfile
+    import warnings
+
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp, warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "no process group": one process reads every shard, as meant
+        dcp_to_torch_save(path, f"{tmp}/state.pt")
+        state = torch.load(f"{tmp}/state.pt", weights_only=False)
+    own = f"_rank{rank}"
+    return {k.removesuffix(own): v for k, v in state.items() if not re.search(r"_rank\d+$", k) or k.endswith(own)}

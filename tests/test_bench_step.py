@@ -162,7 +162,7 @@ def test_the_profile_window_holds_the_steps_after_its_warm_up_only(make_cfg, mon
     monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)  # the window's last sync, on a CPU
     steps_run = []
     train_step = trainer.train_step
-    monkeypatch.setattr(trainer, "train_step", lambda s: steps_run.append(s) or train_step(s))
+    monkeypatch.setattr(trainer.parts, "train_step", lambda s: steps_run.append(s) or train_step(s))
     prof = profile.traced_steps(trainer, first=5, steps=3)
     trainer.close()
     assert steps_run == list(range(5, 5 + profile.PROFILE_WARMUP_STEPS + 3))

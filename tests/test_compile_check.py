@@ -13,7 +13,7 @@ from minitrain.trainer import Trainer
 def test_the_eager_loss_is_the_mean_over_the_steps_micro_batches(make_cfg):
     trainer = Trainer(make_cfg("trainer.micro_batch=2"), progress=False)  # batch 8 in 4 micro-batches, eager
     try:
-        eager = compile_check.eager_loss(trainer._forward_loss, trainer.train_batches, 3, trainer.plan.grad_accum,
+        eager = compile_check.eager_loss(trainer.eager_forward_loss, trainer.train_batches, 3, trainer.plan.grad_accum,
                                          trainer.dist)
         assert float(eager) == pytest.approx(float(trainer.train_step(3)), abs=1e-6)  # the same batches, same mean
     finally:
@@ -38,7 +38,7 @@ def test_a_compiled_step_that_computes_another_function_stops_the_run_at_once(ma
     trainer = Trainer(make_cfg("trainer.compile=true", "trainer.max_steps=3"), progress=False)
     steps = []
     real = trainer.train_step
-    monkeypatch.setattr(trainer, "train_step", lambda s: steps.append(s) or real(s))
+    monkeypatch.setattr(trainer.parts, "train_step", lambda s: steps.append(s) or real(s))
     with pytest.raises(CompileMismatchError, match="trainer.compile=false"):
         trainer.fit()
     assert steps == [0]

@@ -7,11 +7,11 @@ import shutil
 import subprocess
 import sys
 
-import filelock
 import numpy as np
 import pytest
 import torch
 
+from minitrain import files
 from minitrain.config import DataConfig, resolve_data
 from minitrain.data import Batches, DataError, TokenStream, prepare_data, shards, stdlib_files
 from minitrain.data import prepare as prepare_mod
@@ -186,7 +186,7 @@ def test_an_unusable_cache_is_rebuilt_saying_why(tmp_path, corrupt, reason):
     assert len(fresh.train.shards) >= 2  # the corruptions above have more than one shard to choose from
     fresh_train, fresh_val, fresh_vocab = fresh.train[:], fresh.val[:], fresh.tokenizer.get_vocab()
     corrupt(fresh.path)
-    (fresh.path.parent / (fresh.path.name + ".old")).mkdir()  # left by a publication that crashed
+    files.temp_path(fresh.path).mkdir()  # the cache set aside by a publication that crashed
     said.clear()
     again = prepare_data(cfg, block_size=16, progress=False, notify=said.append)
     assert str(fresh.path) in said[0] and reason in said[0], said
@@ -209,17 +209,17 @@ def test_a_cache_rebuilt_by_another_process_while_waiting_is_used(tmp_path, monk
     good = tmp_path / "good"
     shutil.copytree(fresh.path, good)
     _truncate(fresh.path)
-    real_acquire = filelock.FileLock.acquire
+    real_lock = prepare_mod.files.lock
 
-    def acquire_after_another_rebuild(self, *args, **kwargs):
+    def lock_after_another_rebuild(path, wait=True):
         shutil.rmtree(fresh.path)  # what the lock's holder does before it lets go
         shutil.copytree(good, fresh.path)
-        return real_acquire(self, *args, **kwargs)
+        return real_lock(path, wait)
 
     def fail(*a, **k):
         raise AssertionError("rebuilt a cache that another process had just rebuilt")
 
-    monkeypatch.setattr(filelock.FileLock, "acquire", acquire_after_another_rebuild)
+    monkeypatch.setattr(prepare_mod.files, "lock", lock_after_another_rebuild)
     monkeypatch.setattr(prepare_mod._Preparation, "run", fail)
     said = []
     again = prepare_data(cfg, block_size=16, progress=False, notify=said.append)

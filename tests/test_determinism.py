@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from minitrain import determinism, resume
+from minitrain import checkpoint, determinism
 from minitrain.ops.cross_entropy_triton import cross_entropy_rows
 
-from conftest import REPO
+from conftest import REPO, saved_state
 from test_trainer import assert_identical, deterministic, strict_records
 
 MAX_STEPS, LOG_EVERY, SAVE_EVERY = 30, 5, 10
@@ -136,7 +136,7 @@ def finish(process: subprocess.Popen, run_dir: Path) -> None:
 
 
 def final_state(run_dir: Path) -> dict:
-    return resume.load(resume.checkpoint_dir(run_dir) / resume.LATEST, torch.device("cpu"))
+    return saved_state(checkpoint.checkpoint_dir(run_dir) / checkpoint.LATEST)
 
 
 def assert_same_bits(a: Path, b: Path) -> None:

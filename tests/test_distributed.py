@@ -56,7 +56,7 @@ def run_job(trainer, job):
                 raise Crash
             return real_step(step)
 
-        trainer.train_step = step_then_crash
+        trainer.parts.train_step = step_then_crash
     if job.get("overflow_at") is not None:  # an inf in one gradient of rank 1's shard only
         real_opt_step = trainer.optimizer.step
 
@@ -106,6 +106,8 @@ def runs(data_cache, tmp_path_factory):
     root = tmp_path_factory.mktemp("dist")
     reference = Trainer(compose_config(overrides(data_cache, root / "single")), progress=False)  # builds the cache
     reference.fit()
+    crashing = Trainer(compose_config(overrides(data_cache, root / "from_single")), progress=False)
+    assert run_job(crashing, {"crash_at": 7}) == {"crashed_at": 7}  # its checkpoint of step 5, for ddp to resume
     fsdp = overrides(data_cache, root / "fsdp", "distributed=fsdp")
     jobs = {
         "ddp": {"overrides": overrides(data_cache, root / "ddp", "distributed=ddp", "trainer.micro_batch=2",
@@ -126,6 +128,10 @@ def runs(data_cache, tmp_path_factory):
                                                 "trainer.resume=auto")},
         "fsdp_fp16": {"overrides": overrides(data_cache, root / "fp16", "distributed=fsdp", "precision=fp16",
                                              "trainer.max_steps=4"), "overflow_at": 2},
+        # one checkpoint format for every world size: one process's resumed by two, two's by one (below)
+        "ddp_from_single": {"overrides": overrides(data_cache, root / "from_single", "distributed=ddp",
+                                                   "trainer.resume=auto")},
+        "fsdp_to_single": {"overrides": overrides(data_cache, root / "to_single", "distributed=fsdp"), "crash_at": 7},
     }
     ctx = mp.start_processes(worker, args=(free_port(), jobs, str(root)), nprocs=WORLD, join=False,
                              start_method="spawn")
@@ -137,6 +143,9 @@ def runs(data_cache, tmp_path_factory):
             p.kill()
         pytest.fail(f"the 2-process job did not finish in {TIMEOUT_S} s")
     reports = {f"{name}.{r}": torch.load(root / f"{name}.rank{r}.pt") for name in jobs for r in range(WORLD)}
+    resumed = Trainer(compose_config(overrides(data_cache, root / "to_single", "trainer.resume=auto")), progress=False)
+    resumed.fit()
+    reports["fsdp_to_single.resumed"] = {"params": full_params(resumed)}
     return root, reference, reports
 
 
@@ -173,6 +182,27 @@ def test_fsdp_resume_reproduces_the_uninterrupted_run(runs):
     for rank in range(WORLD):
         a, b = reports[f"fsdp.{rank}"]["params"], reports[f"fsdp_resumed.{rank}"]["params"]
         assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("run, saved_by", [("from_single", "1 process, this run has 2"),
+                                            ("to_single", "2 processes, this run has 1")])
+def test_a_checkpoint_resumes_under_another_world_size_within_rounding_of_the_unbroken_run(runs, run, saved_by):
+    """One process's checkpoint of step 5 resumed by ddp on two, and fsdp's on two resumed by one process: steps
+    6-10 sum the same global batch's gradients in another order, so they end within rounding of the unbroken run."""
+    root, reference, reports = runs
+    said = (root / run / "train.log").read_text()
+    assert "resumed from " in said and f"checkpoints/latest was saved by {saved_by}: the same global batch" in said
+    train_ref, val_ref = read_losses(root / "single")
+    train, val = read_losses(root / run)
+    assert len(train) == 10  # steps 1-5 logged by the start that saved, 6-10 by the one that resumed
+    torch.testing.assert_close(train, train_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(val, val_ref, rtol=1e-5, atol=1e-5)
+    ref = full_params(reference)
+    resumed = [reports[f"ddp_from_single.{r}"] for r in range(WORLD)] if run == "from_single" else \
+        [reports["fsdp_to_single.resumed"]]
+    for report in resumed:
+        for k in ref:
+            torch.testing.assert_close(report["params"][k], ref[k], rtol=1e-4, atol=1e-5, msg=k)
 
 
 def test_fp16_overflow_on_one_rank_skips_the_step_on_both(runs):

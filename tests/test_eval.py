@@ -144,7 +144,7 @@ def test_a_checkpoint_evaluated_twice_gives_identical_numbers(make_cfg, tmp_path
     assert results[0] == results[1]
     assert results[0]["step"] == 4 and results[0]["val/tokens"] == 4000 - 4000 % 64
     assert results[0]["hellaswag/examples"] == 4
-    same = evaluate_checkpoint(str(run / "checkpoints" / "latest.pt"), CPU, val_tokens=4000, progress=False)
+    same = evaluate_checkpoint(str(run / "checkpoints" / "latest"), CPU, val_tokens=4000, progress=False)
     assert same["val/loss"] == results[0]["val/loss"]
 
 

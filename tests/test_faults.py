@@ -5,7 +5,7 @@ scaler), the generator dropout draws from, and every deterministic metric in met
 logged once.
 
 The kills are aimed at what a checkpoint has to carry or a restart has to repair: a save in progress (its
-temporary left behind, or `latest.pt` already renamed away), a checkpoint taken between two log steps (a
+temporary left behind, or `latest` already renamed away), a checkpoint taken between two log steps (a
 loss sum in flight), records logged after the last checkpoint (to be dropped and logged again), and under
 fp16 a loss scaler part-way to its next growth. The test checks that these happened, and that every
 restart resumed from the checkpoint the kill left: a run that silently started over would also end equal.
@@ -29,10 +29,11 @@ from typing import Callable, Optional
 
 import pytest
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
-from minitrain import resume
+from minitrain import checkpoint
 
-from conftest import REPO
+from conftest import REPO, saved_state
 from test_trainer import assert_identical, deterministic, strict_records
 
 pytestmark = pytest.mark.skipif(not hasattr(os, "pidfd_open"), reason="kills through pidfds (Linux)")
@@ -146,7 +147,7 @@ def console_path(run_dir: Path) -> Path:
 
 
 def temporaries(run_dir: Path) -> set[str]:
-    ckpts = resume.checkpoint_dir(run_dir)
+    ckpts = checkpoint.checkpoint_dir(run_dir)
     return {p.name for p in ckpts.iterdir() if ".tmp" in p.name} if ckpts.is_dir() else set()
 
 
@@ -163,11 +164,11 @@ def last_logged_step(run_dir: Path) -> int:
 
 
 def checkpoint_to_resume(run_dir: Path) -> tuple[Optional[str], Optional[dict]]:
-    """What resume=auto must load next: latest.pt, or previous.pt when a kill fell between a save's renames."""
-    for name in (resume.LATEST, resume.PREVIOUS):
-        path = resume.checkpoint_dir(run_dir) / name
+    """What resume=auto must load next: latest, or previous when a kill fell between a save's renames."""
+    for name in (checkpoint.LATEST, checkpoint.PREVIOUS):
+        path = checkpoint.checkpoint_dir(run_dir) / name
         if path.exists():
-            return name, resume.load(path, torch.device("cpu"))
+            return name, saved_state(path)
     return None, None
 
 
@@ -177,25 +178,25 @@ def file_identity(stat: os.stat_result) -> tuple[int, int]:
 
 
 def published_progress(latest: Path, seen: list[tuple[int, int]]) -> Optional[dict]:
-    """The progress part of a latest.pt published since the files in `seen` (then appended), else None.
-    Read through one descriptor: a save renaming it away meanwhile changes nothing."""
+    """The progress part of a latest checkpoint published since the ones in `seen` (then appended), else None (also
+    when a save renames it away while it is read)."""
     try:
-        with open(latest, "rb") as f:
-            identity = file_identity(os.fstat(f.fileno()))
-            if identity in seen:
-                return None
-            seen.append(identity)
-            return torch.load(f, map_location="cpu", weights_only=False)["progress"]
-    except FileNotFoundError:  # between a save's renames
+        identity = file_identity(latest.stat())
+        if identity in seen:
+            return None
+        progress = checkpoint.read_part(latest, "progress_rank0")
+    except (OSError, CheckpointException):  # between a save's renames
         return None
+    seen.append(identity)
+    return progress
 
 
 def kill_trigger(aim: Optional[str], run_dir: Path, resume_step: int, delay_s: float,
                  max_steps: int) -> Callable[[], bool]:
     """When to kill a start, by what the run dir shows.
 
-    save: a new checkpoint temporary appeared (the save is writing it). publish: latest.pt is gone while
-    previous.pt is there (between the save's two renames, an fsync apart). mid_window / at_log_step: a
+    save: a new checkpoint temporary appeared (the save is writing it). publish: latest is gone while
+    previous is there (between the save's two renames, an fsync apart). mid_window / at_log_step: a
     checkpoint was just published that holds a loss sum not yet logged / that was taken at a log step (its
     record must stay).
     delay: `delay_s` after the start first logs a step the killed start had not (its steps are under way), at
@@ -204,8 +205,8 @@ def kill_trigger(aim: Optional[str], run_dir: Path, resume_step: int, delay_s: f
     """
     if aim is None:
         return lambda: False
-    ckpts, before = resume.checkpoint_dir(run_dir), temporaries(run_dir)
-    latest, previous = ckpts / resume.LATEST, ckpts / resume.PREVIOUS
+    ckpts, before = checkpoint.checkpoint_dir(run_dir), temporaries(run_dir)
+    latest, previous = ckpts / checkpoint.LATEST, ckpts / checkpoint.PREVIOUS
     if aim == "save":
         return lambda: bool(temporaries(run_dir) - before)
     if aim == "publish":
@@ -243,7 +244,7 @@ class Kill:
 
     aim: str
     inside_save: bool  # a checkpoint temporary was left behind
-    latest_gone: bool  # killed between a save's renames: the next start must fall back to previous.pt
+    latest_gone: bool  # killed between a save's renames: the next start must fall back to previous
     resume_from: Optional[str]  # the checkpoint the next start must resume from
     resume_step: int  # its step (0: none yet)
     mid_window: bool  # it holds a loss sum of steps not yet logged
@@ -256,7 +257,7 @@ def observe(aim: str, run_dir: Path, temps_before: set[str]) -> Kill:
     name, state = checkpoint_to_resume(run_dir)
     step = state["progress"]["step"] if state is not None else 0
     scaler = state["optimizer"]["loss_scaler"] if state is not None else None
-    return Kill(aim, inside_save=bool(temporaries(run_dir) - temps_before), latest_gone=name == resume.PREVIOUS,
+    return Kill(aim, inside_save=bool(temporaries(run_dir) - temps_before), latest_gone=name == checkpoint.PREVIOUS,
                 resume_from=name, resume_step=step,
                 mid_window=state is not None and state["progress"]["steps_since_log"] > 0,
                 at_log_step=state is not None and state["progress"]["steps_since_log"] == 0,
@@ -296,7 +297,7 @@ def train_with_kills(server: TrainServer, args: list[str], run_dir: Path, aims: 
         said = log.read_bytes()[log_start:].decode() if log.exists() else ""
         if "minitrain: " in said:  # the start reached its loop, past the line saying where it resumed
             resumed = re.findall(r"resumed from (\S+) at step (\d+)", said)
-            path = resume.checkpoint_dir(run_dir) / expected.resume_from if resume_step else None
+            path = checkpoint.checkpoint_dir(run_dir) / expected.resume_from if resume_step else None
             assert resumed == ([(str(path), str(resume_step))] if resume_step else []), (expected, said)
         if code == 0:
             break
@@ -310,7 +311,7 @@ def train_with_kills(server: TrainServer, args: list[str], run_dir: Path, aims: 
 
 
 def assert_same_run(straight: Path, killed: Path, max_steps: int) -> None:
-    final = [resume.load(resume.checkpoint_dir(d) / resume.LATEST, torch.device("cpu")) for d in (straight, killed)]
+    final = [saved_state(checkpoint.checkpoint_dir(d) / checkpoint.LATEST) for d in (straight, killed)]
     assert final[0]["progress"]["step"] == max_steps
     for part in ("model", "optimizer", "progress"):
         assert_identical(final[0][part], final[1][part], part)
@@ -355,30 +356,31 @@ def test_killed_and_resumed_until_done_equals_an_unbroken_run(server, corpus, da
 
 # -- faults a user meets: each through the real scripts/train.py --------------------------------------
 def step_of(path: Path) -> int:
-    return resume.load(path, torch.device("cpu"))["progress"]["step"]
+    return checkpoint.read_part(path, "progress_rank0")["step"]
 
 
 def test_a_fallback_past_a_torn_latest_keeps_it_aside_and_previous_stays_the_checkpoint_that_loaded(
         server, corpus, data_cache, tmp_path):
-    """A save after the fallback must not rotate the torn latest.pt into previous.pt over the only good checkpoint:
+    """A save after the fallback must not rotate the torn latest into previous over the only good checkpoint:
     a kill between that save's renames would leave nothing to resume from."""
-    run_dir, ckpts = tmp_path / "run", resume.checkpoint_dir(tmp_path / "run")
+    run_dir, ckpts = tmp_path / "run", checkpoint.checkpoint_dir(tmp_path / "run")
     args = train_args(corpus, data_cache, 2 * SAVE_EVERY)
     assert server.wait(server.start(args, run_dir))[0] == 0
-    torn = (ckpts / resume.LATEST).read_bytes()[:1000]
-    (ckpts / resume.LATEST).write_bytes(torn)
+    for shard in (ckpts / checkpoint.LATEST).glob("*.distcp"):
+        shard.write_bytes(shard.read_bytes()[:1000])
+    torn = {p.name: p.read_bytes() for p in (ckpts / checkpoint.LATEST).iterdir()}
     code, _ = server.wait(server.start(args, run_dir))  # from step 3 to 6: one save
     assert code == 0, console_path(run_dir).read_text()[-3000:]
     said = (run_dir / "train.log").read_text()
-    [aside] = ckpts.glob(f"{resume.LATEST}{resume.UNUSABLE_MARK}*")
-    assert f"kept aside as checkpoints/{aside.name}; resumed from checkpoints/{resume.PREVIOUS}" in said
-    assert aside.read_bytes() == torn
-    assert (step_of(ckpts / resume.LATEST), step_of(ckpts / resume.PREVIOUS)) == (2 * SAVE_EVERY, SAVE_EVERY)
+    [aside] = ckpts.glob(f"{checkpoint.LATEST}{checkpoint.UNUSABLE_MARK}*")
+    assert f"kept aside as checkpoints/{aside.name}; resumed from checkpoints/{checkpoint.PREVIOUS}" in said
+    assert {p.name: p.read_bytes() for p in aside.iterdir()} == torn
+    assert (step_of(ckpts / checkpoint.LATEST), step_of(ckpts / checkpoint.PREVIOUS)) == (2 * SAVE_EVERY, SAVE_EVERY)
     code, _ = server.wait(server.start(train_args(corpus, data_cache, 3 * SAVE_EVERY), run_dir))
     assert code == 0, console_path(run_dir).read_text()[-3000:]  # a later start neither takes it nor removes it
-    assert (step_of(ckpts / resume.LATEST), step_of(ckpts / resume.PREVIOUS)) == (3 * SAVE_EVERY, 2 * SAVE_EVERY)
-    assert sorted(p.name for p in ckpts.iterdir()) == sorted([resume.LATEST, resume.PREVIOUS, aside.name])
-    assert aside.read_bytes() == torn
+    assert (step_of(ckpts / checkpoint.LATEST), step_of(ckpts / checkpoint.PREVIOUS)) == (3 * SAVE_EVERY, 2 * SAVE_EVERY)
+    assert sorted(p.name for p in ckpts.iterdir()) == sorted([checkpoint.LATEST, checkpoint.PREVIOUS, aside.name])
+    assert {p.name: p.read_bytes() for p in aside.iterdir()} == torn
 
 
 @pytest.mark.parametrize("argv, key, what", [
@@ -420,14 +422,15 @@ def test_a_run_dir_on_a_read_only_filesystem_is_refused_naming_it(tmp_path, monk
 # The disk fills at the `fail_at`-th save: from then on every write of a checkpoint goes to /dev/full, which fails
 # it with the kernel's ENOSPC, as a full disk does.
 ON_A_FULL_DISK = """
-import os, runpy, sys, torch
-real_save, saves = torch.save, []
-def on_a_full_disk(obj, f, *args, **kwargs):
-    saves.append(1)
-    if len(saves) >= {fail_at}:
-        os.dup2(os.open("/dev/full", os.O_WRONLY), f.fileno())
-    return real_save(obj, f, *args, **kwargs)
-torch.save = on_a_full_disk
+import contextlib, runpy, sys
+from torch.distributed.checkpoint.filesystem import FileSystem
+real_stream, saves = FileSystem.create_stream, []
+@contextlib.contextmanager
+def on_a_full_disk(self, path, mode):
+    full = str(path).endswith(".distcp") and "w" in mode and (saves.append(1) or len(saves) >= {fail_at})
+    with (open("/dev/full", mode) if full else real_stream(self, path, mode)) as f:
+        yield f
+FileSystem.create_stream = on_a_full_disk
 sys.argv = ["train.py", *{args!r}]
 runpy.run_path({script!r}, run_name="__main__")
 """
@@ -437,24 +440,25 @@ runpy.run_path({script!r}, run_name="__main__")
 def test_a_full_disk_stops_the_run_saying_so_and_how_much_room_a_save_needs(server, corpus, data_cache, tmp_path):
     """The third save (step 9) meets a full disk: one line that says so, exit 2, the checkpoints of steps 6 and 3
     intact and no temporary; once there is room, resume=auto goes on from step 6 as if nothing happened."""
-    run_dir, ckpts = tmp_path / "run", resume.checkpoint_dir(tmp_path / "run")
+    run_dir, ckpts = tmp_path / "run", checkpoint.checkpoint_dir(tmp_path / "run")
     args = [*train_args(corpus, data_cache, 4 * SAVE_EVERY), f"hydra.run.dir={run_dir}"]
     script = ON_A_FULL_DISK.format(fail_at=3, args=args, script=str(REPO / "scripts" / "train.py"))
     out = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                          env=checkout_env())
     assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
-    size = (ckpts / resume.LATEST).stat().st_size
+    size = sum(p.stat().st_size for p in (ckpts / checkpoint.LATEST).iterdir())
     needed = re.search(r"^error: could not write a checkpoint into (\S+): the disk is full \(\d[\d.]* [kMG]B free "
                        r"there; a checkpoint of this run needs about ([\d.]+) kB\); the checkpoints published before "
                        r"are untouched\. Free space there .*, then continue with trainer\.resume=auto$",
                        out.stderr.splitlines()[-1])
     assert needed and needed.group(1) == str(ckpts), out.stderr[-3000:]
-    assert float(needed.group(2)) * 1e3 == pytest.approx(size, rel=0.1)  # the tensors: nearly all of a checkpoint
-    assert (step_of(ckpts / resume.LATEST), step_of(ckpts / resume.PREVIOUS)) == (2 * SAVE_EVERY, SAVE_EVERY)
-    assert sorted(p.name for p in ckpts.iterdir()) == [resume.LATEST, resume.PREVIOUS]
+    # the tensors, and each one's record in the shard file (about 2 kB: a third of this tiny model's checkpoint)
+    assert 0.6 * size < float(needed.group(2)) * 1e3 <= size
+    assert (step_of(ckpts / checkpoint.LATEST), step_of(ckpts / checkpoint.PREVIOUS)) == (2 * SAVE_EVERY, SAVE_EVERY)
+    assert sorted(p.name for p in ckpts.iterdir()) == [checkpoint.LATEST, checkpoint.PREVIOUS]
     code, _ = server.wait(server.start(train_args(corpus, data_cache, 4 * SAVE_EVERY), run_dir))
     assert code == 0, console_path(run_dir).read_text()[-3000:]
-    assert f"resumed from {ckpts / resume.LATEST} at step {2 * SAVE_EVERY}" in (run_dir / "train.log").read_text()
+    assert f"resumed from {ckpts / checkpoint.LATEST} at step {2 * SAVE_EVERY}" in (run_dir / "train.log").read_text()
 
 
 def process_group_alive(pgid: int, grace_s: float) -> bool:

@@ -16,9 +16,8 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from minitrain import fp8, resume
+from minitrain import checkpoint, fp8
 from minitrain import plan as plan_module
-from minitrain.checkpointing import apply_policy
 from minitrain.config import CheckpointingConfig, CheckpointPolicy, ConfigError, Float8Recipe, KernelImpl, \
     ModelConfig, compose_config, resolve
 from minitrain.memory import GB, _float8_saved_delta, predict
@@ -28,6 +27,7 @@ from minitrain.optim import AdamW
 from minitrain.optim.dtensor import _is_float8_all_gather_weight
 from minitrain.plan import PlanError, make_plan
 from minitrain.precision import preset, resolve_precision
+from minitrain.recompute import apply_policy
 from minitrain.tools.benchmarks import fp8 as bench_fp8
 from minitrain.tools.live_bytes import LiveBytes
 from minitrain.tools.report import read_step_records
@@ -266,7 +266,8 @@ def test_eager_float8_steps_peak_where_the_model_says(policy, linears):
 def test_float8_all_gather_halves_the_gathered_weights_of_the_converted_linears():
     cfg = ModelConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304)
     kw = dict(world_size=2, sharded=True, fsdp_unit_blocks=2, float8_linears=GPT2_124M)
-    bf16, fp8_gather = (predict(cfg, FP8, CheckpointingConfig(), 16, 1024, "fused", None, float8_all_gather=g, **kw)
+    no_recompute = CheckpointingConfig(CheckpointPolicy.none)
+    bf16, fp8_gather = (predict(cfg, FP8, no_recompute, 16, 1024, "fused", None, float8_all_gather=g, **kw)
                         for g in (False, True))
     C = cfg.n_embd
     assert bf16.gathered - fp8_gather.gathered == 4 * (3 * C * C + 4 * C * C)  # 4 blocks' c_attn, c_fc: 2 -> 1 B
@@ -283,14 +284,14 @@ class Crash(Exception):
 
 
 def crash_at(trainer, step):
-    real_step = trainer.train_step
+    real_step = trainer.parts.train_step
 
     def step_then_crash(s):
         if s == step:
             raise Crash
         return real_step(s)
 
-    trainer.train_step = step_then_crash
+    trainer.parts.train_step = step_then_crash
 
 
 def test_an_fp8_run_trains_ordinary_bf16_parameters_as_bf16_does_and_resumes_bit_for_bit(make_cfg, tmp_path,
@@ -320,12 +321,12 @@ def test_an_fp8_run_trains_ordinary_bf16_parameters_as_bf16_does_and_resumes_bit
     resumed.fit()
     a, b = params(straight), params(resumed)
     assert all(torch.equal(a[k], b[k]) for k in a)
-    with pytest.raises(resume.CheckpointError, match=r"precision.float8: saved tensorwise, now none"):
+    with pytest.raises(checkpoint.CheckpointError, match=r"precision.float8: saved tensorwise, now none"):
         Trainer(make_cfg("precision=bf16", *overrides, f"trainer.out_dir={tmp_path / 'crashed'}",
                          "trainer.resume=auto"), progress=False)
     # torchao's filter, moved by an upgrade between the crash and the resume, would convert other linears
     monkeypatch.setattr(fp8, "float8_linears", lambda cfg, recipe: GPT2_124M)
-    with pytest.raises(resume.CheckpointError, match=r"plan.float8_linears: saved \['attn.c_attn', 'attn.c_proj', "):
+    with pytest.raises(checkpoint.CheckpointError, match=r"plan.float8_linears: saved \['attn.c_attn', 'attn.c_proj', "):
         Trainer(make_cfg("precision=fp8", *overrides, f"trainer.out_dir={tmp_path / 'crashed'}",
                          "trainer.max_steps=6", "trainer.resume=auto"), progress=False)
 

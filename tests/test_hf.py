@@ -110,7 +110,7 @@ def test_a_trained_checkpoint_round_trips_through_the_export(make_cfg, gpt2_corp
     trainer.fit()
     trained = hf.open_weights(str(tmp_path / "run"))
     assert trained.cfg.vocab_size == 320 and trained.cfg.head_vocab is None
-    assert trained.source == tmp_path / "run" / "checkpoints" / "latest.pt"
+    assert trained.source == tmp_path / "run" / "checkpoints" / "latest"
     assert hf.open_weights(str(trained.source)).state.keys() == trained.state.keys()  # the file itself
     hf.export(trained, tmp_path / "out")
     assert json.loads((tmp_path / "out" / "config.json").read_text())["vocab_size"] == 320
@@ -144,7 +144,7 @@ def test_a_fine_tune_starts_at_transformers_loss_and_resumes_bit_for_bit(make_cf
             raise RuntimeError("simulated crash after the step-3 checkpoint")
         return real_step(step)
 
-    monkeypatch.setattr(crashing, "train_step", step_then_crash)
+    monkeypatch.setattr(crashing.parts, "train_step", step_then_crash)
     with pytest.raises(RuntimeError, match="simulated"):
         crashing.fit()
     resumed = Trainer(finetune(make_cfg, hf_gpt2, gpt2_corpus, *overrides, f"trainer.out_dir={tmp_path / 'b'}",

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from minitrain.checkpointing import apply_policy
+from minitrain.recompute import apply_policy
 from dataclasses import replace
 
 from minitrain.config import CheckpointingConfig, CheckpointPolicy, DType, ModelConfig

@@ -5,15 +5,22 @@ import re
 import shutil
 import subprocess
 import sys
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
 
-from minitrain import distributed, resume
-from minitrain.resume import CheckpointError, RunDirBusyError, RunDirError
+from minitrain import checkpoint, distributed
+from minitrain import rundir
+from minitrain.checkpoint import CheckpointError
+from minitrain.parts import RandomState
+from minitrain.progress import Progress
+from minitrain.rundir import RunDirBusyError, RunDirError
 
 CPU = torch.device("cpu")
 CONFIG = {"trainer": {"lr": 0.001, "max_steps": 20}, "model": {"n_layer": 2}}
+PER_RANK = {"rng": RandomState.combine_ranks, "progress": Progress.combine_ranks}
 
 
 def state_at(step: int, config: dict = CONFIG) -> dict:
@@ -24,8 +31,13 @@ def template(config: dict = CONFIG) -> dict:
     return {"model": {"w": torch.zeros(4)}, "step": 0, "config": config}
 
 
-def saved_step(path) -> int:
-    return torch.load(path, weights_only=False)["step"]
+def saved_step(path, like: dict = None) -> int:
+    """The step of the checkpoint `path`, loaded into `like` (a state of its shape; template() by default)."""
+    return checkpoint.load_checkpoint(str(path), path.parent.parent, template=like or template()).state["step"]
+
+
+def contents(path) -> dict:
+    return {p.name: p.read_bytes() for p in sorted(path.iterdir())}
 
 
 def test_random_state_restores_every_generator(tmp_path):
@@ -33,16 +45,17 @@ def test_random_state_restores_every_generator(tmp_path):
 
     import numpy as np
 
-    saved = resume.RandomState().state_dict()
+    saved = RandomState().state_dict()
     draws = (random.random(), np.random.rand(), torch.rand(()).item())
-    resume.save_checkpoint({**state_at(1), "rng": saved}, tmp_path)
-    resume.RandomState().load_state_dict(torch.load(resume.checkpoint_dir(tmp_path) / resume.LATEST,
-                                                    weights_only=False)["rng"])
+    checkpoint.save_checkpoint({**state_at(1), "rng": saved}, tmp_path, per_rank=PER_RANK)
+    loaded = checkpoint.load_checkpoint("auto", tmp_path, template={**template(), "rng": RandomState().state_dict()},
+                                        per_rank=PER_RANK)
+    RandomState().load_state_dict(loaded.state["rng"])
     assert (random.random(), np.random.rand(), torch.rand(()).item()) == draws
 
 
 # -- the run-directory lock ---------------------------------------------------------------------------
-HOLDER = ("import sys\nfrom minitrain.resume import RunDirLock\nRunDirLock(sys.argv[1]).acquire()\n"
+HOLDER = ("import sys\nfrom minitrain.rundir import RunDirLock\nlock = RunDirLock(sys.argv[1])\nlock.acquire()\n"
           "print('locked', flush=True)\nsys.stdin.read()\n")
 
 
@@ -52,179 +65,168 @@ def test_a_second_process_is_refused_naming_the_holder_until_the_holder_is_kille
     try:
         assert holder.stdout.readline().strip() == "locked"
         with pytest.raises(RunDirBusyError) as busy:
-            resume.RunDirLock(tmp_path).acquire()
+            rundir.RunDirLock(tmp_path).acquire()
         message = str(busy.value)
         assert f"pid {holder.pid}" in message and str(tmp_path) in message and "hydra.run.dir=" in message
         assert isinstance(busy.value, RunDirError)
     finally:
         holder.kill()  # SIGKILL: no cleanup runs in the holder; the kernel drops its lock
         holder.wait()
-    with resume.RunDirLock(tmp_path) as lock:
-        assert json.loads(lock.path.read_text())["pid"] == os.getpid()
+    with rundir.RunDirLock(tmp_path) as lock:
+        assert json.loads(lock.holder.read_text())["pid"] == os.getpid()
 
 
 def test_the_lock_is_released_on_exit_and_excludes_a_second_holder_meanwhile(tmp_path):
     with pytest.raises(KeyError):
-        with resume.RunDirLock(tmp_path):
+        with rundir.RunDirLock(tmp_path):
             with pytest.raises(RunDirBusyError, match=f"pid {os.getpid()}"):
-                resume.RunDirLock(tmp_path).acquire()
+                rundir.RunDirLock(tmp_path).acquire()
             raise KeyError("the run failed")
-    lock = resume.RunDirLock(tmp_path)
+    lock = rundir.RunDirLock(tmp_path)
     lock.acquire()
     lock.release()
-    assert (tmp_path / resume.LOCK).read_text() == ""  # no pid of a finished holder left to mislead
+    assert (tmp_path / rundir.HOLDER).read_text() == ""  # no pid of a finished holder left to mislead
 
 
 def test_a_refused_run_removes_only_the_lock_file_it_made(tmp_path):
     """So that the empty dir of a run refused at start can go; a file that was there, and a finished run's, stay."""
-    lock = resume.RunDirLock(tmp_path / "new")
+    lock = rundir.RunDirLock(tmp_path / "new")
     lock.acquire()
     lock.release(remove_file=True)
     assert list((tmp_path / "new").iterdir()) == []
-    lock = resume.RunDirLock(tmp_path / "new")
+    lock = rundir.RunDirLock(tmp_path / "new")
     lock.acquire()
     lock.release()
-    again = resume.RunDirLock(tmp_path / "new")
+    again = rundir.RunDirLock(tmp_path / "new")
     again.acquire()
     again.release(remove_file=True)
-    assert (tmp_path / "new" / resume.LOCK).exists()
+    assert (tmp_path / "new" / rundir.LOCK).exists()
 
 
 def test_a_run_dir_that_cannot_be_made_or_written_names_trainer_out_dir(tmp_path):
     (tmp_path / "a-file").write_text("")
     with pytest.raises(RunDirError, match=r"trainer\.out_dir: cannot use .*a-file/run as the run dir"):
-        resume.RunDirLock(tmp_path / "a-file" / "run").acquire()
-    (tmp_path / "run" / resume.LOCK).mkdir(parents=True)  # the lock file cannot be opened for writing
+        rundir.RunDirLock(tmp_path / "a-file" / "run").acquire()
+    (tmp_path / "run" / rundir.LOCK).mkdir(parents=True)  # the lock file cannot be opened for writing
     with pytest.raises(RunDirError, match=r"trainer\.out_dir: cannot use .*run as the run dir"):
-        resume.RunDirLock(tmp_path / "run").acquire()
+        rundir.RunDirLock(tmp_path / "run").acquire()
 
 
 def test_taking_the_lock_removes_the_temporaries_of_dead_runs(tmp_path):
-    resume.save_checkpoint(state_at(1), tmp_path)
-    ckpts = resume.checkpoint_dir(tmp_path)
+    checkpoint.save_checkpoint(state_at(1), tmp_path)
+    ckpts = checkpoint.checkpoint_dir(tmp_path)
     (ckpts / "latest.pt.tmp.999.beef").write_bytes(b"half a checkpoint")
     (ckpts / "latest.tmp.999.beef").mkdir()
     (ckpts / "latest.tmp.999.beef" / "__0_0.distcp").write_bytes(b"a shard")
     (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
     (tmp_path / "metrics.jsonl.tmp.999").write_text('{"step": 1}\n')  # a log rewrite killed mid-way
-    with resume.RunDirLock(tmp_path):
-        assert sorted(p.name for p in ckpts.iterdir()) == [resume.LATEST]
+    with rundir.RunDirLock(tmp_path):
+        assert sorted(p.name for p in ckpts.iterdir()) == [checkpoint.LATEST]
         assert not list(tmp_path.glob("metrics.jsonl.tmp*")) and (tmp_path / "metrics.jsonl").exists()
 
 
 # -- saving: the last two kept, a crash anywhere recoverable ------------------------------------------
 def test_each_save_keeps_the_one_before_as_previous(tmp_path):
     for step in (1, 2, 3):
-        path = resume.save_checkpoint(state_at(step), tmp_path)
-    ckpts = resume.checkpoint_dir(tmp_path)
-    assert path == ckpts / resume.LATEST
-    assert (saved_step(ckpts / resume.LATEST), saved_step(ckpts / resume.PREVIOUS)) == (3, 2)
-    assert sorted(p.name for p in ckpts.iterdir()) == [resume.LATEST, resume.PREVIOUS]  # no temporary left
+        path = checkpoint.save_checkpoint(state_at(step), tmp_path)
+    ckpts = checkpoint.checkpoint_dir(tmp_path)
+    assert path == ckpts / checkpoint.LATEST
+    assert (saved_step(ckpts / checkpoint.LATEST), saved_step(ckpts / checkpoint.PREVIOUS)) == (3, 2)
+    assert sorted(p.name for p in ckpts.iterdir()) == [checkpoint.LATEST, checkpoint.PREVIOUS]  # no temporary left
 
 
-def test_a_failed_write_leaves_both_checkpoints_and_no_temporary(tmp_path, monkeypatch):
-    resume.save_checkpoint(state_at(1), tmp_path)
-    resume.save_checkpoint(state_at(2), tmp_path)
+def failing_writes(monkeypatch, error):
+    """Every shard write of torch.distributed.checkpoint raises `error` (made fresh for each)."""
+    from torch.distributed.checkpoint import FileSystemWriter
 
-    def io_error(obj, f):
-        f.write(b"PK\x03\x04 partial")
-        raise OSError(errno.EIO, "Input/output error")
+    def fail(self, *args, **kwargs):
+        raise error()
 
-    monkeypatch.setattr(torch, "save", io_error)
+    monkeypatch.setattr(FileSystemWriter, "write_data", fail)
+
+
+@pytest.mark.parametrize("group", [False, True], ids=["one-process", "process-group"])
+def test_a_failed_write_leaves_both_checkpoints_and_no_temporary(tmp_path, monkeypatch, group, request):
+    if group:
+        request.getfixturevalue("process_group")
+    checkpoint.save_checkpoint(state_at(1), tmp_path)
+    checkpoint.save_checkpoint(state_at(2), tmp_path)
+    failing_writes(monkeypatch, lambda: OSError(errno.EIO, "Input/output error"))
     with pytest.raises(CheckpointError, match=r"could not write a checkpoint into .*\(OSError: \[Errno 5\] "
                                               r"Input/output error\); the checkpoints published before are "
                                               r"untouched.*trainer.resume=auto"):
-        resume.save_checkpoint(state_at(3), tmp_path)
-    ckpts = resume.checkpoint_dir(tmp_path)
-    assert (saved_step(ckpts / resume.LATEST), saved_step(ckpts / resume.PREVIOUS)) == (2, 1)
-    assert sorted(p.name for p in ckpts.iterdir()) == [resume.LATEST, resume.PREVIOUS]
+        checkpoint.save_checkpoint(state_at(3), tmp_path)
+    ckpts = checkpoint.checkpoint_dir(tmp_path)
+    assert (saved_step(ckpts / checkpoint.LATEST), saved_step(ckpts / checkpoint.PREVIOUS)) == (2, 1)
+    assert sorted(p.name for p in ckpts.iterdir()) == [checkpoint.LATEST, checkpoint.PREVIOUS]
 
 
 def big_state(step: int) -> dict:
-    """A checkpoint of 2 MB of tensors: their bytes are nearly all of its file."""
+    """A checkpoint of 2 MB of tensors: their bytes are nearly all of its files."""
     return {"model": {"w": torch.full((400_000,), float(step)), "b": torch.zeros(100_000, dtype=torch.float16)},
             "step": step, "config": CONFIG}
 
 
 @pytest.mark.skipif(not os.path.exists("/dev/full"), reason="the kernel's full-disk device (Linux)")
 def test_a_full_disk_is_named_with_the_room_a_checkpoint_needs(tmp_path, monkeypatch):
-    """torch.save writing into the kernel's /dev/full, which fails every write with ENOSPC as a full disk does
-    (torch reports it as a RuntimeError of its own, the OSError only as its context)."""
-    resume.save_checkpoint(big_state(1), tmp_path)
-    resume.save_checkpoint(big_state(2), tmp_path)
-    ckpts, real_save = resume.checkpoint_dir(tmp_path), torch.save
-    size = (ckpts / resume.LATEST).stat().st_size
-    assert resume.state_bytes(big_state(3)) == 1_800_000 == pytest.approx(size, rel=0.01)
+    """The shards written into the kernel's /dev/full, which fails every write with ENOSPC as a full disk does."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
 
-    def on_a_full_disk(obj, f):
-        os.dup2(os.open("/dev/full", os.O_WRONLY), f.fileno())
-        real_save(obj, f)
+    checkpoint.save_checkpoint(big_state(1), tmp_path)
+    checkpoint.save_checkpoint(big_state(2), tmp_path)
+    ckpts, real_stream = checkpoint.checkpoint_dir(tmp_path), FileSystem.create_stream
+    size = sum(p.stat().st_size for p in (ckpts / checkpoint.LATEST).iterdir())
+    assert checkpoint.state_bytes(big_state(3)) == 1_800_000 == pytest.approx(size, rel=0.01)
 
-    monkeypatch.setattr(torch, "save", on_a_full_disk)
+    @contextmanager
+    def on_a_full_disk(self, path, mode):
+        if str(path).endswith(".distcp") and "w" in mode:
+            with open("/dev/full", mode) as f:
+                yield f
+        else:
+            with real_stream(self, path, mode) as f:
+                yield f
+
+    monkeypatch.setattr(FileSystem, "create_stream", on_a_full_disk)
     with pytest.raises(CheckpointError) as error:
-        resume.save_checkpoint(big_state(3), tmp_path)
+        checkpoint.save_checkpoint(big_state(3), tmp_path)
     message = re.sub(r"\(\d[\d.]* [GMk]B free", "(N free", str(error.value))  # others write on this disk meanwhile
     assert message == (f"could not write a checkpoint into {ckpts}: the disk is full (N free there; a checkpoint of "
                        "this run needs about 1.8 MB); the checkpoints published before are untouched. Free space "
                        "there (or move the run dir to a disk with room), then continue with trainer.resume=auto")
-    assert (saved_step(ckpts / resume.LATEST), saved_step(ckpts / resume.PREVIOUS)) == (2, 1)
-    assert sorted(p.name for p in ckpts.iterdir()) == [resume.LATEST, resume.PREVIOUS]
+    assert (saved_step(ckpts / checkpoint.LATEST, big_state(0)), saved_step(ckpts / checkpoint.PREVIOUS, big_state(0))) \
+        == (2, 1)
+    assert sorted(p.name for p in ckpts.iterdir()) == [checkpoint.LATEST, checkpoint.PREVIOUS]
 
 
-def test_a_full_disk_that_torch_reports_as_its_own_error_is_named_too(tmp_path, monkeypatch):
-    """On a disk that fills, the kernel takes part of a write and refuses the rest: torch.save raises a RuntimeError
-    of its own, the OSError only its context (what this fault's first report showed), and the file's close has
-    nothing left to fail on."""
-    def filling(obj, f):
+def test_a_full_disk_that_a_writer_reports_as_its_own_error_is_named_too(tmp_path, monkeypatch):
+    """On a disk that fills, the kernel takes part of a write and refuses the rest: a writer may raise a
+    RuntimeError of its own, the OSError only its context (what torch.save's first report of this fault showed)."""
+    def filling():
         try:
             raise OSError(errno.ENOSPC, "No space left on device")
         except OSError:
-            raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+            try:
+                raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+            except RuntimeError as e:
+                return e
 
-    monkeypatch.setattr(torch, "save", filling)
+    failing_writes(monkeypatch, filling)
     with pytest.raises(CheckpointError, match=r": the disk is full \(\d[\d.]* [kMG]B free there; a checkpoint of this "
                                               r"run needs about 1\.8 MB\)"):
-        resume.save_checkpoint(big_state(1), tmp_path)
+        checkpoint.save_checkpoint(big_state(1), tmp_path)
 
 
 def test_a_write_error_that_names_no_cause_on_a_disk_without_room_is_a_full_disk(tmp_path, monkeypatch):
-    """torch.save given a path reports ENOSPC as `basic_ios::clear: iostream error`: the room left tells."""
-    def unexplained(obj, f):
-        raise RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
-
-    monkeypatch.setattr(torch, "save", unexplained)
+    """A writer may report ENOSPC as `basic_ios::clear: iostream error`: the room left tells."""
+    failing_writes(monkeypatch, lambda: RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704"))
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 10**12 - 500_000, 500_000))
     with pytest.raises(CheckpointError, match=r": the disk is full \(500 kB free there; a checkpoint of this run needs "
                                               r"about 1\.8 MB\)"):
-        resume.save_checkpoint(big_state(1), tmp_path)
+        checkpoint.save_checkpoint(big_state(1), tmp_path)
     monkeypatch.setattr(shutil, "disk_usage", lambda path: shutil._ntuple_diskusage(10**12, 0, 10**12))
     with pytest.raises(CheckpointError, match=r"could not write a checkpoint into .* \(RuntimeError: \[enforce fail"):
-        resume.save_checkpoint(big_state(1), tmp_path)
-
-
-def test_a_sharded_save_that_cannot_be_written_says_so_and_leaves_both_checkpoints(tmp_path, monkeypatch,
-                                                                                   process_group):
-    from torch.distributed.checkpoint import FileSystemWriter
-
-    resume.save_sharded(state_at(1), tmp_path, rank=0, mode="ddp")
-    resume.save_sharded(state_at(2), tmp_path, rank=0, mode="ddp")
-
-    def disk_full(self, *args, **kwargs):
-        raise OSError(28, "No space left on device")
-
-    monkeypatch.setattr(FileSystemWriter, "write_data", disk_full)
-    with pytest.raises(CheckpointError, match=r"could not write a checkpoint into .*: the disk is full \(.* free "
-                                              r"there; a checkpoint of this run needs about 16 bytes\)"):
-        resume.save_sharded(state_at(3), tmp_path, rank=0, mode="ddp")
-    ckpts = resume.checkpoint_dir(tmp_path)
-    assert sorted(p.name for p in ckpts.iterdir()) == [resume.LATEST_SHARDED, resume.PREVIOUS_SHARDED]
-    assert resumed_step(tmp_path, is_sharded=True) == 2
-
-
-def test_temporary_names_differ_between_saves(tmp_path):
-    latest = resume.checkpoint_dir(tmp_path) / resume.LATEST
-    a, b = resume._temp_path(latest), resume._temp_path(latest)
-    assert a != b and str(os.getpid()) in a.name and resume._TEMP_MARK in a.name
+        checkpoint.save_checkpoint(big_state(1), tmp_path)
 
 
 class Crash(BaseException):
@@ -236,7 +238,9 @@ MUTATIONS = [(os, "replace"), (os, "rename"), (os, "unlink"), (os, "remove"), (s
 
 def save_with_crash(monkeypatch, save, crash_at: int) -> bool:
     """Run `save` with the process dying before its `crash_at`-th filesystem mutation (the write of
-    the checkpoint's bytes is mutation 0); True if it finished first."""
+    the checkpoint's shards is mutation 0); True if it finished first."""
+    from torch.distributed.checkpoint import FileSystemWriter
+
     done = [0]
 
     def dying(real):
@@ -247,37 +251,31 @@ def save_with_crash(monkeypatch, save, crash_at: int) -> bool:
             return real(*args, **kwargs)
         return op
 
-    real_save = torch.save
+    real_write = FileSystemWriter.write_data
 
-    def torn_save(obj, f, *args, **kwargs):
+    def torn_write(self, plan, planner):
         if crash_at == 0:
-            f.write(b"PK\x03\x04 torn")
+            path = getattr(self, "path", None) or self.fs.path  # the checkpoint's directory
+            (Path(str(path)) / "__0_0.distcp").write_bytes(b"torn")
             raise Crash()
         done[0] += 1
-        return real_save(obj, f, *args, **kwargs)
+        return real_write(self, plan, planner)
 
     with monkeypatch.context() as m:
         for module, name in MUTATIONS:
             m.setattr(module, name, dying(getattr(module, name)))
-        m.setattr(torch, "save", torn_save)
+        m.setattr(FileSystemWriter, "write_data", torn_write)
         try:
             save()
             return True
-        except (Crash, CheckpointError):  # the sharded save reports what its writer raised as a CheckpointError
+        except (Crash, CheckpointError):  # torch.distributed.checkpoint reports what its writer raised
             return False
 
 
-def single_process(out_dir, step):
-    resume.save_checkpoint(state_at(step), out_dir)
-
-
-def sharded(out_dir, step):
-    resume.save_sharded(state_at(step), out_dir, rank=0, mode="fsdp")
-
-
-@pytest.fixture(scope="module")
+@pytest.fixture
 def process_group(tmp_path_factory):
-    """A one-rank gloo group: torch.distributed.checkpoint's collectives run as under torchrun."""
+    """A one-rank gloo group: torch.distributed.checkpoint's collectives run as under torchrun (for one test: the
+    others run as one process without a group)."""
     import torch.distributed as dist
 
     store = tmp_path_factory.mktemp("store") / "store"
@@ -286,38 +284,46 @@ def process_group(tmp_path_factory):
     distributed.teardown()
 
 
-def resumed_step(out_dir, is_sharded: bool) -> int:
-    loaded = resume.load_checkpoint("auto", out_dir, CPU, template=template(), sharded=is_sharded)
+def resumed_step(out_dir) -> int:
+    loaded = checkpoint.load_checkpoint("auto", out_dir, template=template())
     assert torch.equal(loaded.state["model"]["w"], torch.full((4,), float(loaded.state["step"])))
     return loaded.state["step"]
 
 
-@pytest.mark.parametrize("save", [single_process, sharded])
+@pytest.mark.parametrize("group", [False, True], ids=["one-process", "process-group"])
 def test_a_crash_between_any_two_filesystem_operations_leaves_a_checkpoint_to_resume(tmp_path, monkeypatch,
-                                                                                      save, request):
+                                                                                      group, request):
     """Steps 1 and 2 saved, the save of step 3 killed at every point in turn: resume=auto must find step 2
     or 3, complete; before the publish begins both earlier checkpoints are untouched; then saving goes on."""
-    is_sharded = save is sharded
-    if is_sharded:
+    if group:
         request.getfixturevalue("process_group")
     crash_at, finished = 0, False
     while not finished:
         out_dir = tmp_path / f"crash{crash_at}"
-        save(out_dir, 1)
-        save(out_dir, 2)
-        finished = save_with_crash(monkeypatch, lambda: save(out_dir, 3), crash_at)
-        assert resumed_step(out_dir, is_sharded) in ((3,) if finished else (2, 3)), crash_at
+        checkpoint.save_checkpoint(state_at(1), out_dir)
+        checkpoint.save_checkpoint(state_at(2), out_dir)
+        finished = save_with_crash(monkeypatch, lambda: checkpoint.save_checkpoint(state_at(3), out_dir), crash_at)
+        assert resumed_step(out_dir) in ((3,) if finished else (2, 3)), crash_at
         if crash_at == 0:
-            names = (resume.LATEST_SHARDED, resume.PREVIOUS_SHARDED) if is_sharded else (resume.LATEST, resume.PREVIOUS)
-            both = [resume.load_checkpoint(str(resume.checkpoint_dir(out_dir) / n), out_dir, CPU, template=template(),
-                                           sharded=is_sharded) for n in names]
+            both = [checkpoint.load_checkpoint(str(checkpoint.checkpoint_dir(out_dir) / n), out_dir,
+                                               template=template()) for n in (checkpoint.LATEST, checkpoint.PREVIOUS)]
             assert [b.state["step"] for b in both] == [2, 1]
-        with resume.RunDirLock(out_dir):  # a restart: the dead save's temporaries go, the next save works
-            save(out_dir, 4)
-            assert resumed_step(out_dir, is_sharded) == 4
-            assert not list(resume.checkpoint_dir(out_dir).glob("*.tmp*"))
+        with rundir.RunDirLock(out_dir):  # a restart: the dead save's temporaries go, the next save works
+            checkpoint.save_checkpoint(state_at(4), out_dir)
+            assert resumed_step(out_dir) == 4
+            assert not list(checkpoint.checkpoint_dir(out_dir).glob("*.tmp*"))
         crash_at += 1
     assert crash_at >= 3  # the write and the two renames were each interrupted once
+
+
+def rank_state(value: float, rank: int) -> dict:
+    """A state whose parts differ by rank as a run's do: the RNG states and the running loss sums."""
+    progress = Progress(CPU)
+    progress.step, progress.steps_since_log = 3, 2
+    progress.loss_sum.fill_(value + 10 * rank)
+    progress.last_loss.fill_(value + 20 * rank)
+    return {"model": {"w": torch.full((4,), value)}, "rng": {"torch": torch.full((2,), value + rank)},
+            "progress": progress.state_dict(), "config": CONFIG}
 
 
 def _two_rank_worker(rank, out_dir, store):
@@ -325,213 +331,209 @@ def _two_rank_worker(rank, out_dir, store):
 
     dist.init_process_group("gloo", rank=rank, world_size=2, init_method=f"file://{store}")
     try:
-        def rank_state(value):
-            return {"model": {"w": torch.full((4,), value)}, "rng": {"torch": torch.full((2,), value + rank)},
-                    "progress": {"step": 3, "loss_sum": torch.tensor(value + 10 * rank)}, "config": CONFIG}
-
-        resume.save_sharded(rank_state(1.0), out_dir, rank, mode="ddp")
-        resume.save_sharded(rank_state(2.0), out_dir, rank, mode="ddp")
-        loaded = resume.load_checkpoint("auto", out_dir, CPU, template=rank_state(0.0), sharded=True, rank=rank)
+        save = dict(per_rank=PER_RANK, rank=rank, world_size=2, mode="ddp")
+        checkpoint.save_checkpoint(rank_state(1.0, rank), out_dir / "two", **save)
+        checkpoint.save_checkpoint(rank_state(2.0, rank), out_dir / "two", **save)
+        load = dict(per_rank=PER_RANK, rank=rank, world_size=2)
+        loaded = checkpoint.load_checkpoint("auto", out_dir / "two", template=rank_state(0.0, rank), **load)
         torch.save(loaded.state, out_dir / f"loaded.rank{rank}.pt")
+        from_one = checkpoint.load_checkpoint("auto", out_dir / "one", template=rank_state(0.0, rank), **load)
+        torch.save((from_one.state, from_one.notes), out_dir / f"from_one.rank{rank}.pt")
         distributed.teardown(finished=True)
     finally:
         distributed.teardown()
 
 
-def test_two_ranks_save_into_one_directory_and_each_gets_its_own_state_back(tmp_path):
+def test_a_checkpoint_of_two_ranks_resumes_in_two_or_in_one_and_one_of_one_in_two(tmp_path):
     """What differs by rank (RNG states, running loss sums) comes back to the rank that saved it; the
-    replicated weights to both; every rank writes into the one temporary directory rank 0 named."""
+    replicated weights to both; every rank writes into the one temporary directory rank 0 named. Another world
+    size merges the ranks' parts: the mean loss sums, rank 0's generators."""
     import torch.multiprocessing as mp
 
+    checkpoint.save_checkpoint(rank_state(5.0, 0), tmp_path / "one", per_rank=PER_RANK)
     mp.start_processes(_two_rank_worker, args=(tmp_path, tmp_path / "store"), nprocs=2, start_method="spawn")
     for rank in (0, 1):
         state = torch.load(tmp_path / f"loaded.rank{rank}.pt", weights_only=False)
         assert torch.equal(state["model"]["w"], torch.full((4,), 2.0))
         assert torch.equal(state["rng"]["torch"], torch.full((2,), 2.0 + rank))
         assert state["progress"]["loss_sum"].item() == 2.0 + 10 * rank and state["progress"]["step"] == 3
-    ckpts = resume.checkpoint_dir(tmp_path)
-    assert sorted(p.name for p in ckpts.iterdir()) == [resume.LATEST_SHARDED, resume.PREVIOUS_SHARDED]
-    assert json.loads((ckpts / resume.LATEST_SHARDED / resume.JOB_INFO).read_text())["world_size"] == 2
+        state, notes = torch.load(tmp_path / f"from_one.rank{rank}.pt", weights_only=False)
+        assert torch.equal(state["model"]["w"], torch.full((4,), 5.0))
+        assert torch.equal(state["rng"]["torch"], torch.full((2,), 5.0))
+        assert state["progress"]["loss_sum"].item() == 5.0 and state["progress"]["steps_since_log"] == 2
+        assert notes == ["checkpoints/latest was saved by 1 process, this run has 2: the same global batch, its "
+                         "gradients summed in another order (the losses differ by rounding)"]
+    ckpts = checkpoint.checkpoint_dir(tmp_path / "two")
+    assert sorted(p.name for p in ckpts.iterdir()) == [checkpoint.LATEST, checkpoint.PREVIOUS]
+    assert json.loads((ckpts / checkpoint.LATEST / checkpoint.JOB_INFO).read_text())["world_size"] == 2
+    one = checkpoint.load_checkpoint("auto", tmp_path / "two", template=rank_state(0.0, 0), per_rank=PER_RANK)
+    progress = one.state["progress"]
+    assert (progress["loss_sum"].item(), progress["last_loss"].item()) == (7.0, 12.0)  # the ranks' means
+    assert (progress["step"], progress["steps_since_log"]) == (3, 2)
+    assert torch.equal(one.state["rng"]["torch"], torch.full((2,), 2.0))  # rank 0's
 
 
-def test_a_sharded_save_records_the_job_beside_its_shards(tmp_path, process_group):
-    resume.save_sharded(state_at(5), tmp_path, rank=0, mode="ddp")
-    info = json.loads((resume.checkpoint_dir(tmp_path) / resume.LATEST_SHARDED / resume.JOB_INFO).read_text())
+def test_a_save_records_the_job_beside_its_shards(tmp_path, process_group):
+    checkpoint.save_checkpoint(state_at(5), tmp_path, world_size=1, mode="ddp")
+    info = json.loads((checkpoint.checkpoint_dir(tmp_path) / checkpoint.LATEST / checkpoint.JOB_INFO).read_text())
     assert info == {"world_size": 1, "mode": "ddp", "config": CONFIG}
 
 
 # -- loading: fallback, clear errors ------------------------------------------------------------------
 def two_checkpoints(out_dir, config: dict = CONFIG):
-    resume.save_checkpoint(state_at(1, config), out_dir)
-    resume.save_checkpoint(state_at(2, config), out_dir)
-    return resume.checkpoint_dir(out_dir) / resume.LATEST
+    checkpoint.save_checkpoint(state_at(1, config), out_dir)
+    checkpoint.save_checkpoint(state_at(2, config), out_dir)
+    return checkpoint.checkpoint_dir(out_dir) / checkpoint.LATEST
 
 
 def truncate(path):
-    data = path.read_bytes()
-    path.write_bytes(data[: len(data) // 2])
+    """Every shard of the checkpoint `path` cut to half."""
+    for shard in path.glob("*.distcp"):
+        data = shard.read_bytes()
+        shard.write_bytes(data[: len(data) // 2])
+
+
+def incomplete(path):
+    """A checkpoint without the model part in `path`'s place."""
+    other = path.parent.parent.parent / "other-run"
+    checkpoint.save_checkpoint({"step": 2, "config": CONFIG}, other)
+    shutil.rmtree(path)
+    os.replace(checkpoint.checkpoint_dir(other) / checkpoint.LATEST, path)
+
+
+def replace_by_a_file(path):
+    shutil.rmtree(path)
+    path.write_bytes(b"not a checkpoint, just text\n")
 
 
 @pytest.mark.parametrize("damage, reason", [
-    (truncate, "PytorchStreamReader failed reading zip archive"),
-    (lambda p: p.write_bytes(b"not a checkpoint, just text\n" * 10), "UnpicklingError"),
-    (lambda p: p.write_bytes(b""), "EOFError"),
-    (lambda p: torch.save({"step": 2}, p), "incomplete (no config, model)"),
-    (lambda p: torch.save([1, 2], p), "not a minitrain checkpoint"),
+    (truncate, "could not be loaded"),
+    (lambda p: (p / ".metadata").write_bytes(b"not a checkpoint, just text\n" * 10), "could not be loaded"),
+    (lambda p: (p / ".metadata").unlink(), "is incomplete (no .metadata: its save did not finish)"),
+    (lambda p: (p / checkpoint.JOB_INFO).write_text("{"), f"has no readable {checkpoint.JOB_INFO}"),
+    (incomplete, "could not be loaded (rank 0: RuntimeError: Missing key in checkpoint state_dict: model.w"),
+    (replace_by_a_file, "is not a checkpoint directory"),
 ])
 def test_auto_falls_back_past_a_bad_latest_with_a_note(tmp_path, damage, reason):
-    damage(two_checkpoints(tmp_path))
-    loaded = resume.load_checkpoint("auto", tmp_path, CPU, template=template())
-    assert loaded.state["step"] == 1 and loaded.path == resume.checkpoint_dir(tmp_path) / resume.PREVIOUS
+    damage(two_checkpoints(tmp_path / "run"))
+    loaded = checkpoint.load_checkpoint("auto", tmp_path / "run", template=template())
+    assert loaded.state["step"] == 1
+    assert loaded.path == checkpoint.checkpoint_dir(tmp_path / "run") / checkpoint.PREVIOUS
     assert len(loaded.notes) == 1
-    assert "checkpoints/latest.pt" in loaded.notes[0] and reason in loaded.notes[0]
-    assert re.search(r"; kept aside as checkpoints/latest\.pt\.unusable-\d{8}-\d{6}; resumed from "
-                     r"checkpoints/previous\.pt$", loaded.notes[0]), loaded.notes[0]
+    assert "checkpoints/latest " in loaded.notes[0] and reason in loaded.notes[0], loaded.notes[0]
+    assert re.search(r"; kept aside as checkpoints/latest\.unusable-\d{8}-\d{6}; resumed from "
+                     r"checkpoints/previous$", loaded.notes[0]), loaded.notes[0]
 
 
 def test_after_a_fallback_previous_stays_the_checkpoint_that_loaded_and_the_bad_one_is_kept_aside(tmp_path):
-    """The next saves must not rotate the unreadable latest.pt into previous.pt, over the only good checkpoint:
+    """The next saves must not rotate the unreadable latest into previous, over the only good checkpoint:
     a crash before the second save would leave nothing to resume from."""
     latest = two_checkpoints(tmp_path)
     truncate(latest)
-    torn = latest.read_bytes()
-    assert resumed_step(tmp_path, is_sharded=False) == 1
-    ckpts = resume.checkpoint_dir(tmp_path)
-    [aside] = ckpts.glob("latest.pt.unusable-*")
-    assert aside.read_bytes() == torn and sorted(p.name for p in ckpts.iterdir()) == [aside.name, resume.PREVIOUS]
-    assert resume.holds_checkpoint(tmp_path)
-    loaded = resume.load_checkpoint("auto", tmp_path, CPU, template=template())  # a crash before the next save
+    torn = contents(latest)
+    assert resumed_step(tmp_path) == 1
+    ckpts = checkpoint.checkpoint_dir(tmp_path)
+    [aside] = ckpts.glob("latest.unusable-*")
+    assert contents(aside) == torn and sorted(p.name for p in ckpts.iterdir()) == [aside.name, checkpoint.PREVIOUS]
+    assert checkpoint.holds_checkpoint(tmp_path)
+    loaded = checkpoint.load_checkpoint("auto", tmp_path, template=template())  # a crash before the next save
     assert loaded.state["step"] == 1 and loaded.notes[0].startswith(
-        f"checkpoints/latest.pt is absent (a save was interrupted, or it was kept aside as {aside.name}); resumed")
-    resume.save_checkpoint(state_at(2), tmp_path)
-    assert (saved_step(ckpts / resume.LATEST), saved_step(ckpts / resume.PREVIOUS)) == (2, 1)
-    with resume.RunDirLock(tmp_path):  # a restart: what it removes as a dead save's temporary, it must not be
-        assert aside.read_bytes() == torn
-    truncate(ckpts / resume.LATEST)  # and a second fallback finds the one that loaded
-    assert resumed_step(tmp_path, is_sharded=False) == 1
-    assert len(list(ckpts.glob("latest.pt.unusable-*"))) == 2
+        f"checkpoints/latest is absent (a save was interrupted, or it was kept aside as {aside.name}); resumed")
+    checkpoint.save_checkpoint(state_at(2), tmp_path)
+    assert (saved_step(ckpts / checkpoint.LATEST), saved_step(ckpts / checkpoint.PREVIOUS)) == (2, 1)
+    with rundir.RunDirLock(tmp_path):  # a restart: what it removes as a dead save's temporary, it must not be
+        assert contents(aside) == torn
+    truncate(ckpts / checkpoint.LATEST)  # and a second fallback finds the one that loaded
+    assert resumed_step(tmp_path) == 1
+    assert len(list(ckpts.glob("latest.unusable-*"))) == 2
 
 
 def test_a_fallback_in_another_runs_dir_leaves_that_dir_as_it_is(tmp_path):
     """This run saves into its own dir: the other run's files are not this run's to rename."""
     truncate(two_checkpoints(tmp_path / "old-run"))
-    before = sorted(p.name for p in resume.checkpoint_dir(tmp_path / "old-run").iterdir())
-    loaded = resume.load_checkpoint(str(tmp_path / "old-run"), tmp_path / "new-run", CPU, template=template())
+    before = sorted(p.name for p in checkpoint.checkpoint_dir(tmp_path / "old-run").iterdir())
+    loaded = checkpoint.load_checkpoint(str(tmp_path / "old-run"), tmp_path / "new-run", template=template())
     assert loaded.state["step"] == 1 and "kept aside" not in loaded.notes[0]
-    assert sorted(p.name for p in resume.checkpoint_dir(tmp_path / "old-run").iterdir()) == before
+    assert sorted(p.name for p in checkpoint.checkpoint_dir(tmp_path / "old-run").iterdir()) == before
 
 
 def test_auto_takes_previous_when_a_save_stopped_between_its_renames(tmp_path):
-    os.replace(two_checkpoints(tmp_path), resume.checkpoint_dir(tmp_path) / "latest.pt.tmp.1.ab")
-    loaded = resume.load_checkpoint("auto", tmp_path, CPU, template=template())
-    assert loaded.state["step"] == 1 and "checkpoints/latest.pt is absent" in loaded.notes[0]
+    os.replace(two_checkpoints(tmp_path), checkpoint.checkpoint_dir(tmp_path) / "latest.tmp.1.ab")
+    loaded = checkpoint.load_checkpoint("auto", tmp_path, template=template())
+    assert loaded.state["step"] == 1 and "checkpoints/latest is absent" in loaded.notes[0]
 
 
 def test_auto_names_every_bad_checkpoint_when_none_is_usable(tmp_path):
     latest = two_checkpoints(tmp_path)
     truncate(latest)
-    (latest.parent / resume.PREVIOUS).write_bytes(b"")
+    (latest.parent / checkpoint.PREVIOUS / ".metadata").write_bytes(b"")
     with pytest.raises(CheckpointError) as error:
-        resume.load_checkpoint("auto", tmp_path, CPU, template=template())
+        checkpoint.load_checkpoint("auto", tmp_path, template=template())
     message = str(error.value)
-    assert "checkpoints/latest.pt is unreadable (RuntimeError: PytorchStreamReader" in message
-    assert "checkpoints/previous.pt is unreadable (EOFError" in message
+    assert message.startswith("no usable checkpoint to resume from: checkpoints/latest could not be loaded (")
+    assert "; checkpoints/previous could not be loaded (" in message
 
 
 def test_a_good_latest_is_taken_without_notes_and_a_fresh_dir_starts_fresh(tmp_path):
-    assert resume.load_checkpoint("auto", tmp_path, CPU, template=template()) is None
-    assert resume.load_checkpoint("none", tmp_path, CPU, template=template()) is None
+    assert checkpoint.load_checkpoint("auto", tmp_path, template=template()) is None
+    assert checkpoint.load_checkpoint("none", tmp_path, template=template()) is None
     two_checkpoints(tmp_path)
-    assert resume.load_checkpoint("none", tmp_path, CPU, template=template()) is None
-    loaded = resume.load_checkpoint("auto", tmp_path, CPU, template=template())
+    assert checkpoint.load_checkpoint("none", tmp_path, template=template()) is None
+    loaded = checkpoint.load_checkpoint("auto", tmp_path, template=template())
     assert loaded.state["step"] == 2 and loaded.notes == []
 
 
-def test_an_explicit_checkpoint_file_never_falls_back(tmp_path):
+def test_an_explicit_checkpoint_never_falls_back(tmp_path):
     latest = two_checkpoints(tmp_path)
     truncate(latest)
-    with pytest.raises(CheckpointError, match=r"latest\.pt is unreadable") as error:
-        resume.load_checkpoint(str(latest), tmp_path / "new-run", CPU, template=template())
+    with pytest.raises(CheckpointError, match=r"latest could not be loaded") as error:
+        checkpoint.load_checkpoint(str(latest), tmp_path / "new-run", template=template())
     assert "previous" not in str(error.value)
     with pytest.raises(CheckpointError, match="no checkpoint at"):
-        resume.load_checkpoint(str(tmp_path / "nothing.pt"), tmp_path, CPU, template=template())
+        checkpoint.load_checkpoint(str(tmp_path / "nothing"), tmp_path, template=template())
 
 
 def test_an_explicit_run_dir_is_searched_like_auto(tmp_path):
     truncate(two_checkpoints(tmp_path / "old-run"))
-    loaded = resume.load_checkpoint(str(tmp_path / "old-run"), tmp_path / "new-run", CPU, template=template())
-    assert loaded.state["step"] == 1 and "unreadable" in loaded.notes[0]
+    loaded = checkpoint.load_checkpoint(str(tmp_path / "old-run"), tmp_path / "new-run", template=template())
+    assert loaded.state["step"] == 1 and "could not be loaded" in loaded.notes[0]
 
 
-def write_sharded_dir(path, world_size=4, mode="fsdp"):
-    path.mkdir(parents=True)
-    (path / ".metadata").write_bytes(b"")
-    (path / resume.JOB_INFO).write_text(json.dumps({"world_size": world_size, "mode": mode, "config": CONFIG}))
-
-
-def test_a_torchrun_checkpoint_resumed_by_one_process_is_refused_with_the_command(tmp_path):
-    write_sharded_dir(resume.checkpoint_dir(tmp_path) / resume.LATEST_SHARDED)
-    for value in ("auto", str(resume.checkpoint_dir(tmp_path) / resume.LATEST_SHARDED)):
-        with pytest.raises(CheckpointError) as error:
-            resume.load_checkpoint(value, tmp_path, CPU, template=template(), sharded=False)
-        message = str(error.value)
-        assert "torchrun job (4 processes, distributed=fsdp)" in message
-        assert "torchrun --standalone --nproc_per_node=4 scripts/train.py distributed=fsdp" in message
-
-
-def test_a_single_process_checkpoint_resumed_under_torchrun_is_refused(tmp_path):
-    latest = two_checkpoints(tmp_path)
-    for value in ("auto", str(latest)):
-        with pytest.raises(CheckpointError, match="written by a single-process run.*python scripts/train.py"):
-            resume.load_checkpoint(value, tmp_path, CPU, template=template(), sharded=True)
-
-
-def test_sharded_auto_falls_back_past_an_unfinished_latest(tmp_path, process_group):
-    resume.save_sharded(state_at(1), tmp_path, rank=0, mode="fsdp")
-    resume.save_sharded(state_at(2), tmp_path, rank=0, mode="fsdp")
-    latest = resume.checkpoint_dir(tmp_path) / resume.LATEST_SHARDED
-    (latest / resume.JOB_INFO).unlink()
-    loaded = resume.load_checkpoint("auto", tmp_path, CPU, template=template(), sharded=True)
+def test_auto_under_a_process_group_falls_back_past_an_unfinished_latest(tmp_path, process_group):
+    two_checkpoints(tmp_path)
+    latest = checkpoint.checkpoint_dir(tmp_path) / checkpoint.LATEST
+    (latest / checkpoint.JOB_INFO).unlink()
+    loaded = checkpoint.load_checkpoint("auto", tmp_path, template=template())
     assert loaded.state["step"] == 1 and loaded.state["config"] == CONFIG
     assert torch.equal(loaded.state["model"]["w"], torch.full((4,), 1.0))
-    assert f"checkpoints/latest has no readable {resume.JOB_INFO}" in loaded.notes[0]
-    [aside] = resume.checkpoint_dir(tmp_path).glob("latest.unusable-*")  # never rotated into previous/
+    assert f"checkpoints/latest has no readable {checkpoint.JOB_INFO}" in loaded.notes[0]
+    [aside] = checkpoint.checkpoint_dir(tmp_path).glob("latest.unusable-*")  # never rotated into previous/
     assert (aside / ".metadata").is_file() and not latest.exists()
-    resume.save_sharded(state_at(3), tmp_path, rank=0, mode="fsdp")
-    assert resumed_step(tmp_path, is_sharded=True) == 3
-    assert resume.load_checkpoint(str(resume.checkpoint_dir(tmp_path) / resume.PREVIOUS_SHARDED), tmp_path, CPU,
-                                  template=template(), sharded=True).state["step"] == 1
-    (resume.checkpoint_dir(tmp_path) / resume.LATEST_SHARDED / ".metadata").unlink()
-    assert "no .metadata" in resume.load_checkpoint("auto", tmp_path, CPU, template=template(), sharded=True).notes[0]
+    checkpoint.save_checkpoint(state_at(3), tmp_path)
+    assert resumed_step(tmp_path) == 3
+    assert checkpoint.load_checkpoint(str(checkpoint.checkpoint_dir(tmp_path) / checkpoint.PREVIOUS), tmp_path,
+                                      template=template()).state["step"] == 1
+    (checkpoint.checkpoint_dir(tmp_path) / checkpoint.LATEST / ".metadata").unlink()
+    assert "no .metadata" in checkpoint.load_checkpoint("auto", tmp_path, template=template()).notes[0]
 
 
-def test_a_sharded_checkpoint_of_another_world_size_is_refused(tmp_path, process_group):
-    write_sharded_dir(resume.checkpoint_dir(tmp_path) / resume.LATEST_SHARDED, world_size=2)
-    with pytest.raises(CheckpointError, match="written by 2 processes; this job has 1.*--nproc_per_node=2"):
-        resume.load_checkpoint("auto", tmp_path, CPU, template=template(), sharded=True)
+def test_a_checkpoint_with_a_torn_shard_and_nothing_before_it_fails_naming_it(tmp_path, process_group):
+    checkpoint.save_checkpoint(state_at(1), tmp_path)
+    truncate(checkpoint.checkpoint_dir(tmp_path) / checkpoint.LATEST)
+    with pytest.raises(CheckpointError, match=r"checkpoints/latest could not be loaded \(rank 0: \w+"):
+        checkpoint.load_checkpoint("auto", tmp_path, template=template())
 
 
-def test_a_sharded_checkpoint_with_a_torn_shard_fails_naming_it(tmp_path, process_group):
-    resume.save_sharded(state_at(1), tmp_path, rank=0, mode="fsdp")
-    latest = resume.checkpoint_dir(tmp_path) / resume.LATEST_SHARDED
-    for shard in latest.glob("*.distcp"):
-        shard.write_bytes(b"xx")
-    with pytest.raises(CheckpointError, match=r"checkpoints/latest \(rank 0\) could not be loaded \(\w+Error"):
-        resume.load_checkpoint("auto", tmp_path, CPU, template=template(), sharded=True)
-
-
-@pytest.mark.parametrize("is_sharded", [False, True])
-def test_a_changed_config_is_refused_or_noted_by_either_kind(tmp_path, is_sharded, request):
-    if is_sharded:
+@pytest.mark.parametrize("group", [False, True], ids=["one-process", "process-group"])
+def test_a_changed_config_is_refused_or_noted(tmp_path, group, request):
+    if group:
         request.getfixturevalue("process_group")
-        resume.save_sharded(state_at(1), tmp_path, rank=0, mode="fsdp")
-    else:
-        resume.save_checkpoint(state_at(1), tmp_path)
+    checkpoint.save_checkpoint(state_at(1), tmp_path)
     changed_lr = {"trainer": {"lr": 0.01, "max_steps": 20}, "model": {"n_layer": 2}}
     with pytest.raises(CheckpointError, match=r"trainer\.lr: saved 0\.001, now 0\.01"):
-        resume.load_checkpoint("auto", tmp_path, CPU, template=template(changed_lr), sharded=is_sharded)
+        checkpoint.load_checkpoint("auto", tmp_path, template=template(changed_lr))
     longer = {"trainer": {"lr": 0.001, "max_steps": 40}, "model": {"n_layer": 2}}
-    loaded = resume.load_checkpoint("auto", tmp_path, CPU, template=template(longer), sharded=is_sharded)
+    loaded = checkpoint.load_checkpoint("auto", tmp_path, template=template(longer))
     assert loaded.notes == ["config changed since the checkpoint (allowed): trainer.max_steps 20 -> 40"]
 
 
@@ -541,21 +543,21 @@ def test_a_refused_run_s_empty_dirs_go_and_nothing_else(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     runs = tmp_path / "runs"
     (runs / "d1" / "t1").mkdir(parents=True)
-    resume.remove_if_empty(runs / "d1" / "t1", below=runs)
+    rundir.remove_if_empty(runs / "d1" / "t1", below=runs)
     assert [p.name for p in tmp_path.rglob("*")] == ["runs"]
     (runs / "d2" / "t1").mkdir(parents=True)
     (runs / "d2" / "t2").mkdir()
-    resume.remove_if_empty(runs / "d2" / "t2", below=runs)  # its date dir holds another run's
+    rundir.remove_if_empty(runs / "d2" / "t2", below=runs)  # its date dir holds another run's
     assert sorted(str(p.relative_to(runs)) for p in runs.rglob("*")) == ["d2", "d2/t1"]
-    resume.remove_if_empty(runs / "d2" / "t1" / "missing", below=runs)
+    rundir.remove_if_empty(runs / "d2" / "t1" / "missing", below=runs)
     (runs / "d2" / "t1" / "metrics.jsonl").write_text("{}")
-    resume.remove_if_empty(runs / "d2" / "t1", below=runs)
+    rundir.remove_if_empty(runs / "d2" / "t1", below=runs)
     assert (runs / "d2" / "t1" / "metrics.jsonl").exists()
     (tmp_path / "mine" / "a" / "b").mkdir(parents=True)
-    resume.remove_if_empty(tmp_path / "mine" / "a" / "b", below=runs)  # outside runs/: the run dir alone
+    rundir.remove_if_empty(tmp_path / "mine" / "a" / "b", below=runs)  # outside runs/: the run dir alone
     assert (tmp_path / "mine" / "a").is_dir() and not (tmp_path / "mine" / "a" / "b").exists()
-    resume.remove_if_empty(runs, below=runs)
+    rundir.remove_if_empty(runs, below=runs)
     (tmp_path / "cwd").mkdir()
     monkeypatch.chdir(tmp_path / "cwd")
-    resume.remove_if_empty(tmp_path / "cwd", below=runs)  # hydra.run.dir=. in an empty directory
+    rundir.remove_if_empty(tmp_path / "cwd", below=runs)  # hydra.run.dir=. in an empty directory
     assert runs.is_dir() and (tmp_path / "cwd").is_dir()

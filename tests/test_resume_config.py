@@ -4,11 +4,12 @@ A resumed run must compute what the unbroken run would have. A key may change on
 the same thing with it changed (how long the run goes, what is reported, where files go, how the same arithmetic is
 scheduled); every other difference is refused, naming each key with its saved and current value."""
 
+import json
+
 import pytest
-import torch
 from omegaconf import OmegaConf
 
-from minitrain import resume
+from minitrain import checkpoint
 from minitrain.config import resolve
 from minitrain.trainer import Trainer
 
@@ -21,13 +22,17 @@ MAY_CHANGE = {
     "optimizer": set(),
     "loss": {"chunk_bytes"},  # the fused loss's workspace tile: the same loss
     "logger": {"mode", "project", "group", "name", "tags"},
-    "distributed": {"timeout_s"},
+    "distributed": {"timeout_s", "mode", "fsdp_unit_blocks", "reshard_after_forward"},  # the same global batch
     "trainer": {"max_steps", "log_every", "eval_every", "eval_batches", "save_every", "sample_tokens", "out_dir",
-                "device", "compile", "compile_mode", "compile_check", "peak_flops", "memory_budget", "micro_batch",
-                "max_skipped_steps", "deterministic", "eval_hellaswag", "eval_hellaswag_examples"},
-    "plan": set(),  # what the plan resolved on this device: precision, world size, mode, vocabulary, float8 linears
+                "device", "compile", "compile_mode", "compile_check", "deterministic", "peak_flops", "memory_budget",
+                "micro_batch", "max_skipped_steps", "eval_hellaswag", "eval_hellaswag_examples"},
+    # what the plan resolved from `auto` on this device: precision, world size, mode, vocabulary, the params' dtype,
+    # the float8 linears
+    "plan": {"world_size", "distributed"},
 }
 NOT_COMPARED = {"trainer.resume"}  # every resume changes how it finds its checkpoint
+PLAN = {"precision": "fp32", "world_size": 1, "distributed": "none", "vocab_size": 4096, "param_dtype": "float32",
+        "float8_linears": []}
 
 
 def config_dict(make_cfg, *overrides) -> dict:
@@ -38,9 +43,7 @@ def config_dict(make_cfg, *overrides) -> dict:
 
 def identity(make_cfg, *overrides) -> dict:
     """A checkpoint's config: the run's config and what its plan resolved (Trainer._identity's shape)."""
-    return {**config_dict(make_cfg, *overrides),
-            "plan": {"precision": "fp32", "world_size": 1, "distributed": "none", "vocab_size": 4096,
-                     "float8_linears": []}}
+    return {**config_dict(make_cfg, *overrides), "plan": PLAN}
 
 
 def test_every_group_of_the_config_is_classified():
@@ -50,7 +53,7 @@ def test_every_group_of_the_config_is_classified():
     keys = {k for k in config._schema_keys() if "." in k}
     assert set(MAY_CHANGE) - {"plan"} == {k for k in config._schema_keys() if "." not in k}
     for group, names in MAY_CHANGE.items():
-        assert {f"{group}.{n}" for n in names} <= keys, group
+        assert {f"{group}.{n}" for n in names} <= (keys if group != "plan" else {f"plan.{k}" for k in PLAN}), group
 
 
 @pytest.mark.parametrize("group", list(MAY_CHANGE))
@@ -62,7 +65,7 @@ def test_each_key_of_each_group_may_change_or_is_refused(make_cfg, group):
     for key in saved[group]:
         dotted = f"{group}.{key}"
         now = {**saved, group: {**saved[group], key: "changed on resume"}}
-        changes = resume.config_changes(saved, now)
+        changes = checkpoint.config_changes(saved, now)
         if dotted in NOT_COMPARED:
             assert (changes.allowed, changes.breaking) == ({}, {}), dotted
         elif key in MAY_CHANGE[group]:
@@ -77,7 +80,7 @@ def test_the_refusal_names_each_breaking_key_with_both_values_and_nothing_it_all
     saved = identity(make_cfg)
     now = identity(make_cfg, "model.n_layer=2", "data.vocab_size=8192", "trainer.max_steps=40", "logger.project=x",
                    "data.val_fraction=0.01")
-    changes = resume.config_changes(saved, now)
+    changes = checkpoint.config_changes(saved, now)
     assert changes.refusal("checkpoints/latest.pt") == (
         "checkpoints/latest.pt was saved by a run with a different config; resuming would silently make it another "
         "run:\n"
@@ -93,12 +96,13 @@ def test_precision_auto_resumed_on_another_kind_of_device_is_refused(make_cfg, t
     """The same config (precision=auto) resolves to bf16 on a GPU and fp32 on a CPU: a checkpoint of the GPU run
     resumed on the CPU would go on in another precision, so the plan's resolution is compared too."""
     Trainer(make_cfg("trainer.max_steps=2", "trainer.save_every=2", "trainer.sample_tokens=0"), progress=False).fit()
-    latest = tmp_path / "run" / "checkpoints" / "latest.pt"
-    state = torch.load(latest, weights_only=False)
-    assert state["config"]["plan"]["precision"] == "fp32" and state["config"]["precision"]["name"] == "auto"
-    state["config"]["plan"]["precision"] = "bf16"  # as a run on a GPU with bf16 saved it
-    torch.save(state, latest)
-    with pytest.raises(resume.CheckpointError, match=r"\n  plan\.precision: saved bf16, now fp32\nPut the saved"):
+    job = tmp_path / "run" / "checkpoints" / checkpoint.LATEST / checkpoint.JOB_INFO
+    info = json.loads(job.read_text())
+    assert info["config"]["plan"]["precision"] == "fp32" and info["config"]["precision"]["name"] == "auto"
+    assert info["config"]["plan"] == PLAN  # what a resume compares beyond the config, as the table classifies it
+    info["config"]["plan"]["precision"] = "bf16"  # as a run on a GPU with bf16 saved it
+    job.write_text(json.dumps(info))
+    with pytest.raises(checkpoint.CheckpointError, match=r"\n  plan\.precision: saved bf16, now fp32\nPut the saved"):
         Trainer(make_cfg("trainer.max_steps=3", "trainer.sample_tokens=0", "trainer.resume=auto"), progress=False)
 
 
@@ -106,7 +110,7 @@ def test_deliberate_changes_are_allowed_and_the_rest_break_the_run(make_cfg):
     saved = config_dict(make_cfg)
     now = config_dict(make_cfg, "trainer.max_steps=50", "trainer.log_every=2", "trainer.micro_batch=4",
                       "logger.project=other", "trainer.lr=0.01", "precision=bf16", "trainer.batch_size=16")
-    changes = resume.config_changes(saved, now)
+    changes = checkpoint.config_changes(saved, now)
     assert changes.allowed == {"trainer.max_steps": (10, 50), "trainer.log_every": (5, 2),
                                "trainer.micro_batch": ("auto", "4"), "logger.project": ("minitrain", "other")}
     assert changes.breaking["trainer.lr"] == (0.001, 0.01)
@@ -124,10 +128,10 @@ def test_deliberate_changes_are_allowed_and_the_rest_break_the_run(make_cfg):
 
 
 def test_the_same_config_has_no_changes(make_cfg):
-    changes = resume.config_changes(config_dict(make_cfg), config_dict(make_cfg))
+    changes = checkpoint.config_changes(config_dict(make_cfg), config_dict(make_cfg))
     assert changes.allowed == {} and changes.breaking == {}
     # the resume itself is no change of config worth a note at every resume
-    changes = resume.config_changes(config_dict(make_cfg), config_dict(make_cfg, "trainer.resume=auto"))
+    changes = checkpoint.config_changes(config_dict(make_cfg), config_dict(make_cfg, "trainer.resume=auto"))
     assert changes.allowed == {} and changes.breaking == {}
 
 
@@ -135,19 +139,19 @@ def test_a_key_on_one_side_only_is_a_change(make_cfg):
     saved = config_dict(make_cfg)
     del saved["optimizer"]["eps"]  # a checkpoint older than the key
     del saved["logger"]["tags"]
-    now = {**config_dict(make_cfg), "plan": {"world_size": 2, "param_dtype": "fp32"}}
-    changes = resume.config_changes(saved, now)
-    assert changes.breaking["optimizer.eps"] == (resume._ABSENT, 1e-8)
-    assert changes.breaking["plan.world_size"] == (resume._ABSENT, 2)
-    assert changes.allowed == {"logger.tags": (resume._ABSENT, [])}
-    assert "  plan.world_size: saved (not set), now 2\n" in changes.refusal("latest.pt")
-    gone = resume.config_changes(now, saved)  # and the converse: a key this run no longer has
-    assert gone.breaking["plan.param_dtype"] == ("fp32", resume._ABSENT)
+    now = {**config_dict(make_cfg), "plan": {"vocab_size": 4096, "param_dtype": "fp32"}}
+    changes = checkpoint.config_changes(saved, now)
+    assert changes.breaking["optimizer.eps"] == (checkpoint._ABSENT, 1e-8)
+    assert changes.breaking["plan.vocab_size"] == (checkpoint._ABSENT, 4096)
+    assert changes.allowed == {"logger.tags": (checkpoint._ABSENT, [])}
+    assert "  plan.vocab_size: saved (not set), now 4096\n" in changes.refusal("latest.pt")
+    gone = checkpoint.config_changes(now, saved)  # and the converse: a key this run no longer has
+    assert gone.breaking["plan.param_dtype"] == ("fp32", checkpoint._ABSENT)
 
 
 def test_nested_values_compare_whole(make_cfg):
-    changes = resume.config_changes(config_dict(make_cfg), config_dict(make_cfg, "optimizer.betas=[0.9,0.99]"))
+    changes = checkpoint.config_changes(config_dict(make_cfg), config_dict(make_cfg, "optimizer.betas=[0.9,0.99]"))
     assert changes.breaking == {"optimizer.betas": ([0.9, 0.95], [0.9, 0.99])}
-    deep = resume.config_changes({"plan": {"memory": {"budget_gb": 20, "fits": True}}},
+    deep = checkpoint.config_changes({"plan": {"memory": {"budget_gb": 20, "fits": True}}},
                                  {"plan": {"memory": {"budget_gb": 40, "fits": True}}})
     assert deep.breaking == {"plan.memory.budget_gb": (20, 40)}

@@ -5,10 +5,12 @@ and the loss it was trained to) or saying there is none."""
 import math
 
 import pytest
-import torch
 
-from minitrain import resume
-from minitrain.trainer import NonFiniteLossError, Trainer
+from minitrain import checkpoint
+from minitrain.divergence import NonFiniteLossError
+from minitrain.trainer import Trainer
+
+from conftest import saved_state
 
 SMALL = ("model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=32", "trainer.batch_size=4",
          "trainer.eval_every=100", "trainer.eval_batches=1", "trainer.sample_tokens=0")
@@ -29,12 +31,12 @@ def poison(monkeypatch, t: Trainer, factors: dict[int, float]) -> list[float]:
         return loss
 
     monkeypatch.setattr(t.train_step, "forward_loss", poisoned)
-    monkeypatch.setattr(t, "train_step", recorded)
+    monkeypatch.setattr(t.parts, "train_step", recorded)
     return losses
 
 
 def step_of(path) -> int:
-    return resume.load(path, torch.device("cpu"))["progress"]["step"]
+    return saved_state(path)["progress"]["step"]
 
 
 @pytest.mark.parametrize("in_a_row, stops", [(2, False), (3, True)])
@@ -70,11 +72,11 @@ def test_a_divergence_between_log_steps_stops_at_the_save_before_the_next_log_st
     losses = poison(monkeypatch, t, {6: 1e4, **dict.fromkeys(range(7, 21), math.nan)})
     with pytest.raises(NonFiniteLossError) as stop:
         t.fit()
-    ckpts = resume.checkpoint_dir(tmp_path / "run")
-    assert (step_of(ckpts / resume.LATEST), step_of(ckpts / resume.PREVIOUS)) == (6, 3)
+    ckpts = checkpoint.checkpoint_dir(tmp_path / "run")
+    assert (step_of(ckpts / checkpoint.LATEST), step_of(ckpts / checkpoint.PREVIOUS)) == (6, 3)
     assert losses[5] > 1e4
     assert str(stop.value) == (f"the training loss became inf/NaN by step 9 (precision=fp32); stopping, keeping the "
-                               f"checkpoint of step 6 ({ckpts / resume.LATEST}), whose training loss at that step was "
+                               f"checkpoint of step 6 ({ckpts / checkpoint.LATEST}), whose training loss at that step was "
                                f"{losses[5]:.4g}{TRY}")
 
 
@@ -86,7 +88,7 @@ def test_a_divergence_before_the_first_save_says_there_is_no_checkpoint(make_cfg
         t.fit()
     assert str(stop.value) == ("the training loss became inf/NaN by step 2 (precision=fp32); stopping, with no "
                                f"checkpoint saved (the first was due at step 10, the last){TRY}")
-    assert not resume.checkpoint_dir(tmp_path / "run").exists()
+    assert not checkpoint.checkpoint_dir(tmp_path / "run").exists()
 
 
 def test_a_resumed_run_that_diverges_before_its_first_save_names_the_checkpoint_it_resumed_from(make_cfg,
@@ -101,7 +103,7 @@ def test_a_resumed_run_that_diverges_before_its_first_save_names_the_checkpoint_
     poison(monkeypatch, resumed, dict.fromkeys(range(5, 11), math.nan))
     with pytest.raises(NonFiniteLossError) as stop:
         resumed.fit()
-    latest = resume.checkpoint_dir(tmp_path / "run") / resume.LATEST
+    latest = checkpoint.checkpoint_dir(tmp_path / "run") / checkpoint.LATEST
     assert f"by step 6 (precision=fp32); stopping, keeping the checkpoint of step 4 ({latest}), whose training loss " \
            f"at that step was {losses[3]:.4g} —" in str(stop.value)
     assert step_of(latest) == 4

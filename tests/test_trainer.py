@@ -9,11 +9,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from minitrain import resume
+from minitrain import checkpoint, rundir
 from minitrain.config import ConfigError
-from minitrain.trainer import NonFiniteLossError, Progress, Trainer, train
+from minitrain.divergence import NonFiniteLossError
+from minitrain.progress import Progress
+from minitrain.trainer import Trainer, train
 
-from conftest import REPO, round_trip
+from conftest import REPO, round_trip, saved_state
 
 CPU = torch.device("cpu")
 SMALL_MODEL = ("model.n_layer=1", "model.n_embd=32", "model.n_head=2", "model.block_size=32", "trainer.eval_batches=1",
@@ -140,7 +142,7 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(make_cfg, tmp_path,
     monkeypatch.setattr(t.train_step, "forward_loss", poisoned)
     with pytest.raises(NonFiniteLossError, match="inf/NaN"):
         t.fit()
-    state = resume.load(resume.checkpoint_dir(tmp_path / "run") / resume.LATEST, torch.device("cpu"))
+    state = saved_state(checkpoint.checkpoint_dir(tmp_path / "run") / checkpoint.LATEST)
     assert state["progress"]["step"] == 5
     assert all(torch.isfinite(v).all() for v in state["model"].values())
 
@@ -184,7 +186,7 @@ def test_wandb_offline_run_holds_the_metrics(make_cfg, tmp_path):
 def test_a_run_refused_by_the_lock_leaves_the_holders_record_alone(data_cache, tmp_path):
     """.hydra/ holds the config of the run that owns the dir: a second run, refused at the lock, must not
     overwrite it (Hydra writes its copy before any code of ours runs)."""
-    from minitrain.resume import RunDirLock
+    from minitrain.rundir import RunDirLock
 
     run_dir = tmp_path / "run"
     (run_dir / ".hydra").mkdir(parents=True)
@@ -199,7 +201,7 @@ def test_a_run_refused_by_the_lock_leaves_the_holders_record_alone(data_cache, t
 
 
 def test_a_sweep_cell_refused_by_anothers_lock_leaves_that_runs_record_alone(data_cache, tmp_path):
-    from minitrain.resume import RunDirLock
+    from minitrain.rundir import RunDirLock
 
     cell = tmp_path / "sweep" / "0"
     (cell / ".hydra").mkdir(parents=True)
@@ -334,7 +336,7 @@ def test_evaluate_reads_each_loss_before_the_next_call(make_cfg):
     def replay(x, y):
         return graph_output.fill_(next(calls))
 
-    t.forward_loss = replay
+    t.parts.forward_loss = replay
     assert t.evaluate() == pytest.approx(3.0)
 
 
@@ -376,7 +378,7 @@ def test_resume_restores_every_part_and_the_logged_metrics(make_cfg, tmp_path, m
             raise RuntimeError("simulated crash after the step-6 checkpoint")
         return real_step(step)
 
-    monkeypatch.setattr(crashing, "train_step", step_then_crash)
+    monkeypatch.setattr(crashing.parts, "train_step", step_then_crash)
     with pytest.raises(RuntimeError, match="simulated"):
         crashing.fit()
     resumed = Trainer(make_cfg(*overrides, f"trainer.out_dir={crash_dir}", "trainer.resume=auto"), progress=False)
@@ -410,6 +412,7 @@ def test_progress_resumed_mid_log_window_logs_what_an_unbroken_one_does():
     record_steps(crashed, range(4, 6), losses, skipped)
     resumed = Progress(CPU)
     resumed.load_state_dict(round_trip(crashed.state_dict()))
+    assert resumed.last_loss.item() == losses[5]  # the loss a diverged run names for this checkpoint
     record_steps(resumed, range(6, 8), losses, skipped)
 
     assert resumed.step == straight.step == 8
@@ -433,7 +436,7 @@ def test_a_second_run_in_the_same_dir_is_refused_naming_the_holder(make_cfg):
     import os
 
     first = Trainer(make_cfg(), progress=False)
-    with pytest.raises(resume.RunDirBusyError, match=f"pid {os.getpid()}"):
+    with pytest.raises(rundir.RunDirBusyError, match=f"pid {os.getpid()}"):
         Trainer(make_cfg(), progress=False)
     first.close()
     Trainer(make_cfg(), progress=False).close()  # free again once the holder is done
@@ -441,9 +444,9 @@ def test_a_second_run_in_the_same_dir_is_refused_naming_the_holder(make_cfg):
 
 def test_resume_refuses_a_different_run_and_accepts_a_longer_one(make_cfg, tmp_path):
     train(make_cfg("trainer.max_steps=4", "trainer.save_every=4"), progress=False)
-    with pytest.raises(resume.CheckpointError, match=r"trainer\.lr: saved 0\.001, now 0\.002"):
+    with pytest.raises(checkpoint.CheckpointError, match=r"trainer\.lr: saved 0\.001, now 0\.002"):
         Trainer(make_cfg("trainer.max_steps=4", "trainer.lr=2e-3", "trainer.resume=auto"), progress=False)
-    with pytest.raises(resume.CheckpointError, match="trainer.resume=auto"):  # a fresh start would overwrite it
+    with pytest.raises(checkpoint.CheckpointError, match="trainer.resume=auto"):  # a fresh start would overwrite it
         Trainer(make_cfg("trainer.max_steps=4"), progress=False)
     longer = Trainer(make_cfg("trainer.max_steps=6", "trainer.resume=auto"), progress=False)
     assert longer.step == 4
@@ -457,7 +460,7 @@ def test_a_run_ends_with_where_its_results_are_and_a_finished_run_started_again_
     record = train(make_cfg("trainer.max_steps=4", "trainer.save_every=4"), progress=False)
     last = (run / "train.log").read_text().splitlines()[-1]
     assert last == (f"finished: step 4 of 4, loss {record['train/loss']:.4f}, val {record['val/loss']:.4f} | "
-                    f"checkpoint {run / 'checkpoints' / 'latest.pt'} | metrics {run / 'metrics.jsonl'}")
+                    f"checkpoint {run / 'checkpoints' / 'latest'} | metrics {run / 'metrics.jsonl'}")
     memory_json, sample = (run / "memory.json").read_text(), (run / "sample.txt").read_text()
     assert "mem/peak_rss_gb" in memory_json
     again = train(make_cfg("trainer.max_steps=4", "trainer.resume=auto"), progress=False)
@@ -477,7 +480,7 @@ def test_a_fresh_run_in_a_dir_whose_run_saved_no_checkpoint_starts_the_metrics_a
 
 
 def test_the_continue_command_repeats_the_runs_overrides():
-    from minitrain.trainer import RunInfo
+    from minitrain.rundir import RunInfo
 
     run = RunInfo(name="r", overrides=["model.n_layer=2", "data.paths=my corpus/*.txt", "trainer.resume=none"])
     assert run.continue_command(Path("/runs/r")) == (
@@ -506,9 +509,9 @@ def test_ctrl_c_saves_a_checkpoint_after_the_step_and_the_run_continues_from_it(
     import os
     import signal
 
-    from minitrain.trainer import TrainingInterrupted
+    from minitrain.interrupts import TrainingInterrupted
 
-    from minitrain.trainer import RunInfo
+    from minitrain.rundir import RunInfo
 
     t = Trainer(make_cfg("trainer.max_steps=10"), RunInfo(name="run", overrides=["trainer.max_steps=10"]),
                 progress=False)
@@ -519,7 +522,7 @@ def test_ctrl_c_saves_a_checkpoint_after_the_step_and_the_run_continues_from_it(
             os.kill(os.getpid(), signal.SIGINT)  # arrives while the step runs
         return real_step(step)
 
-    monkeypatch.setattr(t, "train_step", interrupted_at_3)
+    monkeypatch.setattr(t.parts, "train_step", interrupted_at_3)
     with pytest.raises(TrainingInterrupted, match=re.escape(
             f"continue with: python scripts/train.py trainer.max_steps=10 trainer.resume=auto hydra.run.dir={t.out_dir}")):
         t.fit()
@@ -550,7 +553,7 @@ def test_tokens_per_s_leaves_out_the_processes_first_steps(make_cfg, monkeypatch
         now[0] += 100.0 if step == 0 else 1.0  # the warm-up step takes long
         return real_step(step)
 
-    monkeypatch.setattr(t, "train_step", timed_step)
+    monkeypatch.setattr(t.parts, "train_step", timed_step)
     t.fit()
     records = [r for r in read_jsonl(t.out_dir / "metrics.jsonl") if "step" in r]
     assert "perf/step_ms" not in records[0]
@@ -570,7 +573,7 @@ def test_a_compiled_run_says_its_first_steps_compile(make_cfg, tmp_path, monkeyp
 
     t = Trainer(make_cfg(), progress=False)
     t.plan = dataclasses.replace(t.plan, compile_mode="default")  # as planned with trainer.compile=true
-    monkeypatch.setattr(t, "train_step", first_step)
+    monkeypatch.setattr(t.parts, "train_step", first_step)
     with pytest.raises(FirstStep):
         t.fit()
     log = (tmp_path / "run" / "train.log").read_text()
@@ -579,11 +582,12 @@ def test_a_compiled_run_says_its_first_steps_compile(make_cfg, tmp_path, monkeyp
 
 def test_a_copy_of_the_interrupt_within_a_moment_is_the_same_interrupt_a_later_one_aborts(monkeypatch):
     """Under torchrun the terminal's SIGINT and torchrun's forwarded copy arrive together: one request."""
-    from minitrain import trainer as trainer_module
+    from minitrain import interrupts as interrupts_module
+    from minitrain.distributed import Dist
 
     said, now = [], [100.0]
-    monkeypatch.setattr(trainer_module.time, "monotonic", lambda: now[0])
-    interrupts = trainer_module._Interrupts(said.append, "after this step")
+    monkeypatch.setattr(interrupts_module.time, "monotonic", lambda: now[0])
+    interrupts = interrupts_module.Interrupts(said.append, Dist(), CPU)
     interrupts._handle(signal.SIGINT, None)
     now[0] += 0.9 * interrupts.SAME_INTERRUPT_S
     try:
@@ -630,7 +634,7 @@ def test_sigterm_saves_a_checkpoint_after_the_step_and_exits_143(data_cache, tmp
     assert job.returncode == 128 + signal.SIGTERM, err[-2000:]
     assert "stopped by SIGTERM: saving a checkpoint after this step" in out and "Traceback" not in err
     step = int(re.search(r"stopped at step (\d+) of 100000", err).group(1))
-    state = resume.load(resume.checkpoint_dir(run_dir) / resume.LATEST, torch.device("cpu"))
+    state = saved_state(checkpoint.checkpoint_dir(run_dir) / checkpoint.LATEST)
     assert state["progress"]["step"] == step >= 4
 
 

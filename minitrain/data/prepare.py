@@ -29,6 +29,7 @@ from typing import Any, Callable, Iterator, Optional
 
 import numpy as np
 
+from .. import files
 from ..config import DataConfig, error_reason
 from .corpus import Batch, DataError, HubStream, LocalFiles, chunks, corpus_identity, open_corpus
 from .shards import (FORMAT, INDEX, TOKENIZER, ShardWriter, TokenData, UnusableCache, open_cache, token_dtype,
@@ -80,13 +81,10 @@ def prepare_data(cfg: DataConfig, block_size: Optional[int] = None, progress: bo
 def _build_locked(cfg: DataConfig, final: Path, progress: bool, notify: Callable[[str], None]) -> TokenData:
     """Builds the cache at `final` under an exclusive lock on `<final>.lock`, released also when its holder dies.
     The build happens in `<final>.tmp` (kept, with its progress record, when it stops: the next build continues
-    it) and is published by rename, an unusable cache moved aside first."""
-    from filelock import FileLock
-
-    lock = FileLock(final.with_name(final.name + ".lock"))
+    it) and is published by rename over an unusable cache (files.publish): a reader sees a whole cache or none."""
     try:
         final.parent.mkdir(parents=True, exist_ok=True)
-        lock.acquire()
+        lock = files.lock(final.with_name(final.name + ".lock"))  # waits for a build under way elsewhere
     except OSError as e:  # a path through a file, a directory this user cannot write
         raise DataError(f"data.cache_dir={cfg.cache_dir!r}: cannot keep the token cache there ({error_reason(e)}); "
                         "point data.cache_dir at a writable directory") from None
@@ -96,14 +94,13 @@ def _build_locked(cfg: DataConfig, final: Path, progress: bool, notify: Callable
         except UnusableCache as why:
             if final.exists():
                 notify(f"data cache {final} is unusable ({why}); rebuilding it")
-        tmp, aside = final.with_name(final.name + ".tmp"), final.with_name(final.name + ".old")
+        tmp = final.with_name(final.name + ".tmp")
         _Preparation(cfg, tmp, progress, notify).run()
-        shutil.rmtree(aside, ignore_errors=True)  # of a publication that crashed
-        if final.exists():
-            os.replace(final, aside)
-        os.replace(tmp, final)
+        for leftover in final.parent.glob(f"{final.name}{files.TEMP_MARK}*"):  # of a publication that crashed
+            if files.is_temporary(leftover):
+                shutil.rmtree(leftover, ignore_errors=True)
+        files.publish(tmp, final)
         (final / PROGRESS).unlink()  # kept until now: a stop before the rename continues from it
-        shutil.rmtree(aside, ignore_errors=True)
         return open_cache(final)
     finally:
         lock.release()
@@ -225,9 +222,7 @@ class _Preparation:
                 from ..tokenizer import pretrained_tokenizer
 
                 tokenizer = pretrained_tokenizer(self.cfg.tokenizer)
-            part = path.with_name(TOKENIZER + ".part")
-            tokenizer.save(str(part))
-            os.replace(part, path)
+            files.atomic_write(path, tokenizer.to_str(pretty=True))
         return Tokenizer.from_file(str(path))
 
     def _record(self, state: dict[str, Any], writers: Optional[dict[str, ShardWriter]] = None) -> None:
@@ -236,12 +231,7 @@ class _Preparation:
             for writer in writers.values():
                 writer.sync()
             state["splits"] = {split: writer.state() for split, writer in writers.items()}
-        part = self.folder / (PROGRESS + ".part")
-        with open(part, "w") as f:
-            json.dump(state, f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(part, self.folder / PROGRESS)
+        files.atomic_write(self.folder / PROGRESS, json.dumps(state))
 
     def _tokenize(self, corpus, tokenizer, eot: int, dtype: np.dtype, writers: dict[str, ShardWriter],
                   state: dict[str, Any]) -> None:
@@ -294,5 +284,5 @@ class _Preparation:
                  "tokenizer": self.cfg.tokenizer,
                  "tokenizer_checksum": hashlib.sha256((self.folder / TOKENIZER).read_bytes()).hexdigest(),
                  "bytes": state["bytes"], "documents": state["documents"], "splits": splits}
-        (self.folder / INDEX).write_text(json.dumps(index, indent=1))
+        files.atomic_write(self.folder / INDEX, json.dumps(index, indent=1))
         shutil.rmtree(self.folder / "hf", ignore_errors=True)

@@ -258,7 +258,7 @@ def profile_steps(trainer: Trainer, first: int, steps: int) -> dict:
     top = [{"kernel": k[:kernel_floors.NAME_CHARS], "calls_per_step": calls[k] / steps,
             "ms_per_step": busy_us[k] / 1e3 / steps, "share": busy_us[k] / total} for k in kernels[:25]]
     plan = trainer.plan
-    work = kernel_floors.step_work(trainer.model, plan.precision, plan.batch_size, trainer.model_cfg.block_size,
+    work = kernel_floors.step_work(trainer.model, plan.precision, plan.batch_size, trainer.plan.model.block_size,
                                    plan.compiled)
     per_kernel = [(k, busy_us[k] / 1e3 / steps, calls[k] / steps) for k in kernels]  # all of them
     rows = kernel_floors.floor_table(per_kernel, kernel_floors.floors_ms(work, ceilings))

@@ -124,7 +124,7 @@ def measure_point(model: str, micro: int, policy: str, warmup: int, steps: int, 
             opt_ms.append(statistics.median(a.elapsed_time(b) for a, b in opt_events))
         assert torch.isfinite(losses[-1]).item(), f"{model} micro {micro} {policy}: the loss is {losses[-1].item()}"
         stats = torch.cuda.memory_stats()
-        predicted, block_size = trainer.plan.memory.peak, trainer.model_cfg.block_size
+        predicted, block_size = trainer.plan.memory.peak, trainer.plan.model.block_size
         trainer.close()
     micro_ms = [(s - o) / 2 for s, o in zip(step_ms, opt_ms)]
     return {"model": model, "micro": micro, "policy": policy, "block_size": block_size,

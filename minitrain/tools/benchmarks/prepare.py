@@ -36,6 +36,8 @@ from typing import Iterator
 
 import psutil
 
+from ... import files
+
 WINDOW, CHUNK, BATCH = 1 << 20, 1 << 16, 1 << 23
 EOT = "<|endoftext|>"
 TIME_TARGET, MEMORY_TARGET_GB = 1.1, 2.0
@@ -213,7 +215,7 @@ def leftovers(cache: Path) -> list[str]:
     for entry in cache.iterdir():
         if entry.name.endswith(".lock"):
             continue
-        if not entry.is_dir() or entry.name.endswith((".tmp", ".old")):
+        if not entry.is_dir() or entry.name.endswith(".tmp") or files.is_temporary(entry):
             extra.append(entry.name)
         else:
             extra += [f"{entry.name}/{p.name}" for p in entry.iterdir()

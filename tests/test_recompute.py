@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from minitrain.checkpointing import apply_policy, recompute_flops_per_token, recomputed_blocks
+from minitrain.recompute import apply_policy, recompute_flops_per_token, recomputed_blocks
 from minitrain.config import CheckpointingConfig, CheckpointPolicy, ConfigError, KernelImpl, ModelConfig, resolve
 from minitrain.model import GPT
 
