@@ -16,6 +16,7 @@ from minitrain.tokenizer import TokenizerError, pretrained_tokenizer
 from minitrain.trainer import Trainer
 
 from conftest import GPT2_VOCAB
+from test_trainer import crash_at
 
 
 def transformers_model(folder):
@@ -135,18 +136,8 @@ def test_a_fine_tune_starts_at_transformers_loss_and_resumes_bit_for_bit(make_cf
         torch.testing.assert_close(straight.forward_loss(x, y), expected, rtol=0, atol=1e-5)
     straight.fit()
 
-    crashing = Trainer(finetune(make_cfg, hf_gpt2, gpt2_corpus, *overrides, f"trainer.out_dir={tmp_path / 'b'}"),
-                       progress=False)
-    real_step = crashing.train_step
-
-    def step_then_crash(step):
-        if step == 4:
-            raise RuntimeError("simulated crash after the step-3 checkpoint")
-        return real_step(step)
-
-    monkeypatch.setattr(crashing.parts, "train_step", step_then_crash)
-    with pytest.raises(RuntimeError, match="simulated"):
-        crashing.fit()
+    crash_at(Trainer(finetune(make_cfg, hf_gpt2, gpt2_corpus, *overrides, f"trainer.out_dir={tmp_path / 'b'}"),
+                     progress=False), 4, monkeypatch)  # after the step-3 checkpoint
     resumed = Trainer(finetune(make_cfg, hf_gpt2, gpt2_corpus, *overrides, f"trainer.out_dir={tmp_path / 'b'}",
                                "trainer.resume=auto"), progress=False)
     assert resumed.step == 3

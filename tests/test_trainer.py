@@ -357,6 +357,20 @@ def deterministic(records):
     return [{k: r[k] for k in keep if k in r} for r in records if "step" in r]
 
 
+def crash_at(trainer, crash_step, monkeypatch):
+    """Fit `trainer` until its step `crash_step` raises, as a crash after the last checkpoint would."""
+    real_step = trainer.train_step
+
+    def step_then_crash(step):
+        if step == crash_step:
+            raise RuntimeError("simulated crash")
+        return real_step(step)
+
+    monkeypatch.setattr(trainer.parts, "train_step", step_then_crash)
+    with pytest.raises(RuntimeError, match="simulated"):
+        trainer.fit()
+
+
 @pytest.mark.parametrize("precision, extra", [
     ("fp32", ["model.dropout=0.1"]),  # dropout: the RNG state must come back
     ("fp16", ["model.dropout=0.1", "precision.growth_interval=2"]),  # the scaler's growth tracker is non-zero
@@ -370,17 +384,7 @@ def test_resume_restores_every_part_and_the_logged_metrics(make_cfg, tmp_path, m
     straight.fit()
 
     crash_dir = tmp_path / "crashed"
-    crashing = Trainer(make_cfg(*overrides, f"trainer.out_dir={crash_dir}"), progress=False)
-    real_step = crashing.train_step
-
-    def step_then_crash(step):
-        if step == 9:
-            raise RuntimeError("simulated crash after the step-6 checkpoint")
-        return real_step(step)
-
-    monkeypatch.setattr(crashing.parts, "train_step", step_then_crash)
-    with pytest.raises(RuntimeError, match="simulated"):
-        crashing.fit()
+    crash_at(Trainer(make_cfg(*overrides, f"trainer.out_dir={crash_dir}"), progress=False), 9, monkeypatch)
     resumed = Trainer(make_cfg(*overrides, f"trainer.out_dir={crash_dir}", "trainer.resume=auto"), progress=False)
     assert resumed.step == 6
     resumed.fit()
