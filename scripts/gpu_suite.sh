@@ -135,7 +135,8 @@ for what in "$@"; do
       mkdir -p "$out/fp8_quality"
       tar -C /tmp/fp8-quality --exclude=checkpoints -cf - $name | tar -C "$out/fp8_quality" -xf -
       python3 scripts/report.py $sw --out "$out/fp8_quality/$name" 2>&1 | sed -n 1,8p
-      python3 scripts/bench_fp8.py quality $sw/* --out "$out/fp8_quality/$name.json" ;;
+      python3 scripts/bench_fp8.py quality $sw/* --out "$out/fp8_quality/$name.json"
+      rm -rf $sw/*/checkpoints ;;
     gelu) timeout 60 python3 scripts/bench_gelu.py --out "$out/bench_gelu.json" 2>&1 | tail -6 ;;
     attention) timeout 120 python3 scripts/bench_attention.py --out "$out/bench_attention.json" 2>&1 | tail -24 ;;
     ce_rows) timeout 200 python3 scripts/tune_cross_entropy_rows.py --out "$out/tune_ce_rows.json" 2>&1 | tail -60 ;;
@@ -171,6 +172,7 @@ for what in "$@"; do
         trainer.eval_every=1000 trainer.eval_batches=2 trainer.save_every=1000 trainer.sample_tokens=0 \
         trainer.warmup_steps=5 hydra.sweeper.max_batch_size=$at_a_time hydra.sweep.dir=$sw 2>&1 | tail -3
       python3 scripts/report.py $sw --out $out/$what 2>&1 | sed -n 1,18p
+      rm -rf $sw/*/checkpoints  # 24 cells' checkpoints would fill the disk the later targets write theirs to
       [ $what = sweep_alone ] && python3 - /tmp/sweep-124m $sw <<'PY' 2>&1 | tail -14
 import sys
 from minitrain.tools.report import load_sweep
@@ -196,6 +198,7 @@ PY
       timeout 580 python3 scripts/train.py -m $args trainer.eval_every=50 trainer.save_every=1000 \
         trainer.sample_tokens=0 hydra.sweep.dir=$sw 2>&1 | tail -3
       python3 scripts/report.py $sw --out $out/$what 2>&1 | sed -n 1,9p
+      rm -rf $sw/*/checkpoints
       [ $what = determinism_cost ] && python3 - $sw <<'PY' 2>&1 | tail -4
 import sys
 from pathlib import Path
