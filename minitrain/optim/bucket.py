@@ -1,4 +1,5 @@
-"""The parameters of one dtype and what the optimizer keeps for them: a layout, the state, a gradient source."""
+"""The parameters of one dtype and what the optimizer keeps for them: a layout, the state (and its share of the
+state_dict), a gradient source."""
 
 import torch
 
