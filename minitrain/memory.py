@@ -200,6 +200,127 @@ def _float8_casts(C: int, N: int, float8_linears: tuple[str, ...], a: int) -> in
     return max(moments)
 
 
+@dataclass(frozen=True)
+class _MicroBatch:
+    """What the activation and transient terms read: the model, one micro-batch's tokens, the bytes per element
+    of each dtype, and what changes a block's saved set (float8 linears, compilation)."""
+
+    cfg: ModelConfig
+    tokens: int  # micro_batch x seq_len
+    seq_len: int
+    p: int  # params and the residual stream
+    compute: torch.dtype  # the matmuls'
+    stats: int  # LayerNorm mean/rstd
+    autocast: bool
+    device: str
+    float8_linears: tuple[str, ...]
+    compiled: bool
+
+    @property
+    def a(self) -> int:
+        return self.compute.itemsize
+
+    def block(self, kind: str) -> int:
+        """Bytes one block of `kind` (kept | recomputed | selective) holds for backward."""
+        return (_block_bytes(self.cfg, self.tokens, self.seq_len, self.p, self.a, self.stats, self.device, kind)
+                + _float8_block_delta(self.cfg, self.float8_linears, self.tokens, self.a, self.compiled, kind))
+
+
+def _persistent_state(precision: Precision, n_params: int, padded: int, world_size: int,
+                      sharded: bool) -> tuple[int, int, int, int, int]:
+    """weights, grads, fp32 masters, Adam m and v: the model's params + AdamW's flat, ALIGN-padded buffers (`padded`
+    elements). FSDP2 divides each by `world_size`; with masters the fp32 shards ARE the params (no separate compute
+    copy: _fsdp_gathered's, while gathered) and receive the fp32 reduce-scatter."""
+    masters = 4 * padded if precision.master_weights else 0
+    weights, grads = n_params * precision.param_dtype.itemsize, padded * precision.grad_dtype.itemsize
+    if sharded and precision.master_weights:
+        weights, grads = 0, 4 * padded
+    shard = world_size if sharded else 1
+    return tuple(x // shard for x in (weights, grads, masters, 4 * padded, 4 * padded))
+
+
+def _fsdp_gathered(cfg: ModelConfig, p: int, n_params: int, unit_blocks: int, reshard_after_forward: bool,
+                   float8_gathered: tuple[str, ...]) -> tuple[int, int]:
+    """FSDP2's compute copies, which exist only while gathered: the root's (embeddings, final norm, tied head)
+    through forward and backward, plus two units of blocks (the running one, the prefetched one), or every block
+    from forward to backward when reshard_after_forward is false. `float8_gathered`: the linears whose weights
+    arrive as 1-byte float8, already cast. Also returns backward's unit gradients: a unit's new grads + the
+    previous unit's fp32 reduce-scatter input."""
+    block_params = _block_params(cfg)
+    per_block = sum(block_params.values())
+    blocks = cfg.n_layer if not reshard_after_forward else min(2 * unit_blocks, cfg.n_layer)
+    float8 = sum(block_params[f"{name}.weight"] for name in float8_gathered)
+    gathered = (n_params - cfg.n_layer * per_block) * p + blocks * (per_block * p - float8 * (p - 1))
+    return gathered, unit_blocks * per_block * (p + 4)
+
+
+def _block_kinds(ckpt_cfg: CheckpointingConfig, n_layer: int) -> list[str]:
+    """What each block keeps for backward under the policy: kept, recomputed (its input only) or selective."""
+    selective = ckpt_cfg.policy == CheckpointPolicy.selective
+    return ["selective" if selective else "recomputed" if rec else "kept"
+            for rec in recomputed_blocks(ckpt_cfg, n_layer)]
+
+
+def _activations(micro: _MicroBatch, kinds: list[str]) -> tuple[list[int], int]:
+    """Saved for backward: each block's bytes, and the embedding's and final LayerNorm's."""
+    C, N, p, a = micro.cfg.n_embd, micro.tokens, micro.p, micro.a
+    # Autocast caches each weight's low-precision copy until the forward + loss region ends: with the
+    # loss's peak inside that region, every block holds its 12·C² copies then, whatever the policy.
+    per_layer = [micro.block(k) + (12 * C * C * a if micro.autocast else 0) for k in kinds]
+    dropout_mask = (1 if micro.device == "cuda" else p) if micro.cfg.dropout > 0 else 0
+    # Embedding saves the token ids (int64) and positions; the final LayerNorm its input and stats.
+    other = N * 8 + micro.seq_len * 8 + N * C * dropout_mask + N * (C * p + 2 * micro.stats)
+    return per_layer, other
+
+
+def _loss_workspace(micro: _MicroBatch, loss_impl: str, chunk_bytes: int | None, low_memory: bool) -> int:
+    """The loss, beyond the activations: ln_f's output (hidden, param dtype) and the loss's own tensors."""
+    C, V, N, p, a = micro.cfg.n_embd, micro.cfg.vocab_size, micro.tokens, micro.p, micro.a
+    hidden = N * C * p + (N * C * a if a != p else 0)  # + its autocast copy
+    if loss_impl != "fused":
+        # F.cross_entropy on full logits: at log_softmax's backward, its fp32 output (saved), the incoming
+        # grad and the outgoing grad coexist (12·N·V); autocast saves a low-precision copy of the head.
+        return hidden + 12 * N * V + (V * C * a if micro.autocast else 0)
+    # Both gradients are made in forward and kept for backward, which scales them in place.
+    cast = V * C * a if a != p else 0  # the weight's autocast copy
+    if low_memory:  # row chunks in the memory grad_weight and the block take later; blocks of all N rows
+        cols = min(V, fitting(chunk_bytes or N * C * a, N, micro.compute))
+        saved = N * C * a + V * C * p
+        forward = N * cols * a + N * 8 + cast + (cols * C * a if a != p else 0)
+    else:  # row chunks beside the fp32 accumulator; grad_weight made after the workspace is gone
+        rows = min(N, fitting(chunk_bytes or DEFAULT_CHUNK_BYTES, V, micro.compute))
+        saved = N * C * a + V * C * 4
+        forward = max(rows * V * a, V * C * p) + N * 8 + cast
+    return hidden + saved + forward
+
+
+def _backward_transient(micro: _MicroBatch, last_kind: str) -> int:
+    """The top of backward in the last block: incoming grad, grads of the MLP hidden (GELU out, fc out),
+    the block's recomputed activations, and the wte gradient produced by the loss before accumulation.
+    selective reruns GELU's output there (then, smaller, each norm's). Eager float8 linears cast there."""
+    C, V, N, p, a = micro.cfg.n_embd, micro.cfg.vocab_size, micro.tokens, micro.p, micro.a
+    recompute = {"recomputed": micro.block("kept"), "selective": N * 4 * C * a, "kept": 0}[last_kind]
+    mlp_grads = 8 * N * C * a if micro.compiled else max(8 * N * C * a, _float8_casts(C, N, micro.float8_linears, a))
+    return N * C * p + mlp_grads + recompute + V * C * p
+
+
+def _optimizer_transient(groups: list[tuple[list[int], bool]], precision: Precision, optimizer_impl: str,
+                         padded: int, grads: int) -> int:
+    """Optimizer step temporaries. The fused step reads the grads in place: none. loop and foreach first
+    gather autograd's grads into the flat buffer (both exist for that copy; not with fp32 main grads,
+    which hooks add into the buffer as they come), then make fp32 grad copies, sqrt(v) and the update
+    per group."""
+    if optimizer_impl == "fused":
+        return 0
+    p, g = precision.param_dtype.itemsize, precision.grad_dtype.itemsize
+    gathered = grads if optimizer_impl != "torch" and g == p else 0
+    largest = max(sum(_padded(n) for n in numels) if optimizer_impl == "foreach" else max(numels)
+                  for numels, _ in groups)
+    upcast = 4 * padded if g != 4 else 0
+    low_no_master = 4 * padded if p != 4 and not precision.master_weights else 0
+    return max(gathered, upcast + low_no_master + 8 * largest)
+
+
 def predict(model_cfg: ModelConfig, precision: Precision, ckpt_cfg: CheckpointingConfig,
             micro_batch: int, seq_len: int, loss_impl: str, chunk_bytes: int | None, grad_accum: int = 1,
             loss_low_memory: bool = False,
@@ -215,95 +336,28 @@ def predict(model_cfg: ModelConfig, precision: Precision, ckpt_cfg: Checkpointin
     `float8_linears`: each block's linears that multiply in float8 (the plan's), `float8_all_gather`: their weights
     gathered in float8 under FSDP; `compiled`: the step runs under torch.compile (it changes only what float8
     blocks save)."""
-    p = precision.param_dtype.itemsize
-    a = precision.compute_dtype.itemsize
+    p, g = precision.param_dtype.itemsize, precision.grad_dtype.itemsize
     autocast = precision.autocast_dtype is not None
-    g = precision.grad_dtype.itemsize
-    C, V, N, T = model_cfg.n_embd, model_cfg.vocab_size, micro_batch * seq_len, seq_len
-    stats = 4 if device == "cuda" or autocast else p  # autocast runs LayerNorm in fp32
-    notes = []
-
-    # Persistent state: the model's params + AdamW's flat, ALIGN-padded buffers.
+    micro = _MicroBatch(model_cfg, micro_batch * seq_len, seq_len, p, precision.compute_dtype,
+                        4 if device == "cuda" or autocast else p,  # autocast runs LayerNorm in fp32
+                        autocast, device, float8_linears, compiled)
     groups = param_numels(model_cfg)
     n_params = sum(sum(numels) for numels, _ in groups)
     padded = sum(_padded(n) for numels, _ in groups for n in numels)
-    shard = world_size if sharded else 1
-    masters = 4 * padded if precision.master_weights else 0
-    weights, grads, adam_m, adam_v = n_params * p, padded * g, 4 * padded, 4 * padded
+    weights, grads, masters, adam_m, adam_v = _persistent_state(precision, n_params, padded, world_size, sharded)
     fsdp_gathered = unit_grads = 0
+    notes = []
     if sharded:
-        # FSDP2: with masters the fp32 shards ARE the params (no separate compute copy) and receive the
-        # fp32 reduce-scatter. A compute copy exists only while gathered: the root's (embeddings, final
-        # norm, tied head) through forward and backward, plus two units of blocks (the running one, the
-        # prefetched one), or every block from forward to backward when reshard_after_forward is false.
-        if precision.master_weights:
-            weights, grads = 0, 4 * padded
-        block_params = _block_params(model_cfg)
-        per_block = sum(block_params.values())
-        unit = fsdp_unit_blocks * per_block
-        blocks = model_cfg.n_layer if not reshard_after_forward else min(2 * fsdp_unit_blocks, model_cfg.n_layer)
-        # float8 all-gather: the converted linears' weights arrive as 1-byte float8, already cast
-        float8 = sum(block_params[f"{name}.weight"] for name in float8_linears) if float8_all_gather else 0
-        fsdp_gathered = (n_params - model_cfg.n_layer * per_block) * p + blocks * (per_block * p - float8 * (p - 1))
-        unit_grads = unit * (p + 4)  # in backward: a unit's new grads + the previous unit's fp32 reduce-scatter input
+        fsdp_gathered, unit_grads = _fsdp_gathered(model_cfg, p, n_params, fsdp_unit_blocks, reshard_after_forward,
+                                                   float8_linears if float8_all_gather else ())
         notes.append(f"FSDP: persistent state / {world_size}; {fsdp_unit_blocks} block(s) per unit, "
                      f"reshard_after_forward={reshard_after_forward}")
-    weights, grads, masters, adam_m, adam_v = (x // shard for x in (weights, grads, masters, adam_m, adam_v))
-
-    # Activations, block by block.
-    recomputed = recomputed_blocks(ckpt_cfg, model_cfg.n_layer)
-    selective = ckpt_cfg.policy == CheckpointPolicy.selective
-    kinds = ["selective" if selective else "recomputed" if rec else "kept" for rec in recomputed]
-    block = {k: _block_bytes(model_cfg, N, T, p, a, stats, device, k)
-             + _float8_block_delta(model_cfg, float8_linears, N, a, compiled, k) for k in set(kinds) | {"kept"}}
-    # Autocast caches each weight's low-precision copy until the forward + loss region ends: with the
-    # loss's peak inside that region, every block holds its 12·C² copies then, whatever the policy.
-    per_layer = [block[k] + (12 * C * C * a if autocast else 0) for k in kinds]
-    dropout_mask = (1 if device == "cuda" else p) if model_cfg.dropout > 0 else 0
-    # Embedding saves the token ids (int64) and positions; the final LayerNorm its input and stats.
-    other = N * 8 + T * 8 + N * C * dropout_mask + N * (C * p + 2 * stats)
+    kinds = _block_kinds(ckpt_cfg, model_cfg.n_layer)
+    per_layer, other = _activations(micro, kinds)
     activations = sum(per_layer) + other
-
-    # The loss, beyond the activations: ln_f's output (hidden, param dtype) and the loss's own tensors.
-    hidden = N * C * p + (N * C * a if a != p else 0)  # + its autocast copy
-    if loss_impl == "fused":
-        # Both gradients are made in forward and kept for backward, which scales them in place.
-        compute = precision.compute_dtype
-        cast = V * C * a if a != p else 0  # the weight's autocast copy
-        if loss_low_memory:  # row chunks in the memory grad_weight and the block take later; blocks of all N rows
-            cols = min(V, fitting(chunk_bytes or N * C * a, N, compute))
-            saved = N * C * a + V * C * p
-            forward = N * cols * a + N * 8 + cast + (cols * C * a if a != p else 0)
-        else:  # row chunks beside the fp32 accumulator; grad_weight made after the workspace is gone
-            rows = min(N, fitting(chunk_bytes or DEFAULT_CHUNK_BYTES, V, compute))
-            saved = N * C * a + V * C * 4
-            forward = max(rows * V * a, V * C * p) + N * 8 + cast
-        loss_workspace = hidden + saved + forward
-    else:
-        # F.cross_entropy on full logits: at log_softmax's backward, its fp32 output (saved), the incoming
-        # grad and the outgoing grad coexist (12·N·V); autocast saves a low-precision copy of the head.
-        loss_workspace = hidden + 12 * N * V + (V * C * a if autocast else 0)
-
-    # The top of backward in the last block: incoming grad, grads of the MLP hidden (GELU out, fc out),
-    # the block's recomputed activations, and the wte gradient produced by the loss before accumulation.
-    # selective reruns GELU's output there (then, smaller, each norm's). Eager float8 linears cast there.
-    recompute = {"recomputed": block["kept"], "selective": N * 4 * C * a, "kept": 0}[kinds[-1]]
-    mlp_grads = 8 * N * C * a if compiled else max(8 * N * C * a, _float8_casts(C, N, float8_linears, a))
-    backward_transient = N * C * p + mlp_grads + recompute + V * C * p + unit_grads
-
-    # Optimizer step temporaries. The fused step reads the grads in place: none. loop and foreach first
-    # gather autograd's grads into the flat buffer (both exist for that copy; not with fp32 main grads,
-    # which hooks add into the buffer as they come), then make fp32 grad copies, sqrt(v) and the update
-    # per group.
-    if optimizer_impl == "fused":
-        optimizer_transient = 0
-    else:
-        gathered = grads if optimizer_impl != "torch" and g == p else 0
-        largest = max(sum(_padded(n) for n in numels) if optimizer_impl == "foreach" else max(numels)
-                      for numels, _ in groups)
-        upcast = 4 * padded if g != 4 else 0
-        low_no_master = 4 * padded if p != 4 and not precision.master_weights else 0
-        optimizer_transient = max(gathered, upcast + low_no_master + 8 * largest)
+    loss_workspace = _loss_workspace(micro, loss_impl, chunk_bytes, loss_low_memory)
+    backward_transient = _backward_transient(micro, kinds[-1]) + unit_grads
+    optimizer_transient = _optimizer_transient(groups, precision, optimizer_impl, padded, grads)
 
     # Gradients appear as backward reaches each parameter and all exist only once the activations are
     # gone, except when they were there before: later micro-batches (through the whole step), or fp32 main

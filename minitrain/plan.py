@@ -15,7 +15,7 @@ import os
 import socket
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import psutil
 import torch
@@ -23,7 +23,7 @@ import torch
 from . import fp8, memory
 from .recompute import recomputed_blocks
 from .config import SCRATCH, CheckpointingConfig, CheckpointPolicy, Config, ConfigError, DistributedMode, \
-    Float8Recipe, KernelImpl, ModelConfig, OptimizerImpl
+    Float8Recipe, KernelImpl, ModelConfig, OptimizerImpl, TrainerConfig
 from .memory import GB, MemoryEstimate
 from .precision import Precision, resolve_precision
 from .schedule import LRSchedule, default_warmup
@@ -232,34 +232,14 @@ def make_plan(cfg: Config, tokenizer_vocab: int, device: torch.device, world_siz
               device_memory_bytes: Optional[int] = None) -> Plan:
     """device_memory_bytes: what the budget is a fraction of, in place of the device's own (a benchmark plans
     for a GPU it is not on, or lets the allocator decide what fits)."""
-    t, auto = cfg.trainer, []
-    if t.device.value == "auto":
-        auto.append("device")
+    t = cfg.trainer
     precision = resolve_precision(cfg.precision, device, tf32=t.tf32, optimizer_impl=cfg.optimizer.impl)
-    if cfg.precision.name == "auto":
-        auto.append("precision")
     compile_mode = _compile_mode(cfg, device)
-    if t.compile == "auto" or (compile_mode is not None and t.compile_mode == "auto"):
-        auto.append("compile")
     model = model_config_for(cfg, tokenizer_vocab, device)
     float8_linears = _float8_linears(precision, model, device)
-    loss_impl = "fused" if cfg.loss.impl.fused_on(device.type) else "torch"
-    optimizer_impl = cfg.optimizer.impl.value
-    if cfg.optimizer.impl == OptimizerImpl.auto:
-        optimizer_impl = "fused" if device.type == "cuda" else "foreach"
-    if KernelImpl.auto in (cfg.loss.impl, cfg.model.gelu) or cfg.optimizer.impl == OptimizerImpl.auto:
-        auto.append("kernels")
-    notes = []
-    if device.type == "cpu" and precision.compute_dtype == torch.float16:
-        notes.append(f"precision={precision.name} on a CPU: fp16 matmuls run tens of times slower than fp32 "
-                     "there (precision=auto picks fp32 on a CPU)")
-    elif device.type == "cpu" and precision.compute_dtype == torch.bfloat16 and not cpu_has_bf16():
-        notes.append(f"precision={precision.name} on a CPU without bf16 instructions (AVX512-BF16, AMX): bf16 "
-                     "matmuls run many times slower than fp32 here (precision=auto picks fp32)")
-    if precision.float8 != Float8Recipe.none and not float8_linears:
-        notes.append(f"precision={precision.name}: no linear of {model.name} is wide enough for float8 to gain "
-                     "(torchao's filter); every matmul runs in bf16")
-
+    loss_impl, optimizer_impl = _kernels(cfg, device)
+    auto = _resolved_from_auto(cfg, compile_mode)
+    notes = _precision_notes(precision, model, float8_linears, device)
     if t.batch_size % world_size:
         raise ConfigError(f"trainer.batch_size: the global batch of {t.batch_size} sequences does not split "
                           f"into {world_size} ranks")
@@ -279,34 +259,11 @@ def make_plan(cfg: Config, tokenizer_vocab: int, device: torch.device, world_siz
                               float8_linears=float8_linears, float8_all_gather=float8_all_gather,
                               compiled=compile_mode is not None)
 
-    if t.micro_batch == "auto":
-        auto.append("micro_batch")
-        micro_batches = [m for m in range(per_rank, 0, -1) if per_rank % m == 0]
-    else:
-        micro = int(t.micro_batch)
-        if per_rank % micro:
-            raise ConfigError(f"trainer.micro_batch={micro} does not divide the {per_rank} sequences of each of "
-                              f"{world_size} ranks (trainer.batch_size={t.batch_size})")
-        micro_batches = [micro]
-    if cfg.checkpointing.policy == CheckpointPolicy.auto:
-        auto.append("checkpointing")
-    # Fastest first (sorting is stable: on a tie the cheaper policy, then the larger micro-batch); the first
-    # candidate that fits is the plan, so only the candidates faster than it are predicted.
-    candidates = sorted(((m, p) for p in _policies(cfg.checkpointing, model.n_layer) for m in micro_batches),
-                        key=lambda c: predicted_rate(c[0] * model.block_size, c[1], model.n_layer), reverse=True)
-    too_big = []
-    for micro, policy in candidates:
-        if (estimate := predict(micro, policy)).peak <= budget:
-            break
-        too_big.append((estimate, micro))
-    else:
-        raise PlanError(_no_fit_message(cfg, precision, *min(too_big, key=lambda c: c[0].peak), budget, total,
-                                        device))
+    candidates = _candidates(cfg.checkpointing, model, _micro_batches(t, per_rank, world_size))
+    micro, policy, estimate = _fit(candidates, predict, cfg, precision, budget, total, device)
     if not {"micro_batch", "checkpointing"} & set(auto) and estimate.peak > CLOSE_TO_BUDGET * budget:
         notes.append(f"the predicted peak is {estimate.peak / budget:.0%} of trainer.memory_budget")
 
-    if t.warmup_steps is None:
-        auto.append("warmup")
     warmup = default_warmup(t.max_steps) if t.warmup_steps is None else t.warmup_steps
     max_skipped = t.max_skipped_steps or (25 if precision.loss_scaling else 3)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" and torch.cuda.is_available() else device.type
@@ -315,8 +272,78 @@ def make_plan(cfg: Config, tokenizer_vocab: int, device: torch.device, world_siz
                 optimizer_impl=optimizer_impl, batch_size=t.batch_size, micro_batch=micro, checkpointing=policy,
                 schedule=LRSchedule(t.lr, t.min_lr, warmup, t.max_steps), max_skipped_steps=max_skipped,
                 memory=estimate, memory_budget=budget, device_memory=total, deterministic=t.deterministic,
-                placement=placement(device), auto=tuple(auto), notes=tuple(notes), float8_linears=float8_linears,
+                placement=placement(device), auto=auto, notes=tuple(notes), float8_linears=float8_linears,
                 float8_all_gather=float8_all_gather)
+
+
+def _kernels(cfg: Config, device: torch.device) -> tuple[str, str]:
+    """The loss's and the optimizer's implementations; `auto` is the fused kernel where it runs."""
+    loss_impl = "fused" if cfg.loss.impl.fused_on(device.type) else "torch"
+    optimizer_impl = cfg.optimizer.impl.value
+    if cfg.optimizer.impl == OptimizerImpl.auto:
+        optimizer_impl = "fused" if device.type == "cuda" else "foreach"
+    return loss_impl, optimizer_impl
+
+
+def _resolved_from_auto(cfg: Config, compile_mode: Optional[str]) -> tuple[str, ...]:
+    """The settings the plan chose (describe() tags them): those left at `auto`."""
+    t = cfg.trainer
+    chosen = {"device": t.device.value == "auto", "precision": cfg.precision.name == "auto",
+              "compile": t.compile == "auto" or (compile_mode is not None and t.compile_mode == "auto"),
+              "kernels": KernelImpl.auto in (cfg.loss.impl, cfg.model.gelu) or cfg.optimizer.impl == OptimizerImpl.auto,
+              "micro_batch": t.micro_batch == "auto",
+              "checkpointing": cfg.checkpointing.policy == CheckpointPolicy.auto,
+              "warmup": t.warmup_steps is None}
+    return tuple(setting for setting, is_auto in chosen.items() if is_auto)
+
+
+def _precision_notes(precision: Precision, model: ModelConfig, float8_linears: tuple[str, ...],
+                     device: torch.device) -> list[str]:
+    """A precision that runs, but many times slower than fp32 on this CPU or exactly as bf16 does, is named."""
+    notes = []
+    if device.type == "cpu" and precision.compute_dtype == torch.float16:
+        notes.append(f"precision={precision.name} on a CPU: fp16 matmuls run tens of times slower than fp32 "
+                     "there (precision=auto picks fp32 on a CPU)")
+    elif device.type == "cpu" and precision.compute_dtype == torch.bfloat16 and not cpu_has_bf16():
+        notes.append(f"precision={precision.name} on a CPU without bf16 instructions (AVX512-BF16, AMX): bf16 "
+                     "matmuls run many times slower than fp32 here (precision=auto picks fp32)")
+    if precision.float8 != Float8Recipe.none and not float8_linears:
+        notes.append(f"precision={precision.name}: no linear of {model.name} is wide enough for float8 to gain "
+                     "(torchao's filter); every matmul runs in bf16")
+    return notes
+
+
+def _micro_batches(t: TrainerConfig, per_rank: int, world_size: int) -> list[int]:
+    """The micro-batches to try: with `auto`, every divisor of the rank's share of the batch."""
+    if t.micro_batch == "auto":
+        return [m for m in range(per_rank, 0, -1) if per_rank % m == 0]
+    micro = int(t.micro_batch)
+    if per_rank % micro:
+        raise ConfigError(f"trainer.micro_batch={micro} does not divide the {per_rank} sequences of each of "
+                          f"{world_size} ranks (trainer.batch_size={t.batch_size})")
+    return [micro]
+
+
+def _candidates(checkpointing: CheckpointingConfig, model: ModelConfig,
+                micro_batches: list[int]) -> list[tuple[int, CheckpointingConfig]]:
+    """(micro-batch, policy) pairs, fastest first (sorting is stable: on a tie the cheaper policy, then the larger
+    micro-batch)."""
+    return sorted(((m, p) for p in _policies(checkpointing, model.n_layer) for m in micro_batches),
+                  key=lambda c: predicted_rate(c[0] * model.block_size, c[1], model.n_layer), reverse=True)
+
+
+def _fit(candidates: list[tuple[int, CheckpointingConfig]],
+         predict: Callable[[int, CheckpointingConfig], MemoryEstimate], cfg: Config, precision: Precision,
+         budget: int, total: int, device: torch.device) -> tuple[int, CheckpointingConfig, MemoryEstimate]:
+    """The first candidate whose predicted peak is within the budget: they come fastest first, so only those faster
+    than the plan are predicted. When none fits, the error shows the smallest."""
+    too_big = []
+    for micro, policy in candidates:
+        if (estimate := predict(micro, policy)).peak <= budget:
+            return micro, policy, estimate
+        too_big.append((estimate, micro))
+    raise PlanError(_no_fit_message(cfg, precision, *min(too_big, key=lambda c: c[0].peak), budget, total,
+                                    device))
 
 
 def _no_fit_message(cfg: Config, precision: Precision, smallest: MemoryEstimate, micro: int, budget: int,

@@ -10,7 +10,7 @@ import torch
 
 from minitrain.amp import DynamicLossScaler, LossScaling
 from minitrain.optim import AdamW, TorchAdamW
-from minitrain.optim.adamw import Counters
+from minitrain.optim.decision import Counters
 from minitrain.optim.adamw_triton import N_SCALARS, finalize
 
 CASES = [(tracker, finite) for tracker in range(3) for finite in (True, False)]  # growth_interval 3

@@ -13,7 +13,7 @@ import torch
 from minitrain.amp import DynamicLossScaler, LossScaling
 from minitrain.tools.live_bytes import LiveBytes
 from minitrain.optim import AdamW, TorchAdamW
-from minitrain.optim.adamw import Counters, decide_step
+from minitrain.optim.decision import Counters, decide_step
 from minitrain.optim.adamw_triton import BLOCK, GRAD_MULT, INV_BC1, INV_BC2_SQRT, N_SCALARS, NOT_SKIPPED, finalize
 
 from conftest import round_trip

@@ -5,7 +5,7 @@
                     deterministic).
   _finalize_kernel  one program: global norm, non-finite flag, clip coefficient, 1/scale, bias
                     corrections, step/skip counters and the loss-scaler update. Twin of
-                    adamw.decide_step (and of amp.DynamicLossScaler.update).
+                    decision.decide_step (and of amp.DynamicLossScaler.update).
   _adamw_kernel     one program per row of a work table, a row being one BLOCK-chunk of one
                     tensor: reads grad, master, m, v; writes master, m, v and the compute copy
                     (bf16/fp16 param) in the same pass. Exits at once on a skipped step.
@@ -51,7 +51,7 @@ COL_TENSOR = tl.constexpr(4)        # its tensor: the index of the step's grad o
 COL_START = tl.constexpr(5)         # the chunk's first element in its tensor
 TABLE_COLUMNS = tl.constexpr(6)
 
-# Slots of the step's scalars, written by _finalize_kernel and read by _adamw_kernel (adamw.StepScalars).
+# Slots of the step's scalars, written by _finalize_kernel and read by _adamw_kernel (decision.StepScalars).
 GRAD_MULT = tl.constexpr(0)
 NOT_SKIPPED = tl.constexpr(1)
 INV_BC1 = tl.constexpr(2)
@@ -189,7 +189,7 @@ def _adamw_kernel(table_ptr, grad_offsets_ptr, zeros_ptr, param_ptr, master_ptr,
 
 
 def finalize(partials, counters, scaler, max_grad_norm, betas, scalars):
-    """Launch _finalize_kernel over a step's partial sums of squares: adamw.decide_step's twin, updating
+    """Launch _finalize_kernel over a step's partial sums of squares: decision.decide_step's twin, updating
     `counters` and `scaler` in place and writing the step's scalars into `scalars` ([N_SCALARS] fp32)."""
     if scaler is None:
         scaling = (scalars, scalars, 1.0, 1.0, 1)  # placeholders, compiled out

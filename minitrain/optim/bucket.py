@@ -1,8 +1,9 @@
-"""The parameters of one dtype and what the optimizer keeps for them: a layout, the state, a gradient source."""
+"""The parameters of one dtype and what the optimizer keeps for them: a layout, the state (and its share of the
+state_dict), a gradient source."""
 
 import torch
 
-from .dtensor import local
+from .dtensor import like, local
 from .grads import GatheredGrads, InPlaceGrads, MainGrads
 from .layout import Layout
 
@@ -40,3 +41,38 @@ class Bucket:
             self.grads = InPlaceGrads(self.owners, grad_dtype)
         else:
             self.grads = GatheredGrads(self.owners, self.layout, grad_dtype, device)
+
+    def state_dict(self) -> dict:
+        """Per parameter, keyed by its position in the optimizer: m, v and the master, views of the flat
+        buffers (torch.save stores each buffer once), DTensors over them when the params are sharded."""
+        state = {}
+        for j, (i, p) in enumerate(zip(self.index, self.owners)):
+            state[i] = {"exp_avg": like(p, self.state.exp_avgs[j]), "exp_avg_sq": like(p, self.state.exp_avg_sqs[j])}
+            if self.state.master is not None:
+                state[i]["master"] = like(p, self.state.masters[j])
+        return state
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """`state`: the optimizer's, keyed by position (state_dict's layout)."""
+        for j, i in enumerate(self.index):
+            saved = state[i]
+            self.state.exp_avgs[j].copy_(local(saved["exp_avg"]))
+            self.state.exp_avg_sqs[j].copy_(local(saved["exp_avg_sq"]))
+            if self.state.master is not None and "master" in saved:
+                self.state.masters[j].copy_(local(saved["master"]))
+                self.params[j].copy_(self.state.masters[j])  # the compute copy is the master's cast
+
+
+def buckets_by_dtype(param_groups, impl: str, master_weights, grad_dtype) -> list[Bucket]:
+    """One bucket per parameter dtype, in order of first appearance. master_weights: None or True gives
+    low-precision params fp32 masters, False none; grad_dtype: None reads gradients in the params' dtype."""
+    by_dtype, i = {}, 0
+    for gi, g in enumerate(param_groups):
+        for p in g["params"]:
+            by_dtype.setdefault(p.dtype, []).append((p, gi, i))
+            i += 1
+    return [Bucket([p for p, _, _ in pg], [gi for _, gi, _ in pg], [i for _, _, i in pg], impl,
+                   has_master=dtype != torch.float32 and master_weights is not False,
+                   grad_dtype=grad_dtype or dtype)
+            for dtype, pg in by_dtype.items()]

@@ -23,11 +23,11 @@ import torch
 
 from minitrain.optim.adamw_triton import fused_bytes_per_param
 
-OPS_PER_STEP = 15  # torch ops of one unfused AdamW update with clipping and unscaling (optim/adamw.py)
+OPS_PER_STEP = 15  # torch ops of one unfused AdamW update with clipping and unscaling (optim/adamw_torch.py)
 FOREACH_TENSORS_PER_LAUNCH = 48  # tensors one CUDA foreach kernel covers (multi_tensor_apply chunking)
 FUSED_LAUNCHES = 3
 # Bytes per parameter per step, bf16 params + fp32 masters. Unfused: each of the ~15 ops reads and writes
-# its fp32 operands (counted op by op from optim/adamw.py's _adamw_ and unscaling).
+# its fp32 operands (counted op by op from optim/adamw_torch.py's _adamw_ and unscaling).
 BYTES_PER_PARAM = {"fused": fused_bytes_per_param(torch.bfloat16, torch.bfloat16, master_weights=True),
                    "foreach": 130, "per-tensor": 130}
 IMPLS = tuple(BYTES_PER_PARAM)

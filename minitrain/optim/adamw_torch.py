@@ -1,0 +1,92 @@
+"""The loop and foreach steps of AdamW: one update in torch list math, applied per tensor (loop) or per
+(bucket, param group) (foreach). The twin of adamw_triton's FusedStep, called the same way."""
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .decision import decide_step
+
+
+@dataclass
+class _Coefficients:
+    """The torch paths' per-step coefficients: on a skipped step the betas, decay and step size make the
+    update an exact identity, with no host branch."""
+
+    beta1: Tensor         # beta1, or 1 when skipped
+    beta2: Tensor
+    inv_bc2_sqrt: Tensor
+    decay: Tensor         # [groups] 1 - lr*wd, 1 when skipped
+    step_size: Tensor     # [groups] lr / (1 - beta1^t), 0 when skipped
+
+
+def _pick(xs, idx):
+    return [xs[i] for i in idx]
+
+
+def _adamw_(p, g, m, v, c: _Coefficients, group, betas, eps):
+    """AdamW on lists of fp32 tensors in torch's op order (decay, then the Adam step).
+    The fused kernel computes the same expression per element."""
+    beta1, beta2 = betas
+    torch._foreach_mul_(m, c.beta1)
+    torch._foreach_add_(m, g, alpha=1 - beta1)
+    torch._foreach_mul_(v, c.beta2)
+    torch._foreach_addcmul_(v, g, g, value=1 - beta2)
+    denom = torch._foreach_sqrt(v)
+    torch._foreach_mul_(denom, c.inv_bc2_sqrt)
+    torch._foreach_add_(denom, eps)
+    update = torch._foreach_div(m, denom)
+    torch._foreach_mul_(update, c.step_size[group])
+    torch._foreach_mul_(p, c.decay[group])
+    torch._foreach_sub_(p, update)
+
+
+class TorchStep:
+    """The batches of one AdamW(impl="loop" | "foreach"), built once: a batch is what one list-math call
+    covers, one tensor (loop) or one group within one bucket (foreach), indexing bucket-order lists."""
+
+    def __init__(self, buckets, impl, betas, eps, max_grad_norm, reduce_sumsq):
+        self.buckets, self.impl = buckets, impl
+        self.betas, self.eps, self.max_grad_norm, self.reduce_sumsq = betas, eps, max_grad_norm, reduce_sumsq
+        self.params = [p for b in buckets for p in b.params]
+        self.exp_avgs = [m for b in buckets for m in b.state.exp_avgs]
+        self.exp_avg_sqs = [v for b in buckets for v in b.state.exp_avg_sqs]
+        self.groups = [g for b in buckets for g in b.groups]
+        keys = [(id(b), g) for b in buckets for g in b.groups]
+        self.batches = [[i] for i in range(len(keys))] if impl == "loop" else \
+            [[i for i, k in enumerate(keys) if k == key] for key in dict.fromkeys(keys)]
+
+    def __call__(self, lr, weight_decay, counters, scaler):
+        """One step. lr, weight_decay: [groups] fp32 device tensors; counters, scaler: updated in place."""
+        flats = [b.grads.flat() for b in self.buckets]
+        # fp32 grads (fp32 grads are unscaled in place, like GradScaler.unscale_). foreach
+        # upcasts each flat buffer in one op: torch has no foreach cast, and no foreach `where`
+        # to zero non-finite grads on a skipped step, so nan_to_num on the flat buffer does it.
+        if self.impl == "loop":
+            units = grads = [g.float() for b in self.buckets for g in b.grads.views]
+        else:
+            units = [flat.float() for flat in flats]
+            grads = [g for b, u in zip(self.buckets, units) for g in b.layout.views(u)]
+        norms = [n for idx in self.batches for n in torch._foreach_norm(_pick(grads, idx))]
+        sumsq = torch.stack(norms).square().sum()
+        if self.reduce_sumsq is not None:
+            self.reduce_sumsq(sumsq)
+        s = decide_step(sumsq, counters, self.max_grad_norm, self.betas, scaler)
+        for u in units:
+            u.mul_(s.grad_mult).nan_to_num_(0.0, 0.0, 0.0)
+        keep = s.not_skipped.bool()
+        lr = lr * s.not_skipped
+        c = _Coefficients(beta1=torch.where(keep, self.betas[0], 1.0), beta2=torch.where(keep, self.betas[1], 1.0),
+                          inv_bc2_sqrt=s.inv_bc2_sqrt, decay=1 - lr * weight_decay,
+                          step_size=lr * s.inv_bc1)
+
+        work = [w for b in self.buckets for w in (
+            b.state.masters if b.state.master is not None else
+            b.params if b.params[0].dtype == torch.float32 else
+            [p.float() for p in b.params])]  # bf16_no_master: fp32 math, rounded into the param
+        for idx in self.batches:
+            _adamw_(_pick(work, idx), _pick(grads, idx), _pick(self.exp_avgs, idx), _pick(self.exp_avg_sqs, idx),
+                    c, self.groups[idx[0]], self.betas, self.eps)
+            if work[idx[0]] is not self.params[idx[0]]:
+                torch._foreach_copy_(_pick(self.params, idx), _pick(work, idx))
