@@ -206,6 +206,17 @@ def test_a_corpus_too_small_for_the_split_gives_its_last_document_to_validation(
     assert documents_of(data, "val") == ["the end, without a newline:    "]
 
 
+def test_a_one_document_corpus_prepares_with_an_empty_training_split(tmp_path):
+    """Its one document goes to validation: the training stream is empty, and still says its dtype and reads
+    (prepare_data.py prints both splits)."""
+    (tmp_path / "one.txt").write_text("a single short document\n" * 20)
+    data = prepare_data(DataConfig(name="files", source="files", paths=str(tmp_path / "one.txt"), vocab_size=300,
+                                   cache_dir=str(tmp_path / "cache")), progress=False)
+    assert len(data.train) == 0 and len(data.val) > 0
+    assert data.train.dtype == data.val.dtype == np.uint16 and data.train[:].dtype == np.uint16
+    assert len(data.train[:]) == 0
+
+
 def test_the_trainers_windows_come_from_their_own_splits(make_cfg):
     from minitrain.trainer import Trainer
 

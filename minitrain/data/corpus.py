@@ -26,9 +26,12 @@ from ..config import DataConfig, DataSource, error_reason
 
 DOC_CHARS = 1 << 20
 # Documents are encoded in chunks of at most this many characters: many chunks keep every core busy in one
-# encode_batch call. A chunk ends where the byte-level pre-tokenizer splits the text anyway (before whitespace
-# that follows a non-space character), so the chunks' tokens are the whole document's.
-CHUNK_CHARS = 1 << 16
+# encode_batch call, and a short chunk's working memory in the tokenizer (~16 bytes a character) stays in the
+# core's cache: 64K-character chunks cost ~10% more CPU (docs/benchmarks.md, Data preparation). A chunk ends where
+# the byte-level pre-tokenizer splits the text anyway (before whitespace that follows a non-space character), so
+# the chunks' tokens are the whole document's; only a stretch of half a chunk without such whitespace (a long
+# base64 line) is cut at the limit.
+CHUNK_CHARS = 1 << 13
 # Characters per encode_batch call: its encodings hold ~100 bytes per token until they are written.
 BATCH_CHARS = 1 << 23
 # A corpus file whose head holds a NUL byte, or more than this share of bytes that are not UTF-8, is not text

@@ -131,16 +131,17 @@ def _chunked(docs: list[tuple[str, int, bool]]) -> tuple[list[str], list[int]]:
 def token_ids(encodings, docs: list[tuple[str, int, bool]], ends: list[int], eot: int,
               dtype: np.dtype) -> tuple[dict[str, np.ndarray], int]:
     """Each split's tokens of the documents (text, bytes, is it validation), each ended by `eot`, from their
-    chunks' encodings; and the token count of the last training document."""
-    ids, last_train, first = {"train": [], "val": []}, 0, 0
-    for (_, _, validation), end in zip(docs, ends):
-        doc = [e.ids for e in encodings[first:end]] + [[eot]]
-        ids["val" if validation else "train"].append(doc)
-        if not validation:
-            last_train = sum(map(len, doc))
-        first = end
-    return {split: np.fromiter(chain.from_iterable(chain.from_iterable(d)), dtype=dtype)
-            for split, d in ids.items()}, last_train
+    chunks' encodings; and the token count of the last training document. The ids leave the encodings once, into
+    one array that numpy cuts: no per-document Python lists."""
+    lengths = np.fromiter(map(len, encodings), dtype=np.int64, count=len(encodings))
+    ids = np.fromiter(chain.from_iterable(e.ids for e in encodings), dtype=dtype, count=int(lengths.sum()))
+    doc_ends = np.concatenate(([0], np.cumsum(lengths)))[ends]  # where each document's tokens end
+    ids = np.insert(ids, doc_ends, eot)
+    doc_tokens = np.diff(doc_ends, prepend=0) + 1  # with its EOT
+    validation = np.fromiter((doc[2] for doc in docs), dtype=bool, count=len(docs))
+    in_validation = np.repeat(validation, doc_tokens)
+    last_train = int(doc_tokens[~validation][-1]) if not validation.all() else 0
+    return {"train": ids[~in_validation], "val": ids[in_validation]}, last_train
 
 
 def encoded(batches: Iterator[Batch], tokenizer, eot: int, dtype: np.dtype) -> Iterator[tuple[Batch, dict, int]]:

@@ -137,17 +137,15 @@ class ShardWriter:
 class TokenStream:
     """One split's tokens: its shards read as one sequence (all but the last hold the same number of tokens)."""
 
-    def __init__(self, shards: Sequence[np.ndarray]):
+    def __init__(self, shards: Sequence[np.ndarray], dtype: Optional[np.dtype] = None):
+        """`dtype`: the tokens', where there may be no shard to read it from (an empty split)."""
+        self.dtype = np.dtype(dtype) if dtype is not None else shards[0].dtype
         self.shards = [s for s in shards if len(s)]
         self.shard_tokens = len(self.shards[0]) if self.shards else 1
         self.length = sum(len(s) for s in self.shards)
 
     def __len__(self) -> int:
         return self.length
-
-    @property
-    def dtype(self) -> np.dtype:
-        return self.shards[0].dtype
 
     def read(self, start: int, out: np.ndarray) -> None:
         """Fill `out` with the tokens from `start` on, across shard boundaries."""
@@ -219,7 +217,7 @@ def _open_split(path: Path, split: str, index: dict[str, Any], dtype: np.dtype, 
             raise UnusableCache(f"{shard['file']}'s largest token id {shard['max_token']} is outside the "
                                 f"tokenizer's {vocab_size} ids")
         shards.append(np.memmap(file, dtype=dtype, mode="r", shape=(size // dtype.itemsize,)))
-    stream = TokenStream(shards)
+    stream = TokenStream(shards, dtype)
     if len(stream) != record["tokens"]:
         raise UnusableCache(f"the {split} shards hold {len(stream)} tokens, {INDEX} records {record['tokens']}")
     return stream

@@ -8,7 +8,7 @@ tree, timed by the wall clock (its CPU seconds beside), its memory the peak of t
 processes:
 
   ideal      the tokenizers library alone (`ideal`): the same byte-level BPE trained on the same bounded sample
-             (windows of 1 MiB evenly spaced over the corpus), then every file read in chunks of 64 KiB cut at
+             (windows of 1 MiB evenly spaced over the corpus), then every file read in chunks of 8K characters cut at
              line ends and encoded with encode_batch_fast in batches of 8 MiB on all cores, the ids (an EOT after
              each file) written to one token file
   minitrain  `scripts/prepare_data.py data=files ...` into an empty cache dir: the same sample and BPE, the
@@ -38,7 +38,7 @@ import psutil
 
 from ... import files
 
-WINDOW, CHUNK, BATCH = 1 << 20, 1 << 16, 1 << 23
+WINDOW, CHUNK, BATCH = 1 << 20, 1 << 13, 1 << 23  # CHUNK: minitrain's data.corpus.CHUNK_CHARS
 EOT = "<|endoftext|>"
 TIME_TARGET, MEMORY_TARGET_GB = 1.1, 2.0
 KINDS = ("ideal", "minitrain")
