@@ -90,9 +90,9 @@ def test_policies_order_activation_memory():
 # The whole step's peak, measured, against the prediction. The model counts the step's large tensors op by op; what it
 # leaves out (the loss scalar, per-row statistics, the optimizer's scalars) is a few kB of these ~3 MB steps, so it
 # must land within 0.1% below to 0.1% above. A cell the model knowingly over-predicts is held to 7% over (the GPU
-# sweep's cells stay within 7.6% of their peak allocated): with autocast, the model keeps every block's low-precision weight copies at the loss's peak,
-# true for the fused loss (its peak is inside the forward's autocast region) but not for the torch loss, whose peak is
-# in backward, after autocast freed the copies of the blocks it did not save.
+# sweep's cells stay within 7.6% of their peak allocated): with autocast, the model keeps every block's low-precision
+# weight copies at the loss's peak, true for the fused loss (its peak is inside the forward's autocast region) but not
+# for the torch loss, whose peak is in backward, after autocast freed the copies of the blocks it did not save.
 KNOWN_OVER = {("torch", "amp_bf16", "selective", 1): 0.07}
 
 
