@@ -26,11 +26,11 @@ from ..config import DataConfig, DataSource, error_reason
 
 DOC_CHARS = 1 << 20
 # Documents are encoded in chunks of at most this many characters: many chunks keep every core busy in one
-# encode_batch call, and a short chunk's working memory in the tokenizer (~16 bytes a character) stays in the
-# core's cache: 64K-character chunks cost ~10% more CPU (docs/benchmarks.md, Data preparation). A chunk ends where
-# the byte-level pre-tokenizer splits the text anyway (before whitespace that follows a non-space character), so
-# the chunks' tokens are the whole document's; only a stretch of half a chunk without such whitespace (a long
-# base64 line) is cut at the limit.
+# encode_batch call, and a short chunk encodes on less CPU than a long one (docs/benchmarks.md, Data preparation;
+# likely its working memory in the tokenizer fitting the core's cache). A chunk ends where the byte-level
+# pre-tokenizer splits the text anyway (before whitespace that follows a non-space character), so the chunks'
+# tokens are the whole document's; only a stretch of half a chunk without such whitespace (a long base64 line)
+# is cut at the limit.
 CHUNK_CHARS = 1 << 13
 # Characters per encode_batch call: its encodings hold ~100 bytes per token until they are written.
 BATCH_CHARS = 1 << 23
