@@ -127,3 +127,22 @@ def saved_state(path, rank: int = 0) -> dict:
         state = torch.load(f"{tmp}/state.pt", weights_only=False)
     own = f"_rank{rank}"
     return {k.removesuffix(own): v for k, v in state.items() if not re.search(r"_rank\d+$", k) or k.endswith(own)}
+
+
+def train_steps(model, opt, loss_fn, B: int, T: int, steps: int = 2, accum: int = 1, autocast=None) -> None:
+    """`steps` optimizer steps of `accum` random micro-batches each, the loss over the model's hidden states and its
+    head: the whole step whose live bytes the memory tests set beside the model's prediction."""
+    import contextlib
+
+    import torch
+
+    for _ in range(steps):
+        for _ in range(accum):
+            tokens = torch.randint(0, model.cfg.vocab_size, (B, T + 1))
+            with autocast or contextlib.nullcontext():
+                loss = loss_fn(model.forward_hidden(tokens[:, :-1]).flatten(0, 1), model.lm_head_weight,
+                               tokens[:, 1:].flatten())
+            loss.backward()
+            del loss
+        opt.step()
+        opt.zero_grad()

@@ -33,7 +33,7 @@ from minitrain.tools.live_bytes import LiveBytes
 from minitrain.tools.report import read_step_records
 from minitrain.trainer import RunInfo, Trainer
 
-from conftest import REPO
+from conftest import REPO, train_steps
 
 pytest.importorskip("torchao")
 from torchao.float8.float8_linear import Float8Linear  # noqa: E402
@@ -250,14 +250,7 @@ def test_eager_float8_steps_peak_where_the_model_says(policy, linears):
         model = bf16_model(cfg, linears)
         apply_policy(model, ckpt)
         opt = AdamW(model.param_groups(0.1), impl="foreach", master_weights=True)
-        for _ in range(2):
-            tokens = torch.randint(0, cfg.vocab_size, (B, T + 1))
-            loss = fused_linear_cross_entropy(model.forward_hidden(tokens[:, :-1]).flatten(0, 1), model.lm_head_weight,
-                                              tokens[:, 1:].flatten())
-            loss.backward()
-            del loss
-            opt.step()
-            opt.zero_grad()
+        train_steps(model, opt, fused_linear_cross_entropy, B, T)
     est = predict(cfg, FP8, ckpt, B, T, "fused", None, device="cpu", optimizer_impl="foreach", float8_linears=linears)
     assert est.peak == pytest.approx(live.peak, rel=0.05)
     assert est.backward_transient > est.loss_workspace  # the casts set the predicted peak: the check is theirs

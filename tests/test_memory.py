@@ -12,6 +12,8 @@ from minitrain.ops import fused_linear_cross_entropy, linear_cross_entropy_refer
 from minitrain.optim import AdamW
 from minitrain.precision import preset, resolve_precision
 
+from conftest import train_steps
+
 B, T = 4, 32
 PRECISIONS = {
     name: resolve_precision(cfg, torch.device("cpu")) for name, cfg in {
@@ -111,16 +113,7 @@ def test_peak_of_whole_training_steps(loss_impl, precision, policy, accum):
         model = GPT(cfg).to(prec.param_dtype)
         apply_policy(model, POLICIES[policy])
         opt = optimizer(model, prec)
-        for _ in range(2):
-            for _ in range(accum):
-                tokens = torch.randint(0, cfg.vocab_size, (B, T + 1))
-                with autocast:
-                    loss = loss_fn(model.forward_hidden(tokens[:, :-1]).flatten(0, 1), model.lm_head_weight,
-                                   tokens[:, 1:].flatten())
-                loss.backward()
-                del loss
-            opt.step()
-            opt.zero_grad()
+        train_steps(model, opt, loss_fn, B, T, accum=accum, autocast=autocast)
     est = predict(cfg, prec, POLICIES[policy], B, T, loss_impl, None, grad_accum=accum, device="cpu",
                   optimizer_impl="foreach")
     over = KNOWN_OVER.get((loss_impl, precision, policy, accum), 0.001)
