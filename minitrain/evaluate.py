@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -115,11 +116,20 @@ def load_hellaswag(source: str, limit: Optional[int] = None) -> list[HellaSwagEx
 
 
 def _download_hellaswag() -> str:
+    """The validation split's parquet file: from the local cache when it is there (no network), else from the
+    hub, announced first, as an unreachable hub takes about half a minute of retries to say so."""
     from huggingface_hub import hf_hub_download
 
+    where = dict(repo_id=HELLASWAG_REPO, filename=HELLASWAG_FILE, repo_type="dataset", revision=HELLASWAG_REVISION)
+    try:
+        return hf_hub_download(**where, local_files_only=True)
+    except Exception:  # not cached yet
+        pass
+    print(f"HellaSwag: downloading {HELLASWAG_REPO}'s validation split from the hub (once, then from its cache)",
+          file=sys.stderr, flush=True)
     try:
         with hub_quietly():
-            return hf_hub_download(HELLASWAG_REPO, HELLASWAG_FILE, repo_type="dataset", revision=HELLASWAG_REVISION)
+            return hf_hub_download(**where)
     except Exception as e:  # offline, or the hub moved it: either way the local copy is the way out
         raise DataError(f"HellaSwag could not be downloaded from the hub ({type(e).__name__}); it needs network "
                         "once. Offline, point at a local copy instead: hellaswag_val.jsonl from "

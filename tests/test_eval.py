@@ -100,6 +100,31 @@ def test_hellaswag_from_an_unreachable_hub_points_at_a_local_copy(tmp_path, monk
         load_hellaswag("hub")
 
 
+def test_hellaswag_from_the_hub_is_read_from_the_cache_first_and_announced_before_a_download(tmp_path, monkeypatch,
+                                                                                              capsys):
+    import huggingface_hub
+
+    calls = []
+    cached = tmp_path / "validation.parquet"
+    pq_rows = [{"ctx": "a b", "endings": ["c", "d", "a", "b"], "label": 2}]
+
+    def download(repo_id, filename, repo_type, revision, local_files_only=False):
+        calls.append(local_files_only)
+        if local_files_only and not cached.exists():
+            raise FileNotFoundError("not in the cache")
+        if not local_files_only:  # the download writes the cache
+            import pyarrow as pa
+            import pyarrow.parquet as pq
+            pq.write_table(pa.Table.from_pylist(pq_rows), cached)
+        return str(cached)
+
+    monkeypatch.setattr(huggingface_hub, "hf_hub_download", download)
+    assert load_hellaswag("hub")[0].label == 2
+    assert calls == [True, False] and "downloading Rowan/hellaswag" in capsys.readouterr().err
+    assert load_hellaswag("hub")[0].label == 2  # cached now: no network, nothing announced
+    assert calls == [True, False, True] and capsys.readouterr().err == ""
+
+
 def test_validation_loss_is_the_mean_over_consecutive_windows():
     tokens = np.random.default_rng(0).integers(0, len(WORDS), size=103).astype(np.uint16)
     stream = TokenStream([tokens[:40], tokens[40:80], tokens[80:]])
