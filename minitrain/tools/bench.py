@@ -9,6 +9,7 @@ their command lines. Measured figures live in docs/benchmarks.md and docs/result
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import shlex
 import statistics
@@ -47,15 +48,19 @@ def event_ms(fn: Callable[[], object], calls: int = 1) -> float:
     return start.elapsed_time(end) / calls
 
 
-def alternating_rounds(runs: Mapping[str, Callable[[], object]], rounds: int, calls: int) -> dict[str, list[float]]:
-    """ms per call of each of `runs`, one figure per round (`event_ms` of `calls` calls). The runs take turns,
-    in the order given on even rounds and reversed on odd ones, so a machine that drifts during the
-    measurement (clocks, heat) slows them all alike."""
-    ms: dict[str, list[float]] = {name: [] for name in runs}
+def take_turns(figures: Mapping[str, Callable[[], float]], rounds: int) -> dict[str, list[float]]:
+    """Each of `figures` measured once per round. They take turns, in the order given on even rounds and
+    reversed on odd ones, so a machine that drifts during the measurement (clocks, heat) moves them all alike."""
+    measured: dict[str, list[float]] = {name: [] for name in figures}
     for r in range(rounds):
-        for name in list(runs)[:: 1 if r % 2 == 0 else -1]:
-            ms[name].append(event_ms(runs[name], calls))
-    return ms
+        for name in list(figures)[:: 1 if r % 2 == 0 else -1]:
+            measured[name].append(figures[name]())
+    return measured
+
+
+def alternating_rounds(runs: Mapping[str, Callable[[], object]], rounds: int, calls: int) -> dict[str, list[float]]:
+    """ms per call of each of `runs`, one figure per round (`event_ms` of `calls` calls), in `take_turns`."""
+    return take_turns({name: functools.partial(event_ms, fn, calls) for name, fn in runs.items()}, rounds)
 
 
 @dataclass(frozen=True)
