@@ -179,7 +179,7 @@ class DataConfig:
     hub_split: str = "train"
     text_column: str = "text"
     # train: a byte-level BPE of data.vocab_size tokens trained on the corpus; else a pretrained one: a Hugging
-    # Face name (gpt2) or a directory holding tokenizer.json (or vocab.json + merges.txt) (minitrain/tokenizer.py).
+    # Face name (gpt2) or a directory holding tokenizer.json (or vocab.json + merges.txt) (minitrain/data/tokenizer.py).
     tokenizer: str = "train"
     vocab_size: int = 4096  # tokenizer=train only
     # tokenizer=train learns its merges from at most this many MB of the corpus (evenly spaced over local files,

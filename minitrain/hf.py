@@ -16,7 +16,6 @@ compute the same function.
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Mapping
@@ -24,10 +23,10 @@ from typing import Mapping
 import torch
 
 from .config import SCRATCH, ConfigError, ModelConfig, error_reason
+from .hub import SourceError, source_file
 
 WEIGHTS, CONFIG = "model.safetensors", "config.json"
-KEY = "model.init_from"
-_HUB_NAME = re.compile(r"[\w.-]+(/[\w.-]+)?")
+KEY = "model.init_from"  # the setting a source error names
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 _BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal masks older GPT-2 checkpoints saved with the weights
 # What minitrain's GPT computes, as GPT-2 config.json keys (absent keys take transformers' GPT2Config defaults).
@@ -40,55 +39,14 @@ _GPT2_DEFAULTS = {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_la
                   "tie_word_embeddings": True}
 
 
-class SourceError(ConfigError):
-    """A name or directory that holds no usable file; the message names it."""
-
-
 class WeightsError(ConfigError):
     """Weights that are not a GPT-2 checkpoint minitrain can read; the message names the file or key."""
-
-
-# -- where the files are ------------------------------------------------------------------------------
-def is_local(source: str) -> bool:
-    return Path(source).expanduser().is_dir()
-
-
-def source_file(source: str, filename: str, key: str = KEY) -> Path:
-    """`filename` in the directory `source`, or of the Hugging Face model `source`: from the hub's local cache
-    first (no network), downloaded (with a progress bar) when it is not there."""
-    if is_local(source):
-        path = Path(source).expanduser() / filename
-        if not path.is_file():
-            raise SourceError(f"{key}={source}: there is no {filename} in that directory")
-        return path
-    if not _HUB_NAME.fullmatch(source):
-        raise SourceError(f"{key}={source!r}: no such directory, and not a Hugging Face model name")
-    from huggingface_hub import constants, hf_hub_download
-    from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, LocalEntryNotFoundError, \
-        RepositoryNotFoundError
-
-    try:
-        return Path(hf_hub_download(source, filename, local_files_only=True))
-    except LocalEntryNotFoundError:
-        pass
-    try:
-        return Path(hf_hub_download(source, filename))
-    except LocalEntryNotFoundError:  # not cached, and the hub did not answer
-        raise SourceError(f"{key}={source}: not a local directory, not in the Hugging Face cache "
-                          f"({constants.HF_HUB_CACHE}), and the hub cannot be reached; run once online to "
-                          "download it, or give a directory holding its files") from None
-    except RepositoryNotFoundError:
-        raise SourceError(f"{key}={source}: no such directory, and no such model on the Hugging Face hub") from None
-    except EntryNotFoundError:
-        raise SourceError(f"{key}={source}: the Hugging Face model {source} has no {filename}") from None
-    except (HfHubHTTPError, OSError) as e:
-        raise SourceError(f"{key}={source}: {filename} could not be downloaded ({error_reason(e)})") from None
 
 
 # -- config.json ------------------------------------------------------------------------------------------
 def read_config(source: str) -> tuple[dict, Path]:
     """GPT-2's config.json of `source`, checked to describe the function minitrain's GPT computes."""
-    path = source_file(source, CONFIG)
+    path = source_file(source, CONFIG, KEY)
     try:
         config = json.loads(path.read_text())
     except (OSError, ValueError) as e:
@@ -205,7 +163,7 @@ def load_weights(model) -> Path:
     """`model.cfg.init_from`'s model.safetensors into `model` (built with settle_shape's config)."""
     from safetensors import SafetensorError, safe_open
 
-    path = source_file(model.cfg.init_from, WEIGHTS)
+    path = source_file(model.cfg.init_from, WEIGHTS, KEY)
     try:
         with safe_open(str(path), "pt") as handle:
             load_hf_state(model.state_dict(), model.cfg, _SafetensorsFile(handle), str(path))
@@ -273,7 +231,7 @@ def open_weights(source: str, tokenizer: str | None = None) -> Weights:
     if (path / JOB_INFO).is_file() or (path / ".metadata").is_file() or checkpoint_dir(path).is_dir():
         return read_checkpoint(path, tokenizer)
     from .model import GPT
-    from .tokenizer import pretrained_tokenizer
+    from .data.tokenizer import pretrained_tokenizer
 
     cfg = settle_shape(ModelConfig(name=source, init_from=source, n_layer=None, n_head=None, n_embd=None,
                                    block_size=None))
@@ -291,7 +249,7 @@ def read_checkpoint(path: Path, tokenizer: str | None = None) -> Weights:
     from omegaconf import OmegaConf
 
     from .checkpoint import JOB_INFO, locate, read_part
-    from .tokenizer import pretrained_tokenizer
+    from .data.tokenizer import pretrained_tokenizer
 
     ckpt = locate(path)
     try:

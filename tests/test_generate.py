@@ -123,7 +123,7 @@ def test_settings_and_lengths_that_cannot_work_are_refused(gpt2):
 
 def test_sample_texts_continue_the_prompt_or_a_new_document(hf_gpt2, gpt2):
     from minitrain.generate import sample_texts
-    from minitrain.tokenizer import pretrained_tokenizer
+    from minitrain.data.tokenizer import pretrained_tokenizer
 
     model, _ = gpt2
     tokenizer = pretrained_tokenizer(str(hf_gpt2))

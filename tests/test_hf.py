@@ -1,4 +1,4 @@
-"""GPT-2 in and out (minitrain/hf.py, minitrain/tokenizer.py), checked against transformers itself: a randomly
+"""GPT-2 in and out (minitrain/hf.py, minitrain/data/tokenizer.py), checked against transformers itself: a randomly
 initialised GPT2LMHeadModel saved to a directory (conftest's hf_gpt2), imported, fine-tuned, exported and loaded
 back by transformers, on the CPU in fp32, without network."""
 
@@ -12,7 +12,7 @@ from minitrain import hf
 from minitrain.config import ConfigError
 from minitrain.data import EOT
 from minitrain.ops import fused_linear_cross_entropy, linear_cross_entropy_reference
-from minitrain.tokenizer import TokenizerError, pretrained_tokenizer
+from minitrain.data.tokenizer import TokenizerError, pretrained_tokenizer
 from minitrain.trainer import Trainer
 
 from conftest import GPT2_VOCAB

@@ -480,7 +480,7 @@ def test_a_pretrained_tokenizer_from_a_directory_is_used_as_it_is(tmp_path, smal
 
 
 def test_a_pretrained_tokenizer_that_cannot_be_used_stops_the_preparation_in_one_line(tmp_path):
-    """minitrain/tokenizer.py's refusals (tests/test_hf.py) reach the user as a DataError, which train.py and
+    """minitrain/data/tokenizer.py's refusals (tests/test_hf.py) reach the user as a DataError, which train.py and
     prepare_data.py print as one line."""
     cfg = code_corpus(tmp_path)
     (tmp_path / "tok").mkdir()

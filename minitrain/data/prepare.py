@@ -34,8 +34,8 @@ from ..config import DataConfig, error_reason
 from .corpus import Batch, DataError, HubStream, LocalFiles, chunks, corpus_identity, open_corpus
 from .shards import (FORMAT, INDEX, TOKENIZER, ShardWriter, TokenData, UnusableCache, open_cache, token_dtype,
                      vocab_size_of)
+from .tokenizer import EOT, pretrained_tokenizer
 
-EOT = "<|endoftext|>"
 PROGRESS = "progress.json"
 SPLITS = ("train", "val")
 _DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
@@ -220,7 +220,6 @@ class _Preparation:
                 tokenizer = train_tokenizer(corpus.sample(self.cfg.tokenizer_sample_mb << 20), self.cfg.vocab_size,
                                             self.progress)
             else:
-                from ..tokenizer import pretrained_tokenizer
 
                 tokenizer = pretrained_tokenizer(self.cfg.tokenizer)
             files.atomic_write(path, tokenizer.to_str(pretty=True))

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from .data import EOT, DataError
-from .hf import SourceError, is_local, source_file
+from ..hub import SourceError, is_local, source_file
+from .corpus import DataError
 
 KEY = "data.tokenizer"
+EOT = "<|endoftext|>"  # between documents, in every tokenizer the pipeline uses
 
 
 class TokenizerError(DataError):
