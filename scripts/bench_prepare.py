@@ -53,7 +53,8 @@ def main() -> int:
         prepare.ideal(args.ideal[0], Path(args.ideal[1]), args.vocab_size, args.sample_mb)
         return 0
     corpus = prepare.build_corpus(args.work, args.gb)
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "true", "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    path = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))  # the caller's after the repo
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "true", "PYTHONPATH": path}
     print(f"corpus: {int((corpus / 'done').read_text()) / 1e9:.2f} GB, {os.cpu_count()} cores", flush=True)
     if not args.rounds:
         return 0
