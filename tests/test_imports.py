@@ -53,7 +53,7 @@ def cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return next((found for node in sorted(graph) if node not in state and (found := visit(node, [node]))), None)
 
 
-def test_the_cycle_finder_finds_a_cycle_and_only_one():
+def test_the_cycle_finder_finds_a_cycle_and_none_in_a_graph_without_one():
     assert cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
     assert cycle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
 
