@@ -359,6 +359,7 @@ ALLOWED_CHANGES: dict[str, str] = {
     "trainer.deterministic": "the order in which the same sums are added (kernel rounding aside)",
     "trainer.peak_flops": "the MFU denominator only",
     "trainer.memory_budget": "a check of the plan before allocating",
+    "trainer.expandable_segments": "how the allocator lays out the same tensors",
     "trainer.micro_batch": "how the global batch is split into micro-batches; the sum is the same",
     "trainer.max_skipped_steps": "when a diverging run is stopped, not what a step computes",
     "checkpointing.*": "which activations are recomputed in backward instead of kept; the same values",

@@ -345,6 +345,10 @@ class TrainerConfig:
     # Two runs of one config compute the same bits, a resumed run those of an unbroken one: kernels whose sums
     # run in a varying order are swapped for ordered ones (minitrain/determinism.py). Costs tokens/s on a GPU.
     deterministic: bool = False
+    # CUDA's caching allocator grows segments in place instead of caching fixed blocks: a run reserves little
+    # beyond what its tensors hold, so the measured peak is the memory model's (minitrain/memory.py). false: the
+    # allocator's default, or PYTORCH_CUDA_ALLOC_CONF's setting.
+    expandable_segments: bool = True
     memory_budget: float = 0.9  # fraction of the device's memory (a CPU: of available RAM) the plan may fill
     # A run stops after this many optimizer steps skipped in a row (inf/NaN gradients); None: 3 without
     # loss scaling (a diverged run), 25 with it (fp16 backs off once per skip; 25 halvings is a diverged run).

@@ -31,11 +31,20 @@ from .rundir import RunDirLock, RunInfo, make_run_dir
 from .step import Phase, record_function
 
 
+def set_expandable_segments(on: bool) -> None:
+    """trainer.expandable_segments, for the segments the CUDA allocator makes from now on (before the model's first
+    tensor, the run's all); PYTORCH_CUDA_ALLOC_CONF's other settings stay."""
+    torch._C._accelerator_setAllocatorSettings(f"expandable_segments:{on}")
+
+
 class Trainer:
     def __init__(self, cfg: Config | DictConfig, run: RunInfo = RunInfo(), progress: bool = True,
                  phase: Phase = record_function, device_memory_bytes: Optional[int] = None):
         self.cfg = cfg = hf.with_weights_shape(resolve(cfg))
-        self.dist, self.device = distributed.init(cfg, pick_device(cfg.trainer.device.value))
+        device = pick_device(cfg.trainer.device.value)
+        if device.type == "cuda":
+            set_expandable_segments(cfg.trainer.expandable_segments)
+        self.dist, self.device = distributed.init(cfg, device)
         if self.device.type == "cuda":  # each job of a multirun reports its own peaks
             torch.cuda.reset_peak_memory_stats(self.device)
         self.show_progress, self.run, self.kept = progress and self.dist.is_main, run, None

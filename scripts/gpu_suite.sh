@@ -3,7 +3,7 @@
 # Usage: scripts/gpu_suite.sh OUT_DIR [tests] [optimizer] [cross_entropy] [ce_rows] [ce_chunks] [gelu] [train]
 #        [step] [step_ablate] [step15b] [step_sizes] [curve] [sweep] [sweep_alone] [defaults] [defaults15b] [plan]
 #        [attention] [diverge15b] [compile15b] [compile_check] [determinism] [determinism_cost]
-#        [determinism_cost15b] [sample] [sample15b] [sample_run] [prepare_corpus] [prepare_many] [prepare_one]
+#        [determinism_cost15b] [allocator] [sample] [sample15b] [sample_run] [prepare_corpus] [prepare_many] [prepare_one]
 #        [fp8_tests] [fp8_speed] [fp8_sizes] [fp8_defaults15b] [fp8_quality] [smoke]
 # smoke: every benchmark script once in its quickest mode (the tiny model, one small shape), a few minutes: each
 #   still runs end to end on this GPU; its figures are not results
@@ -182,6 +182,15 @@ for name, cell in alone.items():
         print(f"{name}: measured peak side by side / alone {side[name].measured_gb / cell.measured_gb:.4f}")
 PY
       ;;
+    allocator)  # tokens/s and peaks with trainer.expandable_segments=true (the default) against false, alternating
+      # cells of a process each: gpt2-124m bf16 without recompute and with full recompute (the report's table)
+      sw=/tmp/allocator; rm -rf $sw
+      timeout 580 python3 scripts/train.py -m model=gpt2-124m precision=bf16 checkpointing=none,full \
+        trainer.expandable_segments=true,false,true,false trainer.batch_size=16 trainer.max_steps=60 \
+        trainer.log_every=10 trainer.eval_every=1000 trainer.eval_batches=2 trainer.save_every=1000 \
+        trainer.sample_tokens=0 hydra.sweep.dir=$sw 2>&1 | tail -3
+      python3 scripts/report.py $sw --out $out/allocator 2>&1 | sed -n 1,12p
+      rm -rf $sw/*/checkpoints ;;
     determinism)  # trainer.deterministic=true: two 30-step gpt2-124m runs (compiled, CUDA graphs) and one SIGKILLed
       # and resumed end with the same bits; the loss rows' kernel gives the same bits on any grid
       MINITRAIN_TEST_DEVICE=cuda timeout 580 python3 -m pytest -q tests/test_determinism.py -k "not cpu" 2>&1 \

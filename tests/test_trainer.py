@@ -13,7 +13,7 @@ from minitrain import checkpoint, rundir
 from minitrain.config import ConfigError
 from minitrain.divergence import NonFiniteLossError
 from minitrain.progress import Progress
-from minitrain.trainer import Trainer, train
+from minitrain.trainer import Trainer, set_expandable_segments, train
 
 from conftest import REPO, round_trip, saved_state
 
@@ -299,6 +299,31 @@ def test_train_step_never_syncs_with_the_host(make_cfg, precision):
             t.train_step(step)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+@pytest.mark.parametrize("on", [True, False])
+def test_expandable_segments_setting_reaches_the_allocator(monkeypatch, on):
+    settings = []
+    monkeypatch.setattr(torch._C, "_accelerator_setAllocatorSettings", settings.append)
+    set_expandable_segments(on)
+    assert settings == [f"expandable_segments:{on}"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the CUDA allocator")
+def test_cuda_trainer_params_live_in_segments_of_its_setting(make_cfg, tmp_path):
+    """trainer.expandable_segments is applied before the model's first tensor: its weights sit in segments of
+    that kind, whatever the setting of the run before it in this process."""
+    for on in (False, True, False):
+        t = Trainer(make_cfg(*SMALL_MODEL, "model.n_embd=256", "trainer.device=cuda",
+                             f"trainer.expandable_segments={on}", f"trainer.out_dir={tmp_path / str(on)}"),
+                    progress=False)
+        segments = torch.cuda.memory_snapshot()
+        weight = max(t.model.parameters(), key=lambda p: p.untyped_storage().nbytes())  # > 1 MiB: the large pool
+        segment, = [s for s in segments if s["address"] <= weight.data_ptr() < s["address"] + s["total_size"]]
+        assert segment["is_expandable"] == on
+        t.close()
+        del t
+        torch.cuda.empty_cache()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
