@@ -1,3 +1,4 @@
+import gc
 import json
 import math
 import re
@@ -322,7 +323,8 @@ def test_cuda_trainer_params_live_in_segments_of_its_setting(make_cfg, tmp_path)
         segment, = [s for s in segments if s["address"] <= weight.data_ptr() < s["address"] + s["total_size"]]
         assert segment["is_expandable"] == on
         t.close()
-        del t
+        del t, weight, segment
+        gc.collect()  # the trainer's reference cycles, then its segments
         torch.cuda.empty_cache()
 
 
