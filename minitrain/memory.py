@@ -21,7 +21,8 @@ holds it. Assumptions, checked by tests/test_memory.py on CPU and by the GPU swe
     temporaries (_float8_casts);
   - SDPA runs a fused kernel (CUDA flash/efficient, CPU flash) that saves q, k, v, the output and an
     fp32 logsumexp; only CPU with attention dropout takes the math path, which saves T x T matrices;
-  - the allocator is not modelled: reserved exceeds allocated by fragmentation, `compare` shows by how much;
+  - the allocator is not modelled: reserved exceeds allocated by what it caches, little with expandable segments
+    (trainer.expandable_segments, the default), more with fixed blocks; `compare` shows by how much;
   - CUDA context, cuBLAS workspaces and Triton's own buffers are outside torch's counters, and ignored.
 """
 
