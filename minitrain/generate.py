@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from .model import GPT, KVCache
+from .ops.decode import decode_logits
 
 
 class GenerationError(ValueError):
@@ -85,6 +86,33 @@ def _decode(model: GPT, cache: KVCache, token: torch.Tensor, pos: torch.Tensor, 
 _decode_graphed = torch.compile(_decode, mode="reduce-overhead", fullgraph=True, dynamic=False)
 
 
+def _decode_fused(model: GPT, cache: KVCache, token: torch.Tensor, pos: torch.Tensor, s: Sampling) -> torch.Tensor:
+    """_decode in the decode kernels of minitrain/ops/decode.py: five launches a block."""
+    return next_token(decode_logits(model, cache, token, pos), s)
+
+
+class _CapturedStep:
+    """A decode step captured once as a CUDA graph and replayed at every later token. The first call runs it
+    (compiling the kernels), then records it reading the token and position from fixed buffers."""
+
+    def __init__(self, step):
+        self.step, self.graph = step, None
+
+    def __call__(self, model: GPT, cache: KVCache, token: torch.Tensor, pos: torch.Tensor,
+                 s: Sampling) -> torch.Tensor:
+        if self.graph is None:
+            self.token, self.pos = token.clone(), pos.clone()
+            first = self.step(model, cache, token, pos, s)
+            self.graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(self.graph):
+                self.next = self.step(model, cache, self.token, self.pos, s)
+            return first
+        self.token.copy_(token)
+        self.pos.copy_(pos)
+        self.graph.replay()
+        return self.next
+
+
 @dataclass
 class Generation:
     tokens: torch.Tensor  # (B, prompt + new)
@@ -99,12 +127,13 @@ class Generation:
 
 
 class Sampler:
-    """Generation for `batch` sequences of up to `length` tokens: one KV cache, and on CUDA one compiled and
-    graphed decode step, reused by every call (a new Sampler of the same shape reuses the compiled code, not the
-    recorded graphs)."""
+    """Generation for `batch` sequences of up to `length` tokens: one KV cache, and on CUDA one graphed decode
+    step, reused by every call (a new Sampler of the same shape reuses the compiled code, not the recorded graphs).
+    `fused`: the step in minitrain/ops/decode.py's kernels (None: on CUDA with 16-bit weights), else the model's
+    cached forward (compiled, with `graphs`)."""
 
     def __init__(self, model: GPT, batch: int, length: int, sampling: Sampling, kv_cache: bool = True,
-                 graphs: Optional[bool] = None, dtype: Optional[torch.dtype] = None):
+                 graphs: Optional[bool] = None, dtype: Optional[torch.dtype] = None, fused: Optional[bool] = None):
         if length > model.cfg.block_size:
             raise GenerationError(f"the prompt and the new tokens, {length} in all, exceed model.block_size="
                                   f"{model.cfg.block_size} positions")
@@ -115,9 +144,16 @@ class Sampler:
         self.model, self.sampling, self.length, self.device = model, sampling, length, device
         self.cache = KVCache(model.cfg, batch, length, dtype, device) if kv_cache else None
         self.graphs = kv_cache and (device.type == "cuda" if graphs is None else graphs)
-        self.step = _decode_graphed if self.graphs else _decode
-        if self.graphs:  # written in place by every replay: the graph's inputs at fixed addresses, not copies
-            for buffer in self.cache.buffers():
+        if fused is None:
+            fused = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and \
+                model.wte.weight.dtype == dtype
+        self.fused = kv_cache and fused
+        if self.fused:
+            self.step = _CapturedStep(_decode_fused) if self.graphs else _decode_fused
+        else:
+            self.step = _decode_graphed if self.graphs else _decode
+        if self.graphs and not self.fused:  # written in place by every replay: the graph's inputs at fixed
+            for buffer in self.cache.buffers():  # addresses, not copies
                 torch._dynamo.mark_static_address(buffer)
 
     @torch.no_grad()

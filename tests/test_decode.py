@@ -1,0 +1,118 @@
+"""The decode kernels (minitrain/ops/decode.py) against their references: each linear's prologue and epilogues
+against torch, the cached attention against SDPA over the cache (and the cache it writes), the whole decode step
+against the model's own cached forward, and fused sampling against the unfused sampler's tokens."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from minitrain.config import ModelConfig
+from minitrain.generate import Sampler, Sampling, generate
+from minitrain.model import GPT, KVCache
+from minitrain.ops.decode import cached_attention, decode_linear, decode_logits
+
+from conftest import TEST_DEVICE
+
+DEVICE = torch.device(TEST_DEVICE)
+# fp32 on the CPU (the interpreter multiplies in fp32); bf16 on a GPU, against torch's bf16 in fp32 arithmetic
+DTYPE = torch.float32 if DEVICE.type == "cpu" else torch.bfloat16
+TOL = dict(rtol=1e-5, atol=1e-5) if DTYPE == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+
+
+def randn(*shape, seed=0, scale=1.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(*shape, generator=g) * scale).to(DEVICE, DTYPE)
+
+
+@pytest.mark.parametrize("rows", [1, 3, 17])  # one sequence, a few, more than one program's ROWS
+@pytest.mark.parametrize("norm, bias, gelu, residual", [
+    (False, False, False, False), (True, True, False, False), (False, True, False, True),
+    (True, True, True, False), ("no bias", False, True, True)])
+def test_decode_linear_is_its_torch_composition(rows, norm, bias, gelu, residual):
+    K, N = 200, 90  # neither a multiple of the kernel's tiles
+    x, weight = randn(rows, K, seed=1, scale=3.0) + 1.5, randn(N, K, seed=2, scale=0.1)
+    b = randn(N, seed=3) if bias else None
+    ln = None
+    if norm:
+        ln = torch.nn.LayerNorm(K, bias=norm != "no bias").to(DEVICE, DTYPE)
+        with torch.no_grad():
+            ln.weight.copy_(randn(K, seed=4))
+            if ln.bias is not None:
+                ln.bias.copy_(randn(K, seed=5))
+    res = randn(rows, N, seed=6) if residual else None
+    with torch.no_grad():
+        expected = F.linear((ln(x.float()) if ln else x.float()), weight.float(), b.float() if bias else None)
+        if gelu:
+            expected = F.gelu(expected, approximate="tanh")
+        if residual:
+            expected = expected + res.float()
+        got = decode_linear(x, weight, b, norm=ln, gelu=gelu, residual=res)
+    assert got.dtype == DTYPE and got.shape == (rows, N)
+    torch.testing.assert_close(got.float(), expected, **TOL)
+
+
+@pytest.mark.parametrize("pos", [0, 1, 63, 64, 100])  # empty cache, one position, a loop step's edges, past one
+def test_cached_attention_is_sdpa_over_the_cache_and_writes_the_token(pos):
+    B, H, L, D = 2, 3, 112, 16
+    k_cache, v_cache = randn(B, H, L, D, seed=1), randn(B, H, L, D, seed=2)
+    qkv = randn(B, 3 * H * D, seed=3)
+    q, k, v = (t.view(B, H, 1, D) for t in qkv.split(H * D, 1))
+    k_expected, v_expected = k_cache.clone(), v_cache.clone()
+    k_expected[:, :, pos], v_expected[:, :, pos] = k[:, :, 0], v[:, :, 0]
+    seen = torch.arange(L, device=DEVICE) <= pos
+    expected = F.scaled_dot_product_attention(q.float(), k_expected.float(), v_expected.float(),
+                                              attn_mask=seen[None, :]).reshape(B, H * D)
+    stale = k_cache[:, :, pos + 1:].clone()
+    got = cached_attention(qkv, k_cache, v_cache, torch.tensor([pos], device=DEVICE))
+    torch.testing.assert_close(got.float(), expected, **TOL)
+    assert torch.equal(k_cache, k_expected) and torch.equal(v_cache, v_expected)
+    assert torch.equal(k_cache[:, :, pos + 1:], stale)  # positions after the token are neither read nor written
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = ModelConfig(n_layer=2, n_head=4, n_embd=64, block_size=96, vocab_size=320, head_vocab=300, bias=True)
+    torch.manual_seed(0)
+    gpt = GPT(cfg).eval()
+    with torch.no_grad():  # wide weights, so that the tokens depend on every term
+        for p in gpt.parameters():
+            p.add_(torch.randn_like(p) * 0.2)
+    return gpt.to(DEVICE, DTYPE)
+
+
+@torch.no_grad()
+def test_decode_logits_are_the_models_cached_forward_step_by_step(model):
+    B, T = 3, 7
+    prompt = torch.randint(0, 300, (B, T), generator=torch.Generator().manual_seed(1)).to(DEVICE)
+    ours, reference = (KVCache(model.cfg, B, 40, DTYPE, DEVICE) for _ in range(2))
+    positions = torch.arange(40, device=DEVICE)
+    for cache in (ours, reference):
+        model.forward_hidden(prompt, cache, positions[:T])
+    token = prompt[:, -1:]
+    for i in range(T, T + 12):
+        expected = F.linear(model.forward_hidden(token, reference, positions[i:i + 1])[:, -1], model.lm_head_weight)
+        got = decode_logits(model, ours, token, positions[i:i + 1])
+        assert got.shape == (B, 300)
+        torch.testing.assert_close(got.float(), expected.float(), **TOL)
+        for name, buffer in ours.named_buffers():
+            torch.testing.assert_close(buffer, reference.get_buffer(name), **TOL)
+        token = expected.argmax(-1, keepdim=True)
+
+
+@torch.no_grad()
+def test_fused_sampling_draws_the_unfused_samplers_tokens(model):
+    prompt = torch.randint(0, 300, (2, 5), generator=torch.Generator().manual_seed(2)).to(DEVICE)
+    drawn = [Sampling(temperature=0.8, top_k=50, top_p=0.9)] if DEVICE.type == "cpu" else []  # (inductor's
+    for sampling in [Sampling(temperature=0), *drawn]:  # compiled draws take their own random stream)
+        plain = generate(model, prompt, 12, sampling, seed=3).tokens
+        sampler = Sampler(model, 2, 17, sampling, fused=True)
+        assert sampler.fused
+        assert torch.equal(sampler.generate(prompt, 12, seed=3).tokens, plain)
+        if DEVICE.type == "cuda":
+            assert torch.equal(sampler.generate(prompt, 12, seed=3).tokens, plain)  # the captured step, replayed
+        assert len(set(plain[0, 5:].tolist())) > 6  # text, not one token repeated
+
+
+def test_fused_is_the_default_for_16_bit_weights_on_cuda_only(model):
+    assert not Sampler(model, 1, 8, Sampling(temperature=0)).fused or DEVICE.type == "cuda"
+    assert not Sampler(model, 1, 8, Sampling(temperature=0), kv_cache=False, fused=True).fused
