@@ -129,11 +129,11 @@ class Generation:
 class Sampler:
     """Generation for `batch` sequences of up to `length` tokens: one KV cache, and on CUDA one graphed decode
     step, reused by every call (a new Sampler of the same shape reuses the compiled code, not the recorded graphs).
-    `fused`: the step in minitrain/ops/decode.py's kernels (None: on CUDA with 16-bit weights), else the model's
-    cached forward (compiled, with `graphs`)."""
+    `fused`: the step in minitrain/ops/decode.py's kernels (captured as one CUDA graph, with `graphs`), else the
+    model's cached forward (compiled, with `graphs`): not the default while it is the slower (docs/benchmarks.md)."""
 
     def __init__(self, model: GPT, batch: int, length: int, sampling: Sampling, kv_cache: bool = True,
-                 graphs: Optional[bool] = None, dtype: Optional[torch.dtype] = None, fused: Optional[bool] = None):
+                 graphs: Optional[bool] = None, dtype: Optional[torch.dtype] = None, fused: bool = False):
         if length > model.cfg.block_size:
             raise GenerationError(f"the prompt and the new tokens, {length} in all, exceed model.block_size="
                                   f"{model.cfg.block_size} positions")
@@ -144,9 +144,6 @@ class Sampler:
         self.model, self.sampling, self.length, self.device = model, sampling, length, device
         self.cache = KVCache(model.cfg, batch, length, dtype, device) if kv_cache else None
         self.graphs = kv_cache and (device.type == "cuda" if graphs is None else graphs)
-        if fused is None:
-            fused = device.type == "cuda" and dtype in (torch.bfloat16, torch.float16) and \
-                model.wte.weight.dtype == dtype
         self.fused = kv_cache and fused
         if self.fused:
             self.step = _CapturedStep(_decode_fused) if self.graphs else _decode_fused

@@ -341,9 +341,10 @@ from minitrain.config import DataConfig
 from minitrain.data import corpus, prepare, prepare_data
 for name, value in {small}.items():
     setattr(corpus, name, value)
-token_ids = prepare.token_ids
-def slow(*args):
-    time.sleep(0.05)
+token_ids, calls = prepare.token_ids, []
+def slow(*args):  # a few batches, then a wait the test's signal ends: the preparation cannot finish first
+    calls.append(1)
+    time.sleep(0.05 if len(calls) <= 8 else 600)
     return token_ids(*args)
 prepare.token_ids = slow
 prepare_data(DataConfig(name="files", source="files", paths=sys.argv[1], vocab_size=400, cache_dir=sys.argv[2],

@@ -34,7 +34,7 @@ BLOCK_L = 64  # cached positions per step of the attention's loop
 @triton.jit
 def _linear_kernel(x_ptr, w_ptr, bias_ptr, ln_w_ptr, ln_b_ptr, res_ptr, out_ptr, M, N, K, eps,
                    LN: tl.constexpr, LN_BIAS: tl.constexpr, BIAS: tl.constexpr, GELU: tl.constexpr,
-                   RESIDUAL: tl.constexpr,
+                   RESIDUAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
                    Z1: tl.constexpr, Z3: tl.constexpr,
                    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[m, n] = epilogue(sum_k prologue(x)[m, k] * w[n, k]) for ROWS rows and BLOCK_N columns: w (N, K) is read
@@ -70,7 +70,7 @@ def _linear_kernel(x_ptr, w_ptr, bias_ptr, ln_w_ptr, ln_b_ptr, res_ptr, out_ptr,
             if LN_BIAS:
                 x += tl.load(ln_b_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
         w = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # (BLOCK_K, BLOCK_N)
-        acc += tl.dot(x.to(w.dtype), w)
+        acc += tl.dot(x.to(w.dtype), w, input_precision=DOT_PRECISION)
     if BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if GELU:  # tanh-GELU as x * sigmoid(2u), as minitrain/ops/gelu.py computes it
@@ -90,7 +90,8 @@ def _block_n(n: int) -> int:
 def decode_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
                   norm: Optional[torch.nn.LayerNorm] = None, gelu: bool = False,
                   residual: Optional[Tensor] = None) -> Tensor:
-    """(M, K) rows -> (M, N) = [norm ->] x @ weight.T [+ bias] [-> tanh-GELU] [+ residual], one kernel."""
+    """(M, K) rows -> (M, N) = [norm ->] x @ weight.T [+ bias] [-> tanh-GELU] [+ residual], one kernel; fp32 weights
+    multiply in fp32 (not TF32: the fp32 check of scripts/bench_sample.py compares tokens exactly)."""
     check_runnable(x, "decode_linear", "the model's own cached forward")
     M, K = x.shape
     N = weight.shape[0]
@@ -100,7 +101,8 @@ def decode_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
     _linear_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, ROWS))](
         x, weight, *(t if t is not None else out for t in (bias, ln_w, ln_b, residual)), out, M, N, K,
         norm.eps if norm is not None else 0.0, LN=norm is not None, LN_BIAS=ln_b is not None,
-        BIAS=bias is not None, GELU=gelu, RESIDUAL=residual is not None, Z1=_Z1, Z3=_Z3,
+        BIAS=bias is not None, GELU=gelu, RESIDUAL=residual is not None,
+        DOT_PRECISION="ieee" if weight.dtype == torch.float32 else "tf32", Z1=_Z1, Z3=_Z3,
         ROWS=ROWS, BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=4, num_stages=4)
     return out
 
