@@ -32,13 +32,19 @@ _X_CLAMP = 20.0
 
 
 @triton.jit
+def tanh_gelu_fp32(x, Z1: tl.constexpr, Z3: tl.constexpr):
+    """tanh-GELU of fp32 `x` as x * sigmoid(2u): exp2 overflow (x << 0) gives x / inf = -0 and underflow (x >> 0)
+    gives x / 1 = x, no NaN for finite x. Also the decode kernels' epilogue (minitrain/ops/decode.py)."""
+    return x / (1.0 + tl.exp2(x * (Z1 + Z3 * x * x)))
+
+
+@triton.jit
 def _gelu_forward_kernel(x_ptr, y_ptr, n, Z1: tl.constexpr, Z3: tl.constexpr, ROUND_BF16: tl.constexpr,
                          BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < n
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    # exp2 overflow (x << 0) gives x / inf = -0 and underflow (x >> 0) gives x / 1 = x: no NaN for finite x.
-    y = x / (1.0 + tl.exp2(x * (Z1 + Z3 * x * x)))
+    y = tanh_gelu_fp32(x, Z1, Z3)
     if ROUND_BF16:
         y = round_to_bf16_in_fp32(y)
     tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=mask)
