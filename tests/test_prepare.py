@@ -132,6 +132,21 @@ def test_the_tokenizer_learns_from_a_bounded_sample_spread_over_the_corpus(tmp_p
     assert max(seen) > 38_000 and len(set(seen)) == len(seen)  # reaches the end, no line twice
 
 
+def test_a_sample_of_many_small_files_fills_its_budget_with_whole_files(tmp_path, monkeypatch):
+    """Files smaller than a window: each window goes on into the files after the one it starts in, so the sample
+    still reaches its budget, and every file it takes from a file's start is taken whole."""
+    monkeypatch.setattr(corpus_mod, "DOC_CHARS", 1000)
+    texts = [f"file {i:04d} " + "word " * 60 + "\n" for i in range(400)]  # 316 bytes each, 126 kB in all
+    for i, text in enumerate(texts):
+        (tmp_path / f"{i:04d}.txt").write_text(text)
+    files = corpus_mod.LocalFiles(DataConfig(name="files", source="files", paths=str(tmp_path / "*.txt")), print)
+    sample = "".join(files.sample(20_000))
+    assert 0.9 * 20_000 <= len(sample) <= 20_000
+    taken = [line + "\n" for line in sample.splitlines()]
+    assert all(line in texts for line in taken) and len(set(taken)) == len(taken)
+    assert int(taken[-1].split()[1]) > 360  # spread to the corpus's end
+
+
 # -- the document split (the same on every start, stable as the corpus grows, never cutting a document) ----------
 
 def prose_corpus(folder: Path, names, **settings) -> DataConfig:

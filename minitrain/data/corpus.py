@@ -212,12 +212,25 @@ class LocalFiles:
         for i in range(n):
             offset = i * self.total_bytes // n
             doc = bisect.bisect_right(starts, offset) - 1
+            yield from self._window(doc, offset - starts[doc])
+
+    def _window(self, doc: int, skip: int) -> Iterator[str]:
+        """DOC_CHARS bytes from byte `skip` of file `doc` on, going on into the next files where one ends first
+        (a corpus of files smaller than a window is sampled as fully as one big file); the line the window starts
+        inside and the one it ends inside are left out."""
+        left, first = DOC_CHARS, doc
+        while left > 0 and doc < len(self.files):
             with open(self.files[doc], "rb") as f:
-                f.seek(offset - starts[doc])
-                text = f.read(DOC_CHARS).decode("utf-8", "replace")
-            if offset > starts[doc]:  # a window that starts inside a line leaves that line out
+                f.seek(skip)
+                data = f.read(left)
+            left -= len(data)
+            text = data.decode("utf-8", "replace")
+            if skip > 0:
                 text = text[text.find("\n") + 1:]
-            yield from chunks(text[:text.rfind("\n") + 1] or text)
+            if left == 0:  # the window ends inside this file (a window inside one line keeps it)
+                text = text[:text.rfind("\n") + 1] or (text if doc == first else "")
+            yield from chunks(text)
+            doc, skip = doc + 1, 0
 
 
 # -- a hub dataset, streamed ------------------------------------------------------------------------------------
