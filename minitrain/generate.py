@@ -129,11 +129,12 @@ class Generation:
 class Sampler:
     """Generation for `batch` sequences of up to `length` tokens: one KV cache, and on CUDA one graphed decode
     step, reused by every call (a new Sampler of the same shape reuses the compiled code, not the recorded graphs).
-    `fused`: the step in minitrain/ops/decode.py's kernels (captured as one CUDA graph, with `graphs`), else the
-    model's cached forward (compiled, with `graphs`): not the default while it is the slower (docs/benchmarks.md)."""
+    `fused` (default: with `graphs`): the step in minitrain/ops/decode.py's kernels, captured as one CUDA graph,
+    the faster on a GPU (docs/benchmarks.md); else the model's cached forward (compiled, with `graphs`)."""
 
     def __init__(self, model: GPT, batch: int, length: int, sampling: Sampling, kv_cache: bool = True,
-                 graphs: Optional[bool] = None, dtype: Optional[torch.dtype] = None, fused: bool = False):
+                 graphs: Optional[bool] = None, dtype: Optional[torch.dtype] = None,
+                 fused: Optional[bool] = None):
         if length > model.cfg.block_size:
             raise GenerationError(f"the prompt and the new tokens, {length} in all, exceed model.block_size="
                                   f"{model.cfg.block_size} positions")
@@ -144,7 +145,7 @@ class Sampler:
         self.model, self.sampling, self.length, self.device = model, sampling, length, device
         self.cache = KVCache(model.cfg, batch, length, dtype, device) if kv_cache else None
         self.graphs = kv_cache and (device.type == "cuda" if graphs is None else graphs)
-        self.fused = kv_cache and fused
+        self.fused = kv_cache and (self.graphs if fused is None else fused)
         if self.fused:
             self.step = _CapturedStep(_decode_fused) if self.graphs else _decode_fused
         else:

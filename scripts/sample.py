@@ -1,7 +1,8 @@
 """Sample from a GPT: `python scripts/sample.py SOURCE --prompt "def main(" --max-new-tokens 200`.
 
 SOURCE: a run dir, a checkpoint directory (checkpoints/latest/ or another), or Hugging Face GPT-2 weights (a
-directory, or a name such as gpt2). bf16 on a GPU with the decode step compiled into CUDA graphs, fp32 on a CPU.
+directory, or a name such as gpt2). bf16 on a GPU with the decode step in Triton kernels replayed as one CUDA graph,
+fp32 on a CPU.
 """
 
 import argparse

@@ -67,16 +67,18 @@ def test_decode_rate_is_the_tokens_after_the_first_over_the_time_beyond_a_one_to
 def test_a_cells_line_says_each_median_with_its_spread_the_ratio_and_the_agreement():
     row = {"model": "gpt2-124m", "batch": 1, "bf16_greedy_agreement": 0.025, "ratio_to_best_transformers": 3.656,
            "minitrain": {"median": 2039.4, "min": 2022.0, "max": 2040.2},
+           "minitrain compiled step": {"median": 1500.2, "min": 1499.0, "max": 1510.0},
            "transformers static+compile": {"median": 558.0, "min": 555.0, "max": 572.0},
            "transformers eager": {"median": 94.0, "min": 93.0, "max": 96.0}}
     assert sample.cell_line(row) == (
-        "gpt2-124m B=1: minitrain 2,039 (2,022-2,040), transformers static+compile 558 (555-572), transformers eager "
+        "gpt2-124m B=1: minitrain 2,039 (2,022-2,040), minitrain compiled step 1,500 (1,499-1,510), "
+        "transformers static+compile 558 (555-572), transformers eager "
         "94 (93-96) tokens/s | 3.66x the best transformers | bf16 greedy agreement 2%")
 
 
 # seconds per new token on the fake clock, by batch: the faster transformers is eager at batch 1, static at 2
-PER_TOKEN = {1: {"minitrain": 1e-3, "transformers eager": 2e-3, "transformers static+compile": 4e-3},
-             2: {"minitrain": 1e-3, "transformers eager": 4e-3, "transformers static+compile": 2e-3}}
+PER_TOKEN = {1: {"minitrain": 1e-3, "minitrain compiled step": 1.5e-3, "transformers eager": 2e-3, "transformers static+compile": 4e-3},
+             2: {"minitrain": 1e-3, "minitrain compiled step": 3e-3, "transformers eager": 4e-3, "transformers static+compile": 2e-3}}
 
 
 def test_a_tiny_run_checks_then_times_each_cell_by_the_same_arithmetic_against_the_faster_transformers(
@@ -88,8 +90,10 @@ def test_a_tiny_run_checks_then_times_each_cell_by_the_same_arithmetic_against_t
     calls = collections.Counter()
 
     def fake_timed(fn, prompt, n):
-        label = "minitrain" if isinstance(fn, sample.Minitrain) else \
-            "transformers eager" if fn.cache is None else "transformers static+compile"
+        if isinstance(fn, sample.Minitrain):
+            label = "minitrain" if fn.fused is None else "minitrain compiled step"
+        else:
+            label = "transformers eager" if fn.cache is None else "transformers static+compile"
         slowdown = 2 ** (calls[fn] // 2)  # two calls a round: N new tokens, then 1
         calls[fn] += 1
         return 0.5 + n * PER_TOKEN[prompt.shape[0]][label] * slowdown

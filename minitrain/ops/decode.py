@@ -26,51 +26,33 @@ from torch import Tensor
 from minitrain.ops.gelu import _Z1, _Z3, tanh_gelu_fp32
 from minitrain.triton_runtime import check_runnable
 
-ROWS = 16  # sequences per program: tl.dot's smallest tile (a batch of 1 runs masked to it)
-BLOCK_K = 128
+ROWS = 16  # sequences per program when there are several: tl.dot's smallest tile (fewer run masked to it)
+WAVES = 4  # programs per SM a linear aims for: enough weight loads in flight to keep HBM busy
 BLOCK_L = 64  # cached positions per step of the attention's loop
 
 
 @triton.jit
-def _linear_kernel(x_ptr, w_ptr, bias_ptr, ln_w_ptr, ln_b_ptr, res_ptr, out_ptr, M, N, K, eps,
-                   LN: tl.constexpr, LN_BIAS: tl.constexpr, BIAS: tl.constexpr, GELU: tl.constexpr,
-                   RESIDUAL: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   Z1: tl.constexpr, Z3: tl.constexpr,
-                   ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[m, n] = epilogue(sum_k prologue(x)[m, k] * w[n, k]) for ROWS rows and BLOCK_N columns: w (N, K) is read
-    once per program, coalesced along K; the rows of x (M, K) are few and stay in cache."""
-    rows = tl.program_id(1) * ROWS + tl.arange(0, ROWS)
-    cols = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ks = tl.arange(0, BLOCK_K)
-    row_ok, col_ok = rows < M, cols < N
-    x_rows = x_ptr + rows[:, None].to(tl.int64) * K
-    if LN:  # the rows' mean and inverse deviation, two passes over x (as torch's LayerNorm, in fp32)
-        total = tl.zeros([ROWS], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + ks
-            total += tl.sum(tl.load(x_rows + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
-                            .to(tl.float32), 1)
-        mean = total / K
-        squares = tl.zeros([ROWS], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            k = k0 + ks
-            ok = row_ok[:, None] & (k < K)[None, :]
-            d = tl.where(ok, tl.load(x_rows + k[None, :], mask=ok, other=0.0).to(tl.float32) - mean[:, None], 0.0)
-            squares += tl.sum(d * d, 1)
-        rstd = 1.0 / tl.sqrt(squares / K + eps)
-    acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
-    w_cols = w_ptr + cols[None, :].to(tl.int64) * K
-    for k0 in range(0, K, BLOCK_K):
+def _row_stats(x_rows, row_ok, K, eps, STAT_K: tl.constexpr):
+    """The rows' LayerNorm mean and inverse deviation, two passes over x in fp32 (as torch's LayerNorm)."""
+    ks = tl.arange(0, STAT_K)
+    total = tl.zeros(row_ok.shape, tl.float32)
+    for k0 in range(0, K, STAT_K):
         k = k0 + ks
-        k_ok = k < K
-        x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        if LN:
-            gain = tl.load(ln_w_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-            x = (x - mean[:, None]) * rstd[:, None] * gain[None, :]
-            if LN_BIAS:
-                x += tl.load(ln_b_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
-        w = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # (BLOCK_K, BLOCK_N)
-        acc += tl.dot(x.to(w.dtype), w, input_precision=DOT_PRECISION)
+        total += tl.sum(tl.load(x_rows + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
+                        .to(tl.float32), 1)
+    mean = total / K
+    squares = tl.zeros_like(mean)
+    for k0 in range(0, K, STAT_K):
+        k = k0 + ks
+        ok = row_ok[:, None] & (k < K)[None, :]
+        d = tl.where(ok, tl.load(x_rows + k[None, :], mask=ok, other=0.0).to(tl.float32) - mean[:, None], 0.0)
+        squares += tl.sum(d * d, 1)
+    return mean, 1.0 / tl.sqrt(squares / K + eps)
+
+
+@triton.jit
+def _epilogue(acc, rows, cols, row_ok, col_ok, bias_ptr, res_ptr, out_ptr, N,
+              BIAS: tl.constexpr, GELU: tl.constexpr, RESIDUAL: tl.constexpr, Z1: tl.constexpr, Z3: tl.constexpr):
     if BIAS:
         acc += tl.load(bias_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)[None, :]
     if GELU:
@@ -82,28 +64,106 @@ def _linear_kernel(x_ptr, w_ptr, bias_ptr, ln_w_ptr, ln_b_ptr, res_ptr, out_ptr,
     tl.store(out_ptr + out_offsets, acc.to(out_ptr.dtype.element_ty), mask=ok)
 
 
-def _block_n(n: int) -> int:
-    """Columns per program: the widest tile that still gives every SM of a large GPU a program or two."""
-    return next((b for b in (64, 32) if triton.cdiv(n, b) >= 256), 16)
+@triton.jit
+def _linear_kernel(x_ptr, w_ptr, bias_ptr, ln_w_ptr, ln_b_ptr, res_ptr, out_ptr, partial_ptr, arrivals_ptr,
+                   M, N, K, K_SPLIT, eps,
+                   LN: tl.constexpr, LN_BIAS: tl.constexpr, BIAS: tl.constexpr, GELU: tl.constexpr,
+                   RESIDUAL: tl.constexpr, DOT_PRECISION: tl.constexpr, Z1: tl.constexpr, Z3: tl.constexpr,
+                   ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAT_K: tl.constexpr,
+                   SPLIT: tl.constexpr):
+    """out[m, n] = epilogue(sum_k prologue(x)[m, k] * w[n, k]) for ROWS rows, BLOCK_N columns and the K_SPLIT
+    wide slice `program_id(1)` of K: w (N, K) is read once in all, coalesced along K; the rows of x (M, K) are few
+    and stay in cache. With SPLIT slices, each program leaves its fp32 sum in `partial` and the last to arrive
+    at a tile adds them in slice order (the same bits whichever it is), runs the epilogue and re-arms the tile's
+    counter for the next launch."""
+    n_tile, split, m_tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = m_tile * ROWS + tl.arange(0, ROWS)
+    cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    row_ok, col_ok = rows < M, cols < N
+    x_rows = x_ptr + rows[:, None].to(tl.int64) * K
+    if LN:
+        mean, rstd = _row_stats(x_rows, row_ok, K, eps, STAT_K)
+    acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+    w_cols = w_ptr + cols[None, :].to(tl.int64) * K
+    k_start = split * K_SPLIT
+    for k0 in range(k_start, tl.minimum(k_start + K_SPLIT, K), BLOCK_K):
+        k = k0 + ks
+        k_ok = k < K
+        x = tl.load(x_rows + k[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        if LN:
+            gain = tl.load(ln_w_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+            x = (x - mean[:, None]) * rstd[:, None] * gain[None, :]
+            if LN_BIAS:
+                x += tl.load(ln_b_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        w = tl.load(w_cols + k[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)  # (BLOCK_K, BLOCK_N)
+        if ROWS == 1:  # a matrix-vector product: too narrow for tl.dot, a reduction over K
+            acc += tl.sum(tl.reshape(x.to(w.dtype).to(tl.float32), [BLOCK_K, 1]) * w.to(tl.float32), 0)[None, :]
+        else:
+            acc += tl.dot(x.to(w.dtype), w, input_precision=DOT_PRECISION)
+    if SPLIT == 1:
+        _epilogue(acc, rows, cols, row_ok, col_ok, bias_ptr, res_ptr, out_ptr, N, BIAS, GELU, RESIDUAL, Z1, Z3)
+    else:
+        tile_ok = row_ok[:, None] & col_ok[None, :]
+        tile_offsets = rows[:, None].to(tl.int64) * N + cols[None, :]
+        tl.store(partial_ptr + split * M * N + tile_offsets, acc, mask=tile_ok)
+        tl.debug_barrier()  # every thread's partial sum stored before the arrival is counted
+        counter = arrivals_ptr + m_tile * tl.num_programs(0) + n_tile
+        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT - 1:
+            acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
+            for s in tl.static_range(SPLIT):
+                acc += tl.load(partial_ptr + s * M * N + tile_offsets, mask=tile_ok, other=0.0, volatile=True)
+            tl.atomic_xchg(counter, 0)
+            _epilogue(acc, rows, cols, row_ok, col_ok, bias_ptr, res_ptr, out_ptr, N, BIAS, GELU, RESIDUAL, Z1, Z3)
+
+
+_arrivals: dict[torch.device, Tensor] = {}
+
+
+def _arrival_counters(device: torch.device, tiles: int) -> Tensor:
+    """Split-K's per-tile arrival counters: zero between launches (each tile's last program re-arms its own), so
+    one buffer per device serves every launch in stream order; allocated before any graph capture needs it."""
+    counters = _arrivals.get(device)
+    if counters is None or counters.numel() < tiles:
+        counters = _arrivals[device] = torch.zeros(max(tiles, 1 << 16), dtype=torch.int32, device=device)
+    return counters
+
+
+def _tiles(M: int, N: int, K: int, device: torch.device) -> tuple[int, int, int, int, int]:
+    """(rows, columns, K step, slices of K, slice width) per program: one row at batch 1 (a reduction over a
+    long K step, no tl.dot padding), and K cut into slices until the GPU has about WAVES programs per SM, every
+    slice a whole number of K steps. The shapes are the best of a sweep over gpt2-1.5b's linears."""
+    rows, block_n, block_k = (1, 16, 256) if M == 1 else (ROWS, 64, 128)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    tiles = triton.cdiv(N, block_n) * triton.cdiv(M, rows)
+    split = max(1, min(triton.cdiv(K, block_k), WAVES * sms // tiles))
+    width = triton.cdiv(triton.cdiv(K, split), block_k) * block_k
+    return rows, block_n, block_k, triton.cdiv(K, width), width
 
 
 def decode_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
                   norm: Optional[torch.nn.LayerNorm] = None, gelu: bool = False,
                   residual: Optional[Tensor] = None) -> Tensor:
-    """(M, K) rows -> (M, N) = [norm ->] x @ weight.T [+ bias] [-> tanh-GELU] [+ residual], one kernel; fp32 weights
-    multiply in fp32, not TF32, as an fp32 decode is meant to."""
+    """(M, K) rows -> (M, N) = [norm ->] x @ weight.T [+ bias] [-> tanh-GELU] [+ residual], one kernel (the
+    LayerNorm its own above one row); fp32 weights multiply in fp32, not TF32, as an fp32 decode is meant to."""
     check_runnable(x, "decode_linear", "the model's own cached forward")
     M, K = x.shape
     N = weight.shape[0]
+    if norm is not None and M > 1:  # every program would re-read its rows whole for their statistics: once, apart
+        x, norm = norm(x), None
     out = torch.empty((M, N), dtype=x.dtype, device=x.device)
-    block_n = _block_n(N)
+    rows, block_n, block_k, split, width = _tiles(M, N, K, x.device)
+    grid = (triton.cdiv(N, block_n), split, triton.cdiv(M, rows))
+    partial = torch.empty((split, M, N) if split > 1 else (1,), dtype=torch.float32, device=x.device)
+    arrivals = _arrival_counters(x.device, grid[0] * grid[2])
     ln_w, ln_b = (norm.weight, norm.bias) if norm is not None else (None, None)
-    _linear_kernel[(triton.cdiv(N, block_n), triton.cdiv(M, ROWS))](
-        x, weight, *(t if t is not None else out for t in (bias, ln_w, ln_b, residual)), out, M, N, K,
-        norm.eps if norm is not None else 0.0, LN=norm is not None, LN_BIAS=ln_b is not None,
+    _linear_kernel[grid](
+        x, weight, *(t if t is not None else out for t in (bias, ln_w, ln_b, residual)), out, partial, arrivals,
+        M, N, K, width, norm.eps if norm is not None else 0.0, LN=norm is not None, LN_BIAS=ln_b is not None,
         BIAS=bias is not None, GELU=gelu, RESIDUAL=residual is not None,
         DOT_PRECISION="ieee" if weight.dtype == torch.float32 else "tf32", Z1=_Z1, Z3=_Z3,
-        ROWS=ROWS, BLOCK_N=block_n, BLOCK_K=BLOCK_K, num_warps=4, num_stages=4)
+        ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k, STAT_K=triton.next_power_of_2(K),
+        SPLIT=split, num_warps=4, num_stages=4)
     return out
 
 

@@ -4,14 +4,15 @@
 For each model (GPT-2 shapes, random weights, or --init-from a name or directory) and batch: transformers'
 GPT2LMHeadModel is built on the GPU and minitrain's GPT imports its tensors (minitrain/hf.py), so both hold the
 same weights. Before any timing, the two must produce the same greedy tokens: in fp32 (TF32 off), gpt2-124m's
-shape, minitrain's compiled, graphed decode against transformers' eager generate; in bf16 the share of tokens
+shape, minitrain's graphed decode against transformers' eager generate; in bf16 the share of tokens
 that agree is printed (rounding differs between kernels, so bf16 greedy texts part after a while).
 
-Timed: generate with N new tokens and with 1 (the prompt's prefill and the first token), decode tokens/s =
-batch x (N - 1) / (t_N - t_1), the same arithmetic for every implementation, in rounds that alternate them
-(bench.take_turns); medians with their min-max. Implementations: minitrain (KV cache, decode step under
-torch.compile mode=reduce-overhead: CUDA graphs, one sampler per cell), transformers with one static cache per
-cell, reset and passed to each call (generate compiles the forward itself, transformers >= 4.48; older versions
+Timed: generate with N new tokens and with 1 (the prompt's prefill and the first token), decode tokens/s = batch x
+(N - 1) / (t_N - t_1), the same arithmetic for every implementation, in rounds that alternate them
+(bench.take_turns); medians with their min-max. Implementations: minitrain (KV cache, on a GPU the decode step in
+minitrain/ops/decode.py's kernels captured as one CUDA graph, one sampler per cell), minitrain's compiled step (the
+model's cached forward under torch.compile mode=reduce-overhead: CUDA graphs), transformers with one static cache
+per cell, reset and passed to each call (generate compiles the forward itself, transformers >= 4.48; older versions
 get torch.compile(forward, mode="reduce-overhead", fullgraph=True), the recipe of their docs), and transformers'
 default (dynamic cache, eager).
 """
@@ -37,7 +38,7 @@ SHAPES = {"gpt2-124m": dict(n_layer=12, n_head=12, n_embd=768), "gpt2-1.5b": dic
 GREEDY = Sampling(temperature=0)
 CHECK_TOKENS = 32  # new tokens of the fp32 check
 CHECK_DISTINCT = 5  # fewer distinct tokens in the check's text: a repeated token, which a wrong cache can match
-IMPLEMENTATIONS = ("minitrain", "transformers static+compile", "transformers eager")
+IMPLEMENTATIONS = ("minitrain", "minitrain compiled step", "transformers static+compile", "transformers eager")
 
 
 class DecodeMismatch(RuntimeError):
@@ -98,10 +99,12 @@ class Transformers:
 
 
 class Minitrain:
-    """minitrain's Sampler, greedy: on a GPU its decode step compiled and graphed."""
+    """minitrain's Sampler, greedy: on a GPU its graphed decode step in the decode kernels (default) or the model's
+    cached forward compiled (`fused=False`)."""
 
-    def __init__(self, model: GPT, batch: int, length: int):
-        self.sampler = Sampler(model, batch, length, GREEDY)
+    def __init__(self, model: GPT, batch: int, length: int, fused: Optional[bool] = None):
+        self.fused = fused
+        self.sampler = Sampler(model, batch, length, GREEDY, fused=fused)
 
     def __call__(self, prompt: torch.Tensor, n: int) -> torch.Tensor:
         return self.sampler.generate(prompt, n).tokens
@@ -158,7 +161,8 @@ def bench_cell(name: str, theirs, ours: GPT, batch: int, prompt_len: int, new_to
     """One model and batch: each implementation warmed up (compiled, graphs recorded), then timed in `rounds`."""
     P, N = prompt_len, new_tokens
     prompt = random_prompt(batch, P, theirs.device, seed=batch)
-    impls = dict(zip(IMPLEMENTATIONS, (Minitrain(ours, batch, P + N), Transformers(theirs, True, batch, P + N),
+    impls = dict(zip(IMPLEMENTATIONS, (Minitrain(ours, batch, P + N), Minitrain(ours, batch, P + N, fused=False),
+                                       Transformers(theirs, True, batch, P + N),
                                        Transformers(theirs, False, batch, P + N))))
     outputs = {}
     for label, fn in impls.items():  # compile, record the graphs, warm the allocator
