@@ -34,8 +34,8 @@ def main() -> None:
                    help="auto: bf16 on a GPU, fp32 on a CPU")
     p.add_argument("--no-kv-cache", action="store_true", help="rerun the whole sequence at every token")
     p.add_argument("--no-compile", action="store_true",
-                   help="on a GPU: decode eagerly, without compiling the step into CUDA graphs (which takes a minute "
-                        "the first time, seconds once inductor's cache holds it)")
+                   help="on a GPU: decode eagerly through the model's own forward, without the decode kernels' CUDA "
+                        "graph (for comparing, or where Triton cannot compile)")
     p.add_argument("--tokenizer", help="for a run that kept no tokenizer.json: the name or directory it trained with")
     args = p.parse_args()
     try:
