@@ -13,8 +13,8 @@ the hardware happens to finish them, and some are picked by timing. With the swi
   cuBLAS                                             one fixed workspace per handle and stream
                                                      (CUBLAS_WORKSPACE_CONFIG, before the first GEMM)
 
-minitrain's own Triton kernels need nothing: the loss's softmax rows and the optimizer's norm reduce in a
-fixed order, without atomics (tests/test_determinism.py checks both).
+minitrain's own Triton kernels need nothing: the loss's softmax rows, the optimizer's norm and the decode
+linears' split sums reduce in a fixed order, with atomics for counters only (tests/test_determinism.py checks).
 """
 
 from __future__ import annotations

@@ -77,8 +77,10 @@ def test_a_cells_line_says_each_median_with_its_spread_the_ratio_and_the_agreeme
 
 
 # seconds per new token on the fake clock, by batch: the faster transformers is eager at batch 1, static at 2
-PER_TOKEN = {1: {"minitrain": 1e-3, "minitrain compiled step": 1.5e-3, "transformers eager": 2e-3, "transformers static+compile": 4e-3},
-             2: {"minitrain": 1e-3, "minitrain compiled step": 3e-3, "transformers eager": 4e-3, "transformers static+compile": 2e-3}}
+PER_TOKEN = {1: {"minitrain": 1e-3, "minitrain compiled step": 1.5e-3, "transformers eager": 2e-3,
+                 "transformers static+compile": 4e-3},
+             2: {"minitrain": 1e-3, "minitrain compiled step": 3e-3, "transformers eager": 4e-3,
+                 "transformers static+compile": 2e-3}}
 
 
 def test_a_tiny_run_checks_then_times_each_cell_by_the_same_arithmetic_against_the_faster_transformers(
