@@ -113,6 +113,10 @@ def test_fused_sampling_draws_the_unfused_samplers_tokens(model):
         assert len(set(plain[0, 5:].tolist())) > 6  # text, not one token repeated
 
 
-def test_fused_only_when_asked_for_and_with_the_cache(model):
-    assert not Sampler(model, 1, 8, Sampling(temperature=0)).fused
-    assert not Sampler(model, 1, 8, Sampling(temperature=0), kv_cache=False, fused=True).fused
+def test_fused_by_default_when_graphed_and_only_with_the_cache(model):
+    greedy = Sampling(temperature=0)
+    assert Sampler(model, 1, 8, greedy, graphs=True).fused  # built only: capturing needs CUDA
+    assert not Sampler(model, 1, 8, greedy, graphs=True, fused=False).fused
+    assert not Sampler(model, 1, 8, greedy, graphs=False).fused
+    assert Sampler(model, 1, 8, greedy, graphs=False, fused=True).fused
+    assert not Sampler(model, 1, 8, greedy, kv_cache=False, fused=True).fused
