@@ -70,18 +70,21 @@ def _linear_kernel(x_ptr, w_ptr, bias_ptr, ln_w_ptr, ln_b_ptr, res_ptr, out_ptr,
                    LN: tl.constexpr, LN_BIAS: tl.constexpr, BIAS: tl.constexpr, GELU: tl.constexpr,
                    RESIDUAL: tl.constexpr, DOT_PRECISION: tl.constexpr, Z1: tl.constexpr, Z3: tl.constexpr,
                    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAT_K: tl.constexpr,
-                   SPLIT: tl.constexpr):
+                   SPLIT: tl.constexpr, PDL: tl.constexpr):
     """out[m, n] = epilogue(sum_k prologue(x)[m, k] * w[n, k]) for ROWS rows, BLOCK_N columns and the K_SPLIT
     wide slice `program_id(1)` of K: w (N, K) is read once in all, coalesced along K; the rows of x (M, K) are few
     and stay in cache. With SPLIT slices, each program leaves its fp32 sum in `partial` and the last to arrive
     at a tile adds them in slice order (the same bits whichever it is), runs the epilogue and re-arms the tile's
-    counter for the next launch."""
+    counter for the next launch. With PDL the launch may start before the one it follows has finished: it waits
+    on the GPU before reading anything, and lets the next one launch once its weights are read."""
     n_tile, split, m_tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = m_tile * ROWS + tl.arange(0, ROWS)
     cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
     ks = tl.arange(0, BLOCK_K)
     row_ok, col_ok = rows < M, cols < N
     x_rows = x_ptr + rows[:, None].to(tl.int64) * K
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     if LN:
         mean, rstd = _row_stats(x_rows, row_ok, K, eps, STAT_K)
     acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
@@ -101,6 +104,8 @@ def _linear_kernel(x_ptr, w_ptr, bias_ptr, ln_w_ptr, ln_b_ptr, res_ptr, out_ptr,
             acc += tl.sum(tl.reshape(x.to(w.dtype).to(tl.float32), [BLOCK_K, 1]) * w.to(tl.float32), 0)[None, :]
         else:
             acc += tl.dot(x.to(w.dtype), w, input_precision=DOT_PRECISION)
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()
     if SPLIT == 1:
         _epilogue(acc, rows, cols, row_ok, col_ok, bias_ptr, res_ptr, out_ptr, N, BIAS, GELU, RESIDUAL, Z1, Z3)
     else:
@@ -115,6 +120,13 @@ def _linear_kernel(x_ptr, w_ptr, bias_ptr, ln_w_ptr, ln_b_ptr, res_ptr, out_ptr,
                 acc += tl.load(partial_ptr + s * M * N + tile_offsets, mask=tile_ok, other=0.0, volatile=True)
             tl.atomic_xchg(counter, 0)
             _epilogue(acc, rows, cols, row_ok, col_ok, bias_ptr, res_ptr, out_ptr, N, BIAS, GELU, RESIDUAL, Z1, Z3)
+
+
+def _dependent_launch(device: torch.device) -> dict:
+    """Programmatic dependent launch where the GPU has it (sm90 on): a kernel's launch and start overlap the end
+    of the one before, which matters in a step of 5 launches a block (docs/benchmarks.md)."""
+    pdl = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
 
 
 _arrivals: dict[torch.device, Tensor] = {}
@@ -163,17 +175,19 @@ def decode_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
         BIAS=bias is not None, GELU=gelu, RESIDUAL=residual is not None,
         DOT_PRECISION="ieee" if weight.dtype == torch.float32 else "tf32", Z1=_Z1, Z3=_Z3,
         ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k, STAT_K=triton.next_power_of_2(K),
-        SPLIT=split, num_warps=4, num_stages=4)
+        SPLIT=split, num_warps=4, num_stages=4, **_dependent_launch(x.device))
     return out
 
 
 @triton.jit
 def _cached_attention_kernel(qkv_ptr, k_ptr, v_ptr, pos_ptr, out_ptr, n_head, length, C, scale,
-                             D: tl.constexpr, BLOCK_L: tl.constexpr):
+                             D: tl.constexpr, BLOCK_L: tl.constexpr, PDL: tl.constexpr):
     """One (sequence, head): its new key and value into the cache at `pos`, then softmax(q k / sqrt(D)) v over the
     cached positions before `pos` (online, BLOCK_L at a time) and the new token itself, from registers: no
     position is read back after this program wrote it."""
     b, h = tl.program_id(0), tl.program_id(1)
+    if PDL:
+        tl.extra.cuda.gdc_wait()
     pos = tl.load(pos_ptr)
     d = tl.arange(0, D)
     token = qkv_ptr + b.to(tl.int64) * 3 * C + h * D
@@ -211,7 +225,7 @@ def cached_attention(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor)
     C = n_head * D
     out = torch.empty((B, C), dtype=qkv.dtype, device=qkv.device)
     _cached_attention_kernel[(B, n_head)](qkv, k_cache, v_cache, pos, out, n_head, length, C, D ** -0.5,
-                                          D=D, BLOCK_L=BLOCK_L, num_warps=4)
+                                          D=D, BLOCK_L=BLOCK_L, num_warps=4, **_dependent_launch(qkv.device))
     return out
 
 
