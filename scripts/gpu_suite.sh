@@ -3,7 +3,7 @@
 # Usage: scripts/gpu_suite.sh OUT_DIR [tests] [optimizer] [cross_entropy] [ce_rows] [ce_chunks] [gelu] [train]
 #        [step] [step_ablate] [step15b] [step_sizes] [curve] [sweep] [sweep_alone] [defaults] [defaults15b] [plan]
 #        [attention] [diverge15b] [compile15b] [compile_check] [determinism] [determinism_cost]
-#        [determinism_cost15b] [allocator] [sample] [sample15b] [sample_run] [prepare_corpus] [prepare_many] [prepare_one]
+#        [determinism_cost15b] [allocator] [sample] [sample_run] [prepare_corpus] [prepare_many] [prepare_one]
 #        [fp8_tests] [fp8_speed] [fp8_sizes] [fp8_defaults15b] [fp8_quality] [smoke]
 # smoke: every benchmark script once in its quickest mode (the tiny model, one small shape), a few minutes: each
 #   still runs end to end on this GPU; its figures are not results
@@ -78,12 +78,10 @@ for what in "$@"; do
           trainer.sample_tokens=0 hydra.run.dir=/tmp/compile-check 2>&1 | grep -aE "^error"
         grep -h "^compile check" /tmp/compile-check/*.log
       done ;;
-    sample|sample15b)  # decode tokens/s beside transformers' generate (same weights, bf16, greedy) at batch 1 and 16,
-      # after an fp32 check that the graphed decode gives transformers' greedy tokens; each model compiles four
-      # decode steps (two per side and batch), so each has a target of its own
-      model=$([ "$what" = sample ] && echo gpt2-124m || echo gpt2-1.5b)
-      timeout 590 python3 scripts/bench_sample.py --models $model --out "$out/bench_$what.json" 2>&1 \
-        | grep -v "Loading weights" | tail -12 ;;
+    sample)  # decode tokens/s beside transformers' generate (same weights, bf16, greedy) at batch 1 and 16, gpt2-1.5b
+      # and gpt2-124m, after an fp32 check that the graphed decode gives transformers' greedy tokens (about 5 minutes)
+      timeout 590 python3 scripts/bench_sample.py --models gpt2-1.5b gpt2-124m --batches 1 16 --rounds 3 \
+        --out "$out/bench_sample.json" 2>&1 | grep -v "Loading weights" | tail -12 ;;
     sample_run)  # scripts/sample.py as a user runs it, on a run just trained: top-p draws with the graphed decode and
       # eagerly (--no-compile; another random stream, so other texts), then greedy both ways (the same text until
       # bf16 rounding in different kernels parts them); each prints its decode tokens/s
