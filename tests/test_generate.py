@@ -1,6 +1,7 @@
 """Sampling (minitrain/generate.py): the KV-cached path against the uncached one and against transformers'
 generate on the same weights; the filters against transformers' logits warpers; the draws against their
-probabilities; padding and ids beyond the tokenizer never drawn."""
+probabilities; padding and ids beyond the tokenizer never drawn. CPU only (fp32 models built on the CPU;
+gpu_suite's `tests` leaves it out): the GPU's graphed decode is tests/test_decode.py's."""
 
 from dataclasses import replace
 
