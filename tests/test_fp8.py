@@ -4,7 +4,8 @@ whole runs (every checkpointing policy, compiled, resumed, ddp and fsdp).
 torch._scaled_mm runs on the CPU too (torch 2.13), so torchao's Float8Linear computes here for real. The tests of
 whole runs pass the plan's device check on a CPU and emulate the float8 GEMMs there (`float8_trainers`); on a GPU
 with fp8 tensor cores (`scripts/gpu_suite.sh OUT fp8_tests`) the same tests run torchao's real kernels, compiled
-with CUDA graphs.
+with CUDA graphs. Never under MINITRAIN_TEST_DEVICE=cuda (which makes the GPU torch's default device): the
+memory tests count the bytes of CPU tensors exactly, and the whole-run tests pick the GPU themselves.
 """
 
 import os
