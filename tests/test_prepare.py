@@ -385,12 +385,16 @@ def test_a_killed_preparation_leaves_no_process_and_continues_to_the_same_shards
         else:
             pytest.fail("the preparation recorded no progress")
         proc.send_signal(signum)
-        proc.wait(timeout=60)
+        try:  # its stderr read while it stops: a full pipe must not be what holds it
+            stderr = proc.communicate(timeout=60)[1]
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            pytest.fail(f"the preparation outlived {signum!r} by 60 s; it wrote {proc.communicate()[1][-2000:]!r}")
     finally:
         proc.kill()
     assert proc.returncode != 0
     if signum == signal.SIGINT:
-        assert b"continues them" in proc.stderr.read()
+        assert b"continues them" in stderr
     assert not [p for p in descendants if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     notes = []
     data = prepare_data(cfg, block_size=16, progress=False, notify=notes.append)
