@@ -373,7 +373,8 @@ def test_a_killed_preparation_leaves_no_process_and_continues_to_the_same_shards
     expected = build_uninterrupted(cfg, tmp_path)
     proc = subprocess.Popen([sys.executable, "-c", SLOW_PREPARE.format(small=SMALL), cfg.paths, cfg.cache_dir],
                             env={**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "true"},
-                            stderr=subprocess.PIPE)
+                            stderr=subprocess.PIPE,  # Ctrl-C's default action, which a shell's & job ignores:
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     descendants, deadline = set(), time.monotonic() + 120
     try:
         while time.monotonic() < deadline:  # until it has recorded some batches
