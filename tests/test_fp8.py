@@ -3,9 +3,9 @@ whole runs (every checkpointing policy, compiled, resumed, ddp and fsdp).
 
 torch._scaled_mm runs on the CPU too (torch 2.13), so torchao's Float8Linear computes here for real. The tests of
 whole runs pass the plan's device check on a CPU and emulate the float8 GEMMs there (`float8_trainers`); on a GPU
-with fp8 tensor cores (`scripts/gpu_suite.sh OUT fp8_tests`) the same tests run torchao's real kernels, compiled
-with CUDA graphs. Never under MINITRAIN_TEST_DEVICE=cuda (which makes the GPU torch's default device): the
-memory tests count the bytes of CPU tensors exactly, and the whole-run tests pick the GPU themselves.
+with fp8 tensor cores the ones on the `fp8_trainers` fixture run torchao's real kernels, compiled with CUDA graphs
+(`scripts/gpu_suite.sh OUT fp8_tests` picks them). The rest are CPU tests wherever they run: they count the bytes
+of CPU tensors and run our Triton kernels through the interpreter (so never under MINITRAIN_TEST_DEVICE=cuda).
 """
 
 import os
@@ -409,9 +409,11 @@ def worker(rank, port, jobs, results_dir):
     distributed.teardown(finished=True)
 
 
-def test_fp8_under_ddp_and_fsdp_matches_one_process_and_fsdp_resumes(data_cache, tmp_path, fp8_trainers):
+def test_fp8_under_ddp_and_fsdp_matches_one_process_and_fsdp_resumes(data_cache, tmp_path, monkeypatch):
     import json
     import socket
+
+    float8_trainers(monkeypatch.setattr, CPU)  # on gloo, so on the CPU, as the workers (a GPU machine too)
 
     def overrides(out, *extra):
         return [f"data.cache_dir={data_cache}", f"trainer.out_dir={tmp_path / out}", "logger.mode=disabled",
