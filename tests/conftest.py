@@ -1,6 +1,7 @@
 """Shared test setup: Triton through its CPU interpreter, wandb quiet, one tokenised corpus per session."""
 
 import os
+import signal
 
 # MINITRAIN_TEST_DEVICE=cuda runs the kernel tests on a GPU with compiled kernels (scripts/gpu_suite.sh);
 # by default everything runs on the CPU, Triton through its interpreter.
@@ -15,6 +16,12 @@ import pytest  # noqa: E402
 from minitrain.config import compose_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def ctrl_c_as_in_a_terminal() -> None:
+    """A child's `preexec_fn`: Ctrl-C's default action. A job a shell starts with `&` (CI may be one) begins with
+    SIGINT ignored, and Python keeps it so: a test's SIGINT would then stop nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 if TEST_DEVICE == "cuda":
     import torch

@@ -24,7 +24,7 @@ from minitrain.data.corpus import cut, is_validation
 from minitrain.data.prepare import EOT
 from minitrain.data.shards import ShardWriter, token_dtype
 
-from conftest import REPO
+from conftest import REPO, ctrl_c_as_in_a_terminal
 
 # Small enough that a few kB of text make several documents per file, many chunks per document, and many batches.
 SMALL = {"DOC_CHARS": 3000, "CHUNK_CHARS": 200, "BATCH_CHARS": 2500}
@@ -373,8 +373,7 @@ def test_a_killed_preparation_leaves_no_process_and_continues_to_the_same_shards
     expected = build_uninterrupted(cfg, tmp_path)
     proc = subprocess.Popen([sys.executable, "-c", SLOW_PREPARE.format(small=SMALL), cfg.paths, cfg.cache_dir],
                             env={**os.environ, "PYTHONPATH": str(REPO), "TOKENIZERS_PARALLELISM": "true"},
-                            stderr=subprocess.PIPE,  # Ctrl-C's default action, which a shell's & job ignores:
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            stderr=subprocess.PIPE, preexec_fn=ctrl_c_as_in_a_terminal)
     descendants, deadline = set(), time.monotonic() + 120
     try:
         while time.monotonic() < deadline:  # until it has recorded some batches

@@ -20,7 +20,7 @@ from minitrain import sweep
 from minitrain.sweep import CellDevices, SweepSummary, cell_device, read_outcomes
 from minitrain.tools.report import load_sweep
 
-from conftest import REPO
+from conftest import REPO, ctrl_c_as_in_a_terminal
 
 ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}  # the cells' steps: a loaded CPU's spinning threads slow them
 SMALL = ["trainer.max_steps=2", "trainer.log_every=1", "trainer.batch_size=4", "model.block_size=32",
@@ -69,11 +69,9 @@ def test_the_basic_launcher_runs_the_cells_in_the_sweeps_own_process(data_cache,
 
 
 def start(command, cwd):
-    """The sweep as a terminal's job: a process group of its own, with Ctrl-C's default action (a shell running
-    tests in the background may have left SIGINT ignored, and Python then keeps it so)."""
+    """The sweep as a terminal's job: a process group of its own, with Ctrl-C's default action."""
     return subprocess.Popen(command, cwd=cwd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env=ONE_THREAD, start_new_session=True,
-                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
+                            env=ONE_THREAD, start_new_session=True, preexec_fn=ctrl_c_as_in_a_terminal)
 
 
 def wait_until_training(cell_dir, sweep_process, timeout_s=300):
