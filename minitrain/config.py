@@ -70,6 +70,13 @@ class Float8Recipe(str, Enum):
     rowwise = "rowwise"  # one scale per row: kinder to outliers, costlier casts and GEMMs
 
 
+class Float8Kernels(str, Enum):
+    """Whose kernels cast to float8 and multiply (minitrain/fp8.py)."""
+
+    minitrain = "minitrain"  # Triton casts in two memory passes around cuBLAS's float8 GEMM (tensorwise only)
+    torchao = "torchao"  # torchao's Float8Linear: its casts fused by torch.compile; rowwise and FSDP2 float8 gathers
+
+
 class CheckpointPolicy(str, Enum):
     auto = "auto"  # the plan picks the cheapest policy that fits trainer.memory_budget
     none = "none"
@@ -214,7 +221,8 @@ class PrecisionConfig:
     master_weights: bool = False  # fp32 master copy in the optimizer (for bf16/fp16 params)
     grad_dtype: Optional[DType] = None  # None: gradients in param dtype; fp32: fp32 main grads
     loss_scaling: bool = False  # dynamic loss scaling (fp16 range)
-    float8: Float8Recipe = Float8Recipe.none  # the blocks' linears multiply in float8 (torchao), cast from bf16
+    float8: Float8Recipe = Float8Recipe.none  # the blocks' linears multiply in float8, cast from bf16
+    float8_kernels: Float8Kernels = Float8Kernels.torchao  # whose casts and GEMMs (precision.float8 != none)
     init_scale: float = 65536.0
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
@@ -240,6 +248,8 @@ class PrecisionConfig:
         _require(self.float8 == Float8Recipe.none or self.param_dtype == DType.bf16, "precision.float8",
                  f"float8 matmuls cast from bf16 params (precision=fp8); got precision.param_dtype="
                  f"{self.param_dtype.value}")
+        _require(self.float8 != Float8Recipe.rowwise or self.float8_kernels == Float8Kernels.torchao,
+                 "precision.float8_kernels", "minitrain's float8 kernels scale per tensor; rowwise runs on torchao")
 
 
 @dataclass

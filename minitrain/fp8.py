@@ -21,7 +21,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
-from .config import Float8Recipe, ModelConfig
+from .config import Float8Kernels, Float8Recipe, ModelConfig
 
 FP8_COMPUTE_CAPABILITY = (8, 9)  # Ada, Hopper, Blackwell: the first NVIDIA GPUs with fp8 tensor cores
 INSTALL = "pip install 'minitrain[fp8]'"
@@ -65,13 +65,22 @@ def float8_config(recipe: Float8Recipe, fsdp_all_gather: bool = False):
     return replace(Float8LinearConfig.from_recipe_name(recipe.value), enable_fsdp_float8_all_gather=fsdp_all_gather)
 
 
-def convert(blocks: nn.ModuleList, linears: tuple[str, ...], recipe: Float8Recipe, fsdp_all_gather: bool = False
-            ) -> None:
-    """Swap the named linears of every block for torchao's Float8Linear, in place, before any wrapper (checkpointing
-    policy, DDP, FSDP2) sees the model. Each keeps its weight and bias Parameters, so the optimizer's and the
-    checkpoint's tensors stay the ones they were (with `fsdp_all_gather`, torchao wraps the weight in a tensor
-    subclass whose data is still that parameter's)."""
+def convert(blocks: nn.ModuleList, linears: tuple[str, ...], recipe: Float8Recipe,
+            kernels: Float8Kernels = Float8Kernels.torchao, fsdp_all_gather: bool = False) -> None:
+    """Swap the named linears of every block for a float8 linear (minitrain's or torchao's Float8Linear), in place,
+    before any wrapper (checkpointing policy, DDP, FSDP2) sees the model. Each keeps its weight and bias Parameters,
+    so the optimizer's and the checkpoint's tensors stay the ones they were (with `fsdp_all_gather`, torchao wraps
+    the weight in a tensor subclass whose data is still that parameter's)."""
     if not linears:
+        return
+    if kernels == Float8Kernels.minitrain:
+        from .ops import Float8Linear
+
+        for block in blocks:
+            for name in linears:
+                parent, _, child = name.rpartition(".")
+                owner = block.get_submodule(parent)
+                setattr(owner, child, Float8Linear.taking_over(getattr(owner, child)))
         return
     from torchao.float8 import convert_to_float8_training
 

@@ -34,7 +34,7 @@ from dataclasses import asdict, astuple, dataclass, field
 import torch
 
 from .recompute import recomputed_blocks
-from .config import CheckpointingConfig, CheckpointPolicy, DistributedConfig, KernelImpl, ModelConfig
+from .config import CheckpointingConfig, CheckpointPolicy, DistributedConfig, Float8Kernels, KernelImpl, ModelConfig
 from .model import GPT
 from .ops.cross_entropy import DEFAULT_CHUNK_BYTES, fitting
 from .optim.layout import padded as _padded
@@ -170,14 +170,36 @@ def _block_bytes(cfg: ModelConfig, tokens: int, seq_len: int, r: int, a: int, st
     return tokens * (2 * C * r + 4 * stats + 2 * C * a + attention + 8 * C * a + 2 * C * mask)
 
 
+# Per token, the input width of each block linear, and what a kept bf16 block saves as that linear's input and
+# frees once the linear keeps its own float8 copy: the norms' outputs and GELU's (attention's output SDPA keeps).
+_LINEAR_INPUT = {"attn.c_attn": (1, 1), "attn.c_proj": (1, 0), "mlp.c_fc": (1, 1), "mlp.c_proj": (4, 4)}
+
+
+def _minitrain_float8_block_delta(cfg: ModelConfig, float8_linears: tuple[str, ...], tokens: int, a: int,
+                                  compiled: bool, kind: str) -> int:
+    """What a block of `kind` saves with minitrain's float8 linears beyond its bf16 twin: each linear's input as a
+    transposed float8 copy (1 byte a token and input feature), its weight's (1 byte a weight) and two fp32 scales,
+    in place of the bf16 input a kept block saved. `selective` saves the op's outputs whole; eager, it runs on
+    torch's save tags, which also keep mlp.c_proj's output, as with torchao's linears."""
+    if kind == "recomputed":
+        return 0
+    C, params = cfg.n_embd, _block_params(cfg)
+    inputs = sum(_LINEAR_INPUT[name][0] for name in float8_linears) * C * tokens
+    freed = sum(_LINEAR_INPUT[name][1] for name in float8_linears) * C * tokens * a if kind == "kept" else 0
+    outputs = C * tokens * a if kind == "selective" and not compiled else 0
+    return inputs - freed + outputs + sum(params[f"{name}.weight"] + 8 for name in float8_linears)
+
+
 def _float8_block_delta(cfg: ModelConfig, float8_linears: tuple[str, ...], tokens: int, a: int, compiled: bool,
-                        kind: str) -> int:
+                        kind: str, kernels: Float8Kernels) -> int:
     """What a block of `kind` saves with float8 linears beyond its bf16 twin. Eager, torchao keeps each linear's
     bf16 input, as a bf16 linear does; `selective` runs on torch's save tags then (recompute.apply_policy),
     which also keep mlp.c_proj's matmul output. Compiled, `selective` saves what bf16 does, a kept block less
     (_float8_saved_delta)."""
     if not float8_linears or kind == "recomputed":
         return 0
+    if kernels == Float8Kernels.minitrain:
+        return _minitrain_float8_block_delta(cfg, float8_linears, tokens, a, compiled, kind)
     if compiled:
         return _float8_saved_delta(cfg, float8_linears, tokens, a) if kind == "kept" else 0
     return tokens * cfg.n_embd * a if kind == "selective" else 0
@@ -216,6 +238,7 @@ class _MicroBatch:
     device: str
     float8_linears: tuple[str, ...]
     compiled: bool
+    float8_kernels: Float8Kernels
 
     @property
     def a(self) -> int:
@@ -224,7 +247,8 @@ class _MicroBatch:
     def block(self, kind: str) -> int:
         """Bytes one block of `kind` (kept | recomputed | selective) holds for backward."""
         return (_block_bytes(self.cfg, self.tokens, self.seq_len, self.p, self.a, self.stats, self.device, kind)
-                + _float8_block_delta(self.cfg, self.float8_linears, self.tokens, self.a, self.compiled, kind))
+                + _float8_block_delta(self.cfg, self.float8_linears, self.tokens, self.a, self.compiled, kind,
+                                      self.float8_kernels))
 
 
 def _persistent_state(precision: Precision, n_params: int, padded: int, world_size: int,
@@ -301,7 +325,8 @@ def _backward_transient(micro: _MicroBatch, last_kind: str) -> int:
     selective reruns GELU's output there (then, smaller, each norm's). Eager float8 linears cast there."""
     C, V, N, p, a = micro.cfg.n_embd, micro.cfg.vocab_size, micro.tokens, micro.p, micro.a
     recompute = {"recomputed": micro.block("kept"), "selective": N * 4 * C * a, "kept": 0}[last_kind]
-    mlp_grads = 8 * N * C * a if micro.compiled else max(8 * N * C * a, _float8_casts(C, N, micro.float8_linears, a))
+    torchao_eager = not micro.compiled and micro.float8_kernels == Float8Kernels.torchao
+    mlp_grads = max(8 * N * C * a, _float8_casts(C, N, micro.float8_linears, a) if torchao_eager else 0)
     return N * C * p + mlp_grads + recompute + V * C * p
 
 
@@ -341,7 +366,7 @@ def predict(model_cfg: ModelConfig, precision: Precision, ckpt_cfg: Checkpointin
     autocast = precision.autocast_dtype is not None
     micro = _MicroBatch(model_cfg, micro_batch * seq_len, seq_len, p, precision.compute_dtype,
                         4 if device == "cuda" or autocast else p,  # autocast runs LayerNorm in fp32
-                        autocast, device, float8_linears, compiled)
+                        autocast, device, float8_linears, compiled, precision.float8_kernels)
     groups = param_numels(model_cfg)
     n_params = sum(sum(numels) for numels, _ in groups)
     padded = sum(_padded(n) for numels, _ in groups for n in numels)

@@ -120,7 +120,8 @@ def build_model(plan: Plan, cfg: Config, dist: Dist) -> tuple[GPT, Optional[Path
         model = GPT(plan.model)
     weights = hf.load_weights(model) if cfg.model.init_from != SCRATCH else None
     model.to(dtype=plan.precision.stored_param_dtype(dist.sharded))
-    fp8.convert(model.blocks, plan.float8_linears, plan.precision.float8, plan.float8_all_gather)
+    fp8.convert(model.blocks, plan.float8_linears, plan.precision.float8, plan.precision.float8_kernels,
+                plan.float8_all_gather)
     recompute.apply_policy(model, plan.checkpointing, compiled=plan.compiled)
     return model, weights
 

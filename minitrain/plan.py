@@ -23,7 +23,7 @@ import torch
 from . import fp8, memory
 from .recompute import recomputed_blocks
 from .config import SCRATCH, CheckpointingConfig, CheckpointPolicy, Config, ConfigError, DistributedMode, \
-    Float8Recipe, KernelImpl, ModelConfig, OptimizerImpl, TrainerConfig
+    Float8Kernels, Float8Recipe, KernelImpl, ModelConfig, OptimizerImpl, TrainerConfig
 from .memory import GB, MemoryEstimate
 from .precision import Precision, resolve_precision
 from .schedule import LRSchedule, default_warmup
@@ -246,7 +246,7 @@ def make_plan(cfg: Config, tokenizer_vocab: int, device: torch.device, world_siz
     per_rank = t.batch_size // world_size
     sharded = cfg.distributed.mode == DistributedMode.fsdp
     float8_all_gather = sharded and precision.float8 == Float8Recipe.tensorwise and bool(float8_linears) \
-        and cfg.distributed.fsdp_float8_all_gather
+        and precision.float8_kernels == Float8Kernels.torchao and cfg.distributed.fsdp_float8_all_gather
     total = device_memory(device) if device_memory_bytes is None else device_memory_bytes
     budget = int(t.memory_budget * total)
 

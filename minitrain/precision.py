@@ -18,7 +18,8 @@ from typing import Optional
 import torch
 from omegaconf import OmegaConf
 
-from .config import CONFIG_DIR, ConfigError, Float8Recipe, OptimizerImpl, PrecisionConfig, check_optimizer_precision
+from .config import (CONFIG_DIR, ConfigError, Float8Kernels, Float8Recipe, OptimizerImpl, PrecisionConfig,
+                     check_optimizer_precision)
 
 AUTO = "auto"
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -37,7 +38,8 @@ class Precision:
     grad_dtype: torch.dtype  # what the optimizer reads: the param dtype, or fp32 main grads
     loss_scaling: bool  # dynamic loss scaling (fp16's range)
     tf32: bool  # fp32 matmuls on tensor cores (CUDA only; TF32 keeps fp32's range, rounds the mantissa)
-    float8: Float8Recipe = Float8Recipe.none  # the blocks' linears multiply in float8 (torchao), params unchanged
+    float8: Float8Recipe = Float8Recipe.none  # the blocks' linears multiply in float8, params unchanged
+    float8_kernels: Float8Kernels = Float8Kernels.torchao  # whose casts and GEMMs
     init_scale: float = 65536.0
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
@@ -86,7 +88,7 @@ class Precision:
         if self.loss_scaling:
             parts.append("dynamic loss scaling")
         if self.float8 != Float8Recipe.none:
-            parts.append(f"float8 matmuls ({self.float8.value} scales)")
+            parts.append(f"float8 matmuls ({self.float8.value} scales, {self.float8_kernels.value}'s kernels)")
         if self.compute_dtype == torch.float32:
             parts.append("TF32 matmuls" if self.tf32 else "true fp32 matmuls")
         return ", ".join(parts)
@@ -124,5 +126,5 @@ def resolve_precision(cfg: PrecisionConfig, device: torch.device, tf32: bool = T
         master_weights=cfg.master_weights,
         grad_dtype=(cfg.grad_dtype or cfg.param_dtype).torch,
         loss_scaling=cfg.loss_scaling, tf32=tf32 and device.type == "cuda", float8=cfg.float8,
-        init_scale=cfg.init_scale,
+        float8_kernels=cfg.float8_kernels,        init_scale=cfg.init_scale,
         growth_factor=cfg.growth_factor, backoff_factor=cfg.backoff_factor, growth_interval=cfg.growth_interval)

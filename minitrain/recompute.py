@@ -25,11 +25,11 @@ from .ops import gelu_tanh_backward
 aten = torch.ops.aten
 
 # Ops whose outputs compiled `selective` keeps. Linear layers reach the dispatcher as mm/addmm (torchao's float8
-# ones as mm on its float8 tensors); SDPA as one fused op per backend (CUDA: flash / efficient / cuDNN; CPU:
-# flash_for_cpu), or, on its math path (CPU with dropout), as bmm + softmax, where the bmm outputs are kept and
-# the softmax is recomputed.
+# ones as mm on its float8 tensors; minitrain's as one op, whose outputs besides the product are what its backward
+# reads); SDPA as one fused op per backend (CUDA: flash / efficient / cuDNN; CPU: flash_for_cpu), or, on its math
+# path (CPU with dropout), as bmm + softmax, where the bmm outputs are kept and the softmax is recomputed.
 SAVED_OPS = frozenset(op for op in (
-    aten.mm.default, aten.addmm.default, aten.bmm.default,
+    aten.mm.default, aten.addmm.default, aten.bmm.default, torch.ops.minitrain.float8_linear.default,
     aten._scaled_dot_product_flash_attention.default,
     aten._scaled_dot_product_efficient_attention.default,
     aten._scaled_dot_product_cudnn_attention.default,

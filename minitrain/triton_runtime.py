@@ -40,3 +40,27 @@ def check_runnable(tensor: Tensor, what: str, fallback: str) -> None:
             f"{what} runs Triton kernels: on CPU set TRITON_INTERPRET=1 before importing minitrain (tests), "
             f"or use {fallback}."
         )
+
+
+def rounds_float8() -> bool:
+    """The ROUND_FP8 flag of a kernel storing float8: under the interpreter only (see below)."""
+    return interpreted()
+
+
+@triton.jit
+def float8_bits(y, MANTISSA: tl.constexpr, BIAS: tl.constexpr):
+    """The float8 encoding (as uint8) of fp32 `y`, |y| within the format's range or NaN, rounded to nearest even as
+    the GPU's conversion does. The interpreter's own fp32 -> float8 conversion truncates, drops the carry of a
+    round-up into the exponent and has no NaN, so kernels store these bits under it instead."""
+    bits = y.to(tl.uint32, bitcast=True)
+    sign = ((bits >> 31) << 7).to(tl.uint8)
+    magnitude = tl.abs(y)
+    # Normal numbers: round the fp32 mantissa to MANTISSA bits (a carry moves into the exponent), rebias.
+    shift: tl.constexpr = 23 - MANTISSA
+    rounded = ((bits & 0x7FFFFFFF) + ((1 << (shift - 1)) - 1) + ((bits >> shift) & 1)) >> shift
+    normal = rounded - ((127 - BIAS) << MANTISSA)
+    # Below the smallest normal, 2**(1 - BIAS): a count of the subnormal step, rounded to even by adding 2**23
+    # (whose ulp is 1); a count of 2**MANTISSA is the smallest normal's encoding.
+    subnormal = (magnitude * (2.0 ** (BIAS - 1 + MANTISSA)) + 8388608.0).to(tl.uint32, bitcast=True) - 0x4B000000
+    code = tl.where(magnitude < 2.0 ** (1 - BIAS), subnormal, normal)
+    return tl.where(y == y, sign | code.to(tl.uint8), 0x7F)

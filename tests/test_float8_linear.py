@@ -1,0 +1,120 @@
+"""minitrain's float8 linear (minitrain/ops/float8_linear.py): its casts bit for bit against torch's, its GEMMs
+against torchao's Float8Linear (the same tensorwise recipe, written independently) and against bf16.
+
+CPU tests: the Triton kernels run through the interpreter, torch._scaled_mm on the CPU (torch 2.13)."""
+
+import copy
+
+import pytest
+import torch
+
+from minitrain.ops import Float8Linear, float8_linear
+from minitrain.ops.float8_linear import AMAX_FLOOR, E4M3, E5M2, _cast
+
+pytestmark = pytest.mark.skipif(not hasattr(torch, "_scaled_mm"), reason="needs torch._scaled_mm")
+
+
+def torch_cast(x, dtype):
+    """The recipe in plain torch: scale = max / amax, saturate, round to nearest even."""
+    fmax = torch.finfo(dtype).max
+    scale = fmax / x.float().abs().max().clamp(min=AMAX_FLOOR)
+    return (x.float() * scale).clamp(-fmax, fmax).to(dtype), 1 / scale
+
+
+def bits(t):
+    return t.view(torch.uint8)
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_every_bf16_value_casts_to_the_float8_torch_rounds_it_to(dtype):
+    """Each bf16 value within the format's range, at scale 1 (amax = the format's max): the subnormals, the round
+    ups that carry into the exponent, ties to even, the largest values, both signs."""
+    fmax = torch.finfo(dtype).max
+    every = torch.arange(2 ** 16, dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    values = every[every.float().abs() <= fmax]
+    values = torch.cat([torch.tensor([fmax], dtype=torch.bfloat16), values[~values.isnan()]])
+    values = values[: values.numel() // 128 * 128].view(-1, 128)
+    out, out_t, inv_scale, _ = _cast(values, dtype)
+    assert inv_scale.item() == 1.0
+    expected = values.float().to(dtype)
+    assert torch.equal(bits(out), bits(expected))
+    assert torch.equal(bits(out_t), bits(expected.t().contiguous()))
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_a_cast_scales_by_the_amax_in_both_layouts_and_sums_the_columns(dtype):
+    torch.manual_seed(0)
+    x = (torch.randn(200, 96) * 3).bfloat16()  # rows and columns that do not fill the last tiles
+    out, out_t, inv_scale, col_sums = _cast(x, dtype, col_sums=True)
+    expected, expected_inv = torch_cast(x, dtype)
+    assert torch.equal(bits(out), bits(expected)) and torch.equal(bits(out_t), bits(expected.t().contiguous()))
+    assert inv_scale.item() == expected_inv.item() and out.float().abs().max() == torch.finfo(dtype).max
+    torch.testing.assert_close(col_sums, x.float().sum(0), rtol=1e-6, atol=1e-4)
+    assert _cast(x, dtype)[3] is None
+
+
+def test_nan_or_inf_anywhere_makes_the_whole_cast_nan_and_zeros_get_a_finite_scale():
+    """The step's inf/NaN check reads the gradients: one bad element must reach all of them, not be clamped away."""
+    x = torch.randn(64, 128).bfloat16()
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        poisoned = x.clone()
+        poisoned[5, 7] = bad
+        out, out_t, inv_scale, _ = _cast(poisoned, E5M2)
+        assert out.float().isnan().all() and out_t.float().isnan().all() and inv_scale.isnan()
+    out, _, inv_scale, _ = _cast(torch.zeros(64, 128, dtype=torch.bfloat16), E4M3)
+    assert (out.float() == 0).all() and inv_scale.item() == pytest.approx(AMAX_FLOOR / 448)
+
+
+def twins(bias, K=96, N=160):
+    """A bf16 linear, torchao's Float8Linear of it and ours, holding equal weights."""
+    from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(K, N, bias=bias).bfloat16()
+    theirs = torch.nn.Sequential(copy.deepcopy(linear))
+    convert_to_float8_training(theirs, config=Float8LinearConfig.from_recipe_name("tensorwise"))
+    return linear, theirs, Float8Linear.taking_over(copy.deepcopy(linear))
+
+
+def run(module, x, grad):
+    x = x.clone().requires_grad_()
+    y = module(x)
+    y.backward(grad)
+    return y, x.grad, {k: p.grad for k, p in module.named_parameters()}
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_the_linear_computes_torchaos_tensorwise_float8_linear(bias):
+    """Two implementations of one recipe: forward and all gradients bit for bit, except that our forward adds the
+    bias inside the GEMM (its epilogue, one rounding) where torchao adds it to the rounded bf16 product."""
+    pytest.importorskip("torchao")
+    _, theirs, ours = twins(bias)
+    x = (torch.randn(2, 64, 96) * 4).bfloat16()
+    grad = torch.randn(2, 64, 160).bfloat16()
+    (y_theirs, dx_theirs, g_theirs), (y_ours, dx_ours, g_ours) = run(theirs, x, grad), run(ours, x, grad)
+    assert torch.equal(dx_ours, dx_theirs)
+    assert torch.equal(g_ours["weight"], g_theirs["0.weight"])
+    if bias:
+        assert torch.equal(g_ours["bias"], g_theirs["0.bias"])
+        # the float8 operands' product plus the bias, in fp32, rounded once to bf16 (up to fp32's summation order)
+        x8, _, x_inv, _ = _cast(x.reshape(-1, 96), E4M3)
+        w8, _, w_inv, _ = _cast(ours.weight.detach(), E4M3)
+        once = ((x8.float() * x_inv) @ (w8.float() * w_inv).t() + ours.bias.float()).bfloat16().view_as(y_ours)
+        assert (y_ours == once).float().mean() > 0.999 and (y_theirs == once).float().mean() < 0.9
+    else:
+        assert torch.equal(y_ours, y_theirs)
+
+
+def test_the_linear_is_bf16s_within_float8_rounding_and_keeps_its_parameters():
+    linear, _, ours = twins(bias=True)
+    x, grad = torch.randn(128, 96).bfloat16(), torch.randn(128, 160).bfloat16()
+    (y16, dx16, g16), (y8, dx8, g8) = run(linear, x, grad), run(ours, x, grad)
+    relative = lambda a, b: ((a.float() - b.float()).norm() / b.float().norm()).item()  # noqa: E731
+    assert 1e-3 < relative(y8, y16) < 0.05  # e4m3 operands
+    assert 1e-3 < relative(dx8, dx16) < 0.1 and 1e-3 < relative(g8["weight"], g16["weight"]) < 0.1  # e5m2 grads
+    assert relative(g8["bias"], g16["bias"]) < 1e-2  # summed from the bf16 gradient, not its float8 copy
+    source = torch.nn.Linear(96, 160)
+    taken = Float8Linear.taking_over(source)
+    assert taken.weight is source.weight and taken.bias is source.bias
+    assert Float8Linear.taking_over(torch.nn.Linear(96, 160, bias=False)).bias is None
+    assert torch.equal(float8_linear(x, ours.weight, ours.bias), y8)
