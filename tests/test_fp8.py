@@ -69,6 +69,12 @@ def emulated_float8_config(recipe, fsdp_all_gather=False):
 REAL_FLOAT8_CONFIG = fp8.float8_config
 
 
+def emulated_scaled_mm(a, b, scale_a, scale_b, bias=None, out_dtype=None):
+    """torch._scaled_mm as torchao emulates it: the same float8 values multiplied in fp32."""
+    product = (a.float() * scale_a) @ (b.float() * scale_b)
+    return (product if bias is None else product + bias.float()).to(out_dtype)
+
+
 def float8_trainers(patch, device):
     """`patch(module, name, value)`: every linear of the small test models converted (torchao's filter finds them
     too narrow to gain); where `device` cannot multiply in float8 (a CPU), the plan's device check passed and the
@@ -77,6 +83,7 @@ def float8_trainers(patch, device):
     if fp8.unavailable_reason(device) is not None:
         patch(fp8, "unavailable_reason", lambda device: None)
         patch(fp8, "float8_config", emulated_float8_config)
+        patch(torch, "_scaled_mm", emulated_scaled_mm)  # minitrain's float8 linear
 
 
 @pytest.fixture
@@ -400,6 +407,31 @@ def test_fp8_learns_as_bf16_does_and_every_checkpointing_policy_computes_the_sam
         bench_fp8.quality_report(list(runs.values()))
 
 
+def test_minitrain_float8_kernels_train_as_torchaos_and_every_checkpointing_policy_computes_the_same_run(
+        make_cfg, tmp_path, fp8_trainers):
+    """The same recipe through either kernels trains the same (torchao's learning is tested above); recomputation
+    reruns the same casts, so each policy ends with the bits of no checkpointing (eager selective runs on save tags
+    that keep the float8 op's outputs)."""
+    def run(name, *overrides):
+        trainer = Trainer(make_cfg(*LEARNING, "precision=fp8", "trainer.max_steps=8", "trainer.eval_every=8",
+                                   *overrides, f"trainer.out_dir={tmp_path / name}"), progress=False)
+        trainer.fit()
+        return trainer
+
+    torchao = run("torchao", "checkpointing=none")
+    policies = {p: run(p, "precision.float8_kernels=minitrain", f"checkpointing={p}")
+                for p in ("none", "full", "selective")}
+    assert all(isinstance(m, MinitrainFloat8Linear) for t in policies.values() for m in t.model.modules()
+               if isinstance(m, torch.nn.Linear))
+    reference = params(policies["none"])
+    for policy, trainer in policies.items():
+        assert all(torch.equal(v, reference[k]) for k, v in params(trainer).items()), policy
+    losses = {name: [r["train/loss"] for r in read_step_records(tmp_path / name / "metrics.jsonl")
+                     if "train/loss" in r] for name in ("torchao", "none")}
+    assert len(losses["none"]) == 2 and losses["none"] != losses["torchao"]
+    assert max(abs(a - b) for a, b in zip(losses["none"], losses["torchao"])) < 0.02
+
+
 @pytest.mark.parametrize("kernels", list(Float8Kernels))
 @pytest.mark.parametrize("policy", ["none", "every_k", "selective", "full"])
 def test_an_fp8_run_compiles_with_every_checkpointing_policy_and_passes_the_compile_check(make_cfg, fp8_trainers,
@@ -438,7 +470,8 @@ def worker(rank, port, jobs, results_dir):
                    for k, v in trainer.model.state_dict().items()}
         float8_weights = sum(_is_float8_all_gather_weight(getattr(p, "_local_tensor", p))
                              for p in trainer.model.parameters())
-        torch.save({"params": weights, "float8_all_gather_weights": float8_weights},
+        ours = sum(isinstance(m, MinitrainFloat8Linear) for m in trainer.model.modules())
+        torch.save({"params": weights, "float8_all_gather_weights": float8_weights, "minitrain_linears": ours},
                    f"{results_dir}/{name}.rank{rank}.pt")
     distributed.teardown(finished=True)
 
@@ -466,6 +499,8 @@ def test_fp8_under_ddp_and_fsdp_matches_one_process_and_fsdp_resumes(data_cache,
             "fsdp": {"overrides": overrides("fsdp", "distributed=fsdp", "optimizer.impl=fused")},
             "fsdp_bf16_gather": {"overrides": overrides("fsdp_bf16_gather", "distributed=fsdp",
                                                         "distributed.fsdp_float8_all_gather=false")},
+            "fsdp_minitrain": {"overrides": overrides("fsdp_minitrain", "distributed=fsdp",
+                                                      "precision.float8_kernels=minitrain")},
             "crash": {"overrides": overrides("resumed", "distributed=fsdp", "optimizer.impl=fused"), "crash_at": 3},
             "resumed": {"overrides": overrides("resumed", "distributed=fsdp", "optimizer.impl=fused",
                                                "trainer.resume=auto")}}
@@ -480,7 +515,7 @@ def test_fp8_under_ddp_and_fsdp_matches_one_process_and_fsdp_resumes(data_cache,
         return [r["train/loss"] for r in records if "train/loss" in r]
 
     # each rank scales its own half of the batch: float8 rounding apart, the one-process run
-    for mode in ("ddp", "fsdp", "fsdp_bf16_gather"):
+    for mode in ("ddp", "fsdp", "fsdp_bf16_gather", "fsdp_minitrain"):
         torch.testing.assert_close(losses(mode), losses("single"), rtol=0, atol=0.02)
         update = {k: v - initial[k].float() for k, v in reports[f"{mode}.0"]["params"].items()}
         gap = sum((update[k] - single_update[k]).norm() ** 2 for k in update) ** 0.5
@@ -489,6 +524,9 @@ def test_fp8_under_ddp_and_fsdp_matches_one_process_and_fsdp_resumes(data_cache,
     n_layer = single.model.cfg.n_layer
     assert reports["fsdp.0"]["float8_all_gather_weights"] == 4 * n_layer
     assert reports["fsdp_bf16_gather.0"]["float8_all_gather_weights"] == 0
+    assert reports["fsdp_minitrain.0"]["float8_all_gather_weights"] == 0  # torchao's gather only
+    assert reports["fsdp_minitrain.0"]["minitrain_linears"] == 4 * n_layer
+    assert reports["fsdp.0"]["minitrain_linears"] == 0
     assert reports["crash.0"] == {"crashed_at": 3}
     assert losses("resumed")[-1] == losses("fsdp")[-1]
     a, b = reports["fsdp.0"]["params"], reports["resumed.0"]["params"]

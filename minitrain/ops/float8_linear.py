@@ -23,13 +23,15 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from minitrain.triton_runtime import check_runnable, float8_bits, rounds_float8
+from minitrain.triton_runtime import check_runnable, float8_bits, interpreted, rounds_float8
 
 E4M3 = torch.float8_e4m3fn  # inputs and weights: more mantissa
 E5M2 = torch.float8_e5m2  # output gradients: more range
 _MANTISSA, _BIAS = {E4M3: 3, E5M2: 2}, {E4M3: 7, E5M2: 15}
 AMAX_FLOOR = 1e-12  # an all-zero tensor gets a finite scale
-_BM, _BN = 64, 128  # a tile: 8,192 elements, rows of 256 bytes in bf16
+# A tile: 8,192 elements, rows of 256 bytes in bf16; the interpreter runs each tile as numpy calls, so there a
+# tile is as large as the test tensors it meets.
+_BM, _BN = (256, 256) if interpreted() else (64, 128)
 _NUM_WARPS = 8
 
 
@@ -67,7 +69,7 @@ def _cast_kernel(x_ptr, amax_ptr, out_ptr, out_t_ptr, inv_scale_ptr, M, N, FP8_M
     y = tl.clamp(x * scale, -FP8_MAX, FP8_MAX, propagate_nan=tl.PropagateNan.ALL)
     y = float8_bits(y, MANTISSA, BIAS) if ROUND_FP8 else y.to(out_ptr.dtype.element_ty)
     tl.store(out_ptr + rows[:, None] * N + cols[None, :], y, mask=mask)
-    tl.store(out_t_ptr + cols[None, :] * M + rows[:, None], y, mask=mask)
+    tl.store(out_t_ptr + cols[:, None] * M + rows[None, :], tl.trans(y), mask=tl.trans(mask))
 
 
 def _cast(x: Tensor, dtype: torch.dtype, col_sums: bool = False
