@@ -108,6 +108,11 @@ def test_fp8_composes_as_bf16_with_float8_linears_and_auto_never_picks_it(monkey
                           CPU)
     with pytest.raises(ConfigError, match="^precision.float8: float8 matmuls cast from bf16 params.*fp16"):
         resolve(compose_config(["trainer.out_dir=.", "precision=fp16", "precision.float8=tensorwise"]))
+    ours = resolve_precision(resolve(compose_config(["trainer.out_dir=.", "precision=fp8",
+                                                     "precision.float8_kernels=minitrain"])).precision, CPU)
+    assert ours.describe() == "bf16 params, fp32 masters, float8 matmuls (tensorwise scales, minitrain's kernels)"
+    with pytest.raises(ConfigError, match="^precision.float8_kernels: minitrain's float8 kernels scale per tensor"):
+        resolve(compose_config(["trainer.out_dir=.", "precision=fp8_rowwise", "precision.float8_kernels=minitrain"]))
 
 
 def plan_on(device, *overrides, monkeypatch, capability=(9, 0), torchao=True):
@@ -158,6 +163,8 @@ def test_fsdp_gathers_tensorwise_float8_weights_in_float8_unless_told_not_to(mon
     assert not plan_on(cuda, "model=gpt2-1.5b", "distributed=fsdp", "trainer.compile_mode=default",
                        "precision=fp8_rowwise", monkeypatch=monkeypatch).float8_all_gather  # tensorwise only
     assert not plan_on(cuda, "model=gpt2-124m", "precision=fp8", monkeypatch=monkeypatch).float8_all_gather
+    assert not plan_on(cuda, *args, "precision=fp8", "precision.float8_kernels=minitrain",
+                       monkeypatch=monkeypatch).float8_all_gather  # torchao's float8 gather only
 
 
 def test_train_py_stops_an_fp8_run_on_a_cpu_with_exit_2_and_one_line(data_cache, tmp_path):
@@ -169,12 +176,14 @@ def test_train_py_stops_an_fp8_run_on_a_cpu_with_exit_2_and_one_line(data_cache,
 
 
 # -- the conversion and what it computes ---------------------------------------------------------------------------
-def test_convert_swaps_exactly_the_named_linears_and_keeps_every_parameter():
+@pytest.mark.parametrize("kernels, linear", [(Float8Kernels.torchao, Float8Linear),
+                                             (Float8Kernels.minitrain, MinitrainFloat8Linear)])
+def test_convert_swaps_exactly_the_named_linears_and_keeps_every_parameter(kernels, linear):
     cfg = model_cfg()
     model = bf16_model(cfg)
     before, groups = dict(model.named_parameters()), [[id(p) for p in g["params"]] for g in model.param_groups(0.1)]
-    fp8.convert(model.blocks, GPT2_124M, Float8Recipe.tensorwise)
-    swapped = {name for name, m in model.named_modules() if isinstance(m, Float8Linear)}
+    fp8.convert(model.blocks, GPT2_124M, Float8Recipe.tensorwise, kernels)
+    swapped = {name for name, m in model.named_modules() if isinstance(m, linear)}
     assert swapped == {f"blocks.{i}.{name}" for i in range(cfg.n_layer) for name in GPT2_124M}
     after = dict(model.named_parameters())
     assert after.keys() == before.keys() and all(after[k] is before[k] for k in before)  # the optimizer's tensors
