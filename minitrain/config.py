@@ -306,8 +306,9 @@ class DistributedConfig:
     # fsdp only. false keeps each unit's gathered params from forward to backward (no second all-gather,
     # ZeRO-2-like: + the compute-dtype params at the peak).
     reshard_after_forward: bool = True
-    # fsdp with precision.float8=tensorwise only. The float8 linears' weights are cast to float8 on their shard and
-    # all-gathered as such (torchao's float8 all-gather: half the bytes of bf16, one cast per weight and step).
+    # fsdp with precision.float8=tensorwise on torchao's kernels only. The float8 linears' weights are cast to float8
+    # on their shard and all-gathered as such (torchao's float8 all-gather: half the bytes of bf16, one cast per
+    # weight and step).
     fsdp_float8_all_gather: bool = True
 
     def __post_init__(self):

@@ -7,6 +7,9 @@ matmul and multiplies with `torch._scaled_mm`. Its weight stays the ordinary par
 masters in minitrain's AdamW), cast per matmul: the optimizer, the checkpoints and the 16 B/param floor do not
 change.
 
+`precision.float8_kernels=minitrain` swaps in minitrain's Float8Linear instead (minitrain/ops/float8_linear.py): the
+same tensorwise recipe with casts written as two Triton passes; torchao still decides which linears to convert.
+
 What is converted: each block's linears that torchao's shape filter expects to gain; narrower ones stay bf16.
 The LM head is the tied embedding inside the fused loss, not a linear: it stays bf16. The plan decides the list
 once (`float8_linears`); the memory model and `convert` read it.
