@@ -222,7 +222,7 @@ class PrecisionConfig:
     grad_dtype: Optional[DType] = None  # None: gradients in param dtype; fp32: fp32 main grads
     loss_scaling: bool = False  # dynamic loss scaling (fp16 range)
     float8: Float8Recipe = Float8Recipe.none  # the blocks' linears multiply in float8, cast from bf16
-    float8_kernels: Float8Kernels = Float8Kernels.torchao  # whose casts and GEMMs (precision.float8 != none)
+    float8_kernels: Float8Kernels = Float8Kernels.minitrain  # whose casts and GEMMs (precision.float8 != none)
     init_scale: float = 65536.0
     growth_factor: float = 2.0
     backoff_factor: float = 0.5

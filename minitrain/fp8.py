@@ -1,4 +1,4 @@
-"""Float8 matmuls in the blocks' linear layers, on torchao's float8 training (`precision=fp8`).
+"""Float8 matmuls in the blocks' linear layers (`precision=fp8`): minitrain's float8 linear, or torchao's.
 
 Why: fp8 tensor cores run a block's GEMMs up to 1.7x faster than bf16 (docs/benchmarks.md), but every float8
 matmul first casts its operands (an amax, a scale, the cast, a transposed copy: memory passes), which eats the
@@ -7,8 +7,10 @@ matmul and multiplies with `torch._scaled_mm`. Its weight stays the ordinary par
 masters in minitrain's AdamW), cast per matmul: the optimizer, the checkpoints and the 16 B/param floor do not
 change.
 
-`precision.float8_kernels=minitrain` swaps in minitrain's Float8Linear instead (minitrain/ops/float8_linear.py): the
-same tensorwise recipe with casts written as two Triton passes; torchao still decides which linears to convert.
+By default (`precision.float8_kernels=minitrain`) minitrain's Float8Linear is swapped in instead
+(minitrain/ops/float8_linear.py): the same tensorwise recipe, its casts two Triton passes, which is where torchao's
+loses what the float8 GEMMs gain (docs/benchmarks.md, fp8); torchao's stays for rowwise scales and FSDP2's float8
+all-gather, and decides which linears to convert.
 
 What is converted: each block's linears that torchao's shape filter expects to gain; narrower ones stay bf16.
 The LM head is the tied embedding inside the fused loss, not a linear: it stays bf16. The plan decides the list
@@ -69,7 +71,7 @@ def float8_config(recipe: Float8Recipe, fsdp_all_gather: bool = False):
 
 
 def convert(blocks: nn.ModuleList, linears: tuple[str, ...], recipe: Float8Recipe,
-            kernels: Float8Kernels = Float8Kernels.torchao, fsdp_all_gather: bool = False) -> None:
+            kernels: Float8Kernels = Float8Kernels.minitrain, fsdp_all_gather: bool = False) -> None:
     """Swap the named linears of every block for a float8 linear (minitrain's or torchao's Float8Linear), in place,
     before any wrapper (checkpointing policy, DDP, FSDP2) sees the model. Each keeps its weight and bias Parameters,
     so the optimizer's and the checkpoint's tensors stay the ones they were (with `fsdp_all_gather`, torchao wraps

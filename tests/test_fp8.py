@@ -43,8 +43,8 @@ from torchao.float8.float8_linear import Float8Linear  # noqa: E402
 CPU = torch.device("cpu")
 ALL = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
 GPT2_124M = ("attn.c_attn", "mlp.c_fc")  # what torchao's tensorwise filter converts at width 768 (and 1024)
-FP8 = resolve_precision(preset("fp8"), CPU)
-MINITRAIN_FP8 = replace(FP8, float8_kernels=Float8Kernels.minitrain)
+MINITRAIN_FP8 = resolve_precision(preset("fp8"), CPU)
+FP8 = replace(MINITRAIN_FP8, float8_kernels=Float8Kernels.torchao)  # what the torchao models below run
 BF16 = resolve_precision(preset("bf16"), CPU)
 
 
@@ -94,12 +94,13 @@ def fp8_trainers(monkeypatch):
 
 # -- the option and the plan -------------------------------------------------------------------------------------
 def test_fp8_composes_as_bf16_with_float8_linears_and_auto_never_picks_it(monkeypatch):
-    for name, recipe in (("fp8", Float8Recipe.tensorwise), ("fp8_rowwise", Float8Recipe.rowwise)):
+    for name, recipe, kernels in (("fp8", Float8Recipe.tensorwise, "minitrain"),
+                                  ("fp8_rowwise", Float8Recipe.rowwise, "torchao")):
         cfg = resolve(compose_config(["trainer.out_dir=.", f"precision={name}"]))
         p = resolve_precision(cfg.precision, CPU)
-        assert (p.name, p.float8, p.param_dtype, p.master_weights, p.loss_scaling) == \
-            (name, recipe, torch.bfloat16, True, False)
-        assert p.describe() == f"bf16 params, fp32 masters, float8 matmuls ({recipe.value} scales, torchao's kernels)"
+        assert (p.name, p.float8, p.float8_kernels.value, p.param_dtype, p.master_weights, p.loss_scaling) == \
+            (name, recipe, kernels, torch.bfloat16, True, False)
+        assert p.describe() == f"bf16 params, fp32 masters, float8 matmuls ({recipe.value} scales, {kernels}'s kernels)"
     auto = resolve(compose_config(["trainer.out_dir=."])).precision
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda including_emulation=True: True)
     assert resolve_precision(auto, torch.device("cuda")).float8 == Float8Recipe.none
@@ -108,9 +109,9 @@ def test_fp8_composes_as_bf16_with_float8_linears_and_auto_never_picks_it(monkey
                           CPU)
     with pytest.raises(ConfigError, match="^precision.float8: float8 matmuls cast from bf16 params.*fp16"):
         resolve(compose_config(["trainer.out_dir=.", "precision=fp16", "precision.float8=tensorwise"]))
-    ours = resolve_precision(resolve(compose_config(["trainer.out_dir=.", "precision=fp8",
-                                                     "precision.float8_kernels=minitrain"])).precision, CPU)
-    assert ours.describe() == "bf16 params, fp32 masters, float8 matmuls (tensorwise scales, minitrain's kernels)"
+    theirs = resolve_precision(resolve(compose_config(["trainer.out_dir=.", "precision=fp8",
+                                                       "precision.float8_kernels=torchao"])).precision, CPU)
+    assert theirs.describe() == "bf16 params, fp32 masters, float8 matmuls (tensorwise scales, torchao's kernels)"
     with pytest.raises(ConfigError, match="^precision.float8_kernels: minitrain's float8 kernels scale per tensor"):
         resolve(compose_config(["trainer.out_dir=.", "precision=fp8_rowwise", "precision.float8_kernels=minitrain"]))
 
@@ -142,7 +143,7 @@ def test_the_plan_names_the_linears_torchao_converts(monkeypatch):
     cuda = torch.device("cuda")
     small = plan_on(cuda, "model=gpt2-124m", "precision=fp8", monkeypatch=monkeypatch)
     assert small.float8_linears == GPT2_124M and not small.float8_all_gather
-    assert ("float8 matmuls (tensorwise scales, torchao's kernels) in each block's attn.c_attn, mlp.c_fc"
+    assert ("float8 matmuls (tensorwise scales, minitrain's kernels) in each block's attn.c_attn, mlp.c_fc"
             in small.describe())
     assert small.as_dict()["float8_linears"] == list(GPT2_124M) and small.as_dict()["float8"] == "tensorwise"
     assert plan_on(cuda, "model=gpt2-1.5b", "precision=fp8", "trainer.batch_size=16",
@@ -157,14 +158,14 @@ def test_the_plan_names_the_linears_torchao_converts(monkeypatch):
 def test_fsdp_gathers_tensorwise_float8_weights_in_float8_unless_told_not_to(monkeypatch):
     cuda = torch.device("cuda")
     args = ("model=gpt2-124m", "distributed=fsdp", "trainer.compile_mode=default")
-    assert plan_on(cuda, *args, "precision=fp8", monkeypatch=monkeypatch).float8_all_gather
-    assert not plan_on(cuda, *args, "precision=fp8", "distributed.fsdp_float8_all_gather=false",
+    torchao = ("precision=fp8", "precision.float8_kernels=torchao")
+    assert plan_on(cuda, *args, *torchao, monkeypatch=monkeypatch).float8_all_gather
+    assert not plan_on(cuda, *args, *torchao, "distributed.fsdp_float8_all_gather=false",
                        monkeypatch=monkeypatch).float8_all_gather
     assert not plan_on(cuda, "model=gpt2-1.5b", "distributed=fsdp", "trainer.compile_mode=default",
                        "precision=fp8_rowwise", monkeypatch=monkeypatch).float8_all_gather  # tensorwise only
     assert not plan_on(cuda, "model=gpt2-124m", "precision=fp8", monkeypatch=monkeypatch).float8_all_gather
-    assert not plan_on(cuda, *args, "precision=fp8", "precision.float8_kernels=minitrain",
-                       monkeypatch=monkeypatch).float8_all_gather  # torchao's float8 gather only
+    assert not plan_on(cuda, *args, "precision=fp8", monkeypatch=monkeypatch).float8_all_gather  # torchao's only
 
 
 def test_train_py_stops_an_fp8_run_on_a_cpu_with_exit_2_and_one_line(data_cache, tmp_path):
@@ -339,7 +340,8 @@ def crash_at(trainer, step):
 def test_an_fp8_run_trains_ordinary_bf16_parameters_as_bf16_does_and_resumes_bit_for_bit(make_cfg, tmp_path,
                                                                                          fp8_trainers, monkeypatch):
     overrides = ("trainer.batch_size=4", "model.block_size=32", "trainer.max_steps=4", "trainer.save_every=2",
-                 "trainer.log_every=2", "trainer.eval_every=4", "trainer.sample_tokens=0", "trainer.deterministic=true")
+                 "trainer.log_every=2", "trainer.eval_every=4", "trainer.sample_tokens=0", "trainer.deterministic=true",
+                 "precision.float8_kernels=torchao")
     straight = Trainer(make_cfg("precision=fp8", *overrides, f"trainer.out_dir={tmp_path / 'straight'}"),
                        progress=False)
     assert straight.plan.float8_linears == ALL
@@ -392,7 +394,8 @@ def test_fp8_learns_as_bf16_does_and_every_checkpointing_policy_computes_the_sam
         return trainer
 
     bf16 = run("bf16", "precision=bf16", "checkpointing=none")
-    policies = {p: run(p, "precision=fp8", f"checkpointing={p}") for p in ("none", "full", "every_k", "selective")}
+    policies = {p: run(p, "precision=fp8", "precision.float8_kernels=torchao", f"checkpointing={p}")
+                for p in ("none", "full", "every_k", "selective")}
     assert {p: t.plan.checkpointing.policy.value for p, t in policies.items()} == {p: p for p in policies}
     reference = params(policies["none"])
     for policy, trainer in policies.items():
@@ -427,9 +430,8 @@ def test_minitrain_float8_kernels_train_as_torchaos_and_every_checkpointing_poli
         trainer.fit()
         return trainer
 
-    torchao = run("torchao", "checkpointing=none")
-    policies = {p: run(p, "precision.float8_kernels=minitrain", f"checkpointing={p}")
-                for p in ("none", "full", "selective")}
+    torchao = run("torchao", "precision.float8_kernels=torchao", "checkpointing=none")
+    policies = {p: run(p, f"checkpointing={p}") for p in ("none", "full", "selective")}  # minitrain's, the default
     assert all(isinstance(m, MinitrainFloat8Linear) for t in policies.values() for m in t.model.modules()
                if isinstance(m, torch.nn.Linear))
     reference = params(policies["none"])
@@ -491,9 +493,9 @@ def test_fp8_under_ddp_and_fsdp_matches_one_process_and_fsdp_resumes(data_cache,
 
     float8_trainers(monkeypatch.setattr, CPU)  # on gloo, so on the CPU, as the workers (a GPU machine too)
 
-    def overrides(out, *extra):
+    def overrides(out, *extra, kernels="torchao"):
         return [f"data.cache_dir={data_cache}", f"trainer.out_dir={tmp_path / out}", "logger.mode=disabled",
-                "precision=fp8", "trainer.batch_size=8", "model.block_size=16", "trainer.max_steps=4",
+                "precision=fp8", f"precision.float8_kernels={kernels}", "trainer.batch_size=8", "model.block_size=16", "trainer.max_steps=4",
                 "trainer.log_every=1", "trainer.eval_every=4", "trainer.save_every=2", "trainer.eval_batches=1",
                 "trainer.sample_tokens=0", "trainer.warmup_steps=2", "distributed.timeout_s=60", "trainer.device=cpu",
                 *extra]
@@ -508,8 +510,7 @@ def test_fp8_under_ddp_and_fsdp_matches_one_process_and_fsdp_resumes(data_cache,
             "fsdp": {"overrides": overrides("fsdp", "distributed=fsdp", "optimizer.impl=fused")},
             "fsdp_bf16_gather": {"overrides": overrides("fsdp_bf16_gather", "distributed=fsdp",
                                                         "distributed.fsdp_float8_all_gather=false")},
-            "fsdp_minitrain": {"overrides": overrides("fsdp_minitrain", "distributed=fsdp",
-                                                      "precision.float8_kernels=minitrain")},
+            "fsdp_minitrain": {"overrides": overrides("fsdp_minitrain", "distributed=fsdp", kernels="minitrain")},
             "crash": {"overrides": overrides("resumed", "distributed=fsdp", "optimizer.impl=fused"), "crash_at": 3},
             "resumed": {"overrides": overrides("resumed", "distributed=fsdp", "optimizer.impl=fused",
                                                "trainer.resume=auto")}}
