@@ -102,11 +102,11 @@ for what in "$@"; do
         timeout 590 python3 scripts/bench_prepare.py --gb 1 --work /tmp/bench-prepare --rounds 2 --layouts $layout \
           --out "$out/bench_prepare_$layout.json" 2>&1 | tail -6
       fi ;;
-    fp8_tests)  # tests/test_fp8.py's whole runs on the GPU with torchao's real float8 kernels (compiled with CUDA
-      # graphs under every checkpointing policy, eager policies ending bitwise equal, a resume); its other tests are
-      # the CPU's (CPU bytes counted, Triton through the interpreter)
+    fp8_tests)  # tests/test_fp8.py's whole runs on the GPU with real float8 GEMMs, minitrain's kernels and torchao's
+      # (compiled with CUDA graphs under every checkpointing policy, eager policies ending bitwise equal, a resume);
+      # its other tests are the CPU's (CPU bytes counted, Triton through the interpreter)
       TRITON_INTERPRET=0 timeout 520 python3 -m pytest -q tests/test_fp8.py \
-        -k "fp8_run_trains or fp8_run_compiles or fp8_learns" 2>&1 \
+        -k "fp8_run_trains or fp8_run_compiles or fp8_learns or float8_kernels_train" 2>&1 \
         | grep -E "^(E  |FAILED|[0-9]+ (passed|failed))" | tail -20 ;;
     fp8_speed|fp8_sizes)  # fp8 against bf16, tokens/s in alternating rounds, both resident in 47% of the GPU each at
       # bf16's policy on the whole GPU: fp8_speed the issue's target (>= 1.12x at gpt2-1.5b, the default batch of 32),

@@ -1,11 +1,11 @@
 """A linear layer that multiplies in float8 with one dynamic scale per tensor, its casts in two memory passes.
 
-Why: a float8 GEMM runs up to 1.8x a bf16 one, but each operand must first be cast: its amax over the whole
+Why: a float8 GEMM runs far faster than a bf16 one, but each operand must first be cast: its amax over the whole
 tensor, then every element scaled, clamped and rounded to float8, in the row-major layout one GEMM reads and the
 transposed layout another reads (`torch._scaled_mm` takes its first operand row-major, its second column-major).
 A cast that reads the tensor once for the amax and once more to write both layouts moves 6 bytes per bf16
-element; torchao's casts under torch.compile move much more (docs/benchmarks.md, fp8), which is where its
-float8 step loses what the GEMMs gain. Here each cast is two Triton kernels: `_amax_kernel` (reduces |x|, and sums
+element; torchao's casts under torch.compile move much more, which is where its float8 step loses what the GEMMs
+gain (docs/benchmarks.md, fp8). Here each cast is two Triton kernels: `_amax_kernel` (reduces |x|, and sums
 the output gradient's columns for the bias gradient on the way) and `_cast_kernel` (writes both layouts from one
 read).
 
