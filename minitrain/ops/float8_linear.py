@@ -146,7 +146,7 @@ _float8_linear.register_autograd(_backward, setup_context=_setup_context)
 def float8_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None) -> Tensor:
     """F.linear(x, weight, bias) with both GEMMs of backward and the forward's in float8 (tensorwise scales);
     bf16 in and out. Dimensions must be multiples of 16 (the float8 GEMM's)."""
-    check_runnable(x, "float8_linear", "precision.float8_casts=torchao")
+    check_runnable(x, "float8_linear", "precision.float8_kernels=torchao")
     return _float8_linear(x, weight, bias)[0]
 
 
