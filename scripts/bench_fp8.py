@@ -1,5 +1,5 @@
-"""precision=fp8 against precision=bf16: tokens/s and memory on one GPU (`speed`), validation loss of runs that
-differ in precision only (`quality`); minitrain/tools/benchmarks/fp8.py says how.
+"""precision=fp8 against precision=bf16: tokens/s and memory on one GPU (`speed`), validation loss of a sweep's runs
+over precision and seed (`quality`); minitrain/tools/benchmarks/fp8.py says how.
 
     python scripts/bench_fp8.py speed --models gpt2-1.5b --out bench_fp8_15b.json
     python scripts/bench_fp8.py speed --models gpt2-774m gpt2-124m --time-limit-s 300 --out bench_fp8_sizes.json
@@ -52,7 +52,7 @@ def main() -> None:
     s.add_argument("--extra", nargs="*", default=[], help="overrides for both precisions (after the shared plan's)")
     s.add_argument("--out", default="bench_fp8.json")
     s.set_defaults(func=speed)
-    q = sub.add_parser("quality", help="validation losses of runs that differ in precision")
+    q = sub.add_parser("quality", help="validation losses of a sweep's runs, each beside bf16 of its seed")
     q.add_argument("run_dirs", nargs="+", help="run dirs (others, e.g. a sweep's multirun.yaml, are passed over)")
     q.add_argument("--out")
     q.set_defaults(func=quality)

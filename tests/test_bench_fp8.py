@@ -13,12 +13,14 @@ from minitrain.tools.benchmarks import fp8, step
 from conftest import fake_gpu
 
 H200 = 143_771_566_080  # bytes
+H100 = 85_020_000_000  # an H100 80GB HBM3, as torch reports it to 0.01 GB
 
 
 def test_both_precisions_run_bf16s_whole_gpu_policy_at_the_micro_batch_that_fits_their_share(monkeypatch):
     """Within 45% of an H200 bf16's own plan for gpt2-1.5b would recompute (selective); on the whole GPU, as a user
-    runs it, it does not: the benchmark keeps the user's policy and halves the micro-batch until it fits."""
+    runs it, it does not: the benchmark keeps the user's policy and halves the micro-batch until both fit."""
     fake_gpu(monkeypatch, bf16=True, memory=H200)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert fp8.shared_settings("gpt2-1.5b", 0.47, []) == [
         "trainer.micro_batch=16", "checkpointing=none", "checkpointing.every_k=2"]
     assert fp8.shared_settings("gpt2-1.5b", 0.45, []) == [
@@ -26,6 +28,11 @@ def test_both_precisions_run_bf16s_whole_gpu_policy_at_the_micro_batch_that_fits
     # an explicit policy wins, and the micro-batch is the largest that fits with it
     assert fp8.shared_settings("gpt2-1.5b", 0.45, ["checkpointing=full"]) == [
         "trainer.micro_batch=32", "checkpointing=full", "checkpointing.every_k=2"]
+    # on an H100 a user's bf16 recomputes (selective), under which fp8 keeps its float8 copies beside the outputs
+    # that selective saves: fp8 is the tighter, at half bf16's micro-batch of 8
+    fake_gpu(monkeypatch, bf16=True, memory=H100)
+    assert fp8.shared_settings("gpt2-1.5b", 0.47, []) == [
+        "trainer.micro_batch=4", "checkpointing=selective", "checkpointing.every_k=2"]
 
 
 class FakeTrainer:
@@ -129,7 +136,8 @@ def test_the_report_sets_fp8_beside_bf16_round_by_round():
 def test_the_quality_report_sets_each_fp8_run_beside_bf16_of_its_seed_and_bf16s_spread_over_seeds():
     def run(precision, seed, val, skipped=0, finite=True):
         return {"dir": f"{precision}-{seed}", "precision": precision, "seed": seed, "val": val, "skipped": skipped,
-                "finite": finite, "last_step": 1000}
+                "finite": finite, "last_step": 1000,
+                "overrides": ["model=gpt2-124m", f"precision={precision}", f"trainer.seed={seed}"]}
 
     runs = [run("bf16", 1, {500: 4.0, 1000: 3.0}), run("fp8", 1, {500: 4.2, 1000: 3.03}, skipped=2),
             run("fp8", 2, {500: 4.1, 1000: 3.12}, finite=False), run("bf16", 2, {500: 4.1, 1000: 3.2})]
@@ -141,3 +149,17 @@ def test_the_quality_report_sets_each_fp8_run_beside_bf16_of_its_seed_and_bf16s_
     assert "seed 2 fp8: 1000 steps, 0 skipped, NON-FINITE LOSS | val 500:4.1000 1000:3.1200" in lines
     assert lines[-2:] == ["fp8: final validation loss against bf16's of the same seed: +1.00%, -2.50%",
                           "bf16's final validation loss over 2 seeds: 3.0000-3.2000 (6.67% apart)"]
+
+
+def test_a_noise_control_sets_a_second_bf16_run_beside_the_first_of_its_seed():
+    """bf16 twice with another GELU kernel (model.gelu=fused,torch): labelled by the override that differs, the
+    second compared with the first."""
+    def run(gelu, val):
+        return {"dir": gelu, "precision": "bf16", "seed": 1337, "val": val, "skipped": 0, "finite": True,
+                "last_step": 1000, "overrides": ["model=gpt2-350m", "precision=bf16", f"model.gelu={gelu}"]}
+
+    lines = fp8.quality_report([run("fused", {500: 4.0, 1000: 3.0}), run("torch", {500: 3.9, 1000: 3.03})])
+    assert lines == ["seed 1337 bf16 model.gelu=fused: 1000 steps, 0 skipped, finite | val 500:4.0000 1000:3.0000",
+                     "seed 1337 bf16 model.gelu=torch: 1000 steps, 0 skipped, finite | val 500:3.9000 1000:3.0300",
+                     "  vs bf16 model.gelu=fused: 500:-2.50% 1000:+1.00% (largest |gap| 2.50%)",
+                     "bf16 model.gelu=torch: final validation loss against bf16's of the same seed: +1.00%"]

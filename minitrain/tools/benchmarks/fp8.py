@@ -2,16 +2,17 @@
 
 speed, on one GPU: per model, one `Trainer` per precision at the default global batch, resident side by side,
 each planned within `memory_budget` of the GPU. Both run the checkpointing policy that bf16's plan picks on the
-whole GPU (what a user gets) at the largest micro-batch with which bf16 fits its share, so that fp8's ratio is
+whole GPU (what a user gets) at the largest micro-batch with which both fit their share, so that fp8's ratio is
 its float8 matmuls' and casts' and not a cheaper policy or a larger micro-batch bought with its smaller
 activations. fp8 is built first, on an empty GPU: CUDA graphs allocate from one pool per process, which bf16's
 graphs then reuse, so only fp8's peak memory is its own; it is set beside the memory model's prediction. Each
 trainer's first compiled loss is checked against its own eager forward (benchmarks/step.py's start), then the
 timed steps run in rounds that alternate the precisions (bench.alternating_rounds).
 
-quality: train.py runs that differ in precision only (a sweep's job dirs), read from their metrics.jsonl: the
-validation loss at each evaluated step, fp8's relative gap to bf16 of the same seed, bf16's own spread across
-seeds, skipped optimizer steps and whether every logged loss stayed finite.
+quality: train.py runs of a sweep over precision and seed (its job dirs), read from their metrics.jsonl: the
+validation loss at each evaluated step, each run's relative gap to the first bf16 run of its seed, bf16's own
+spread across seeds, skipped optimizer steps and whether every logged loss stayed finite. A noise control is one
+more override swept beside bf16 (model.gelu=fused,torch: the same function, rounded by other kernels).
 """
 
 from __future__ import annotations
@@ -48,15 +49,17 @@ def overrides(model: str, precision: str, out_dir: str, memory_budget: float, ex
 
 def shared_settings(model: str, memory_budget: float, extra: Sequence[str]) -> list[str]:
     """Overrides for both precisions: the checkpointing policy of bf16's plan on the whole GPU (the default
-    trainer.memory_budget, as a user gets it), and the micro-batch of bf16's plan with that policy within
-    `memory_budget` (both precisions are resident). An explicit setting in `extra` wins: it comes later."""
-    def bf16_plan(*settings: str):
-        cfg = resolve(compose_config(overrides(model, BASELINE, ".", memory_budget, [*settings, *extra])))
+    trainer.memory_budget, as a user gets it), and the largest micro-batch with which each precision's plan fits
+    that policy within `memory_budget` (both are resident). fp8 saves less than bf16 with no checkpointing but
+    more under selective (its float8 copies beside the outputs selective keeps), so either may be the tighter.
+    An explicit setting in `extra` wins: it comes later."""
+    def plan(precision: str, *settings: str):
+        cfg = resolve(compose_config(overrides(model, precision, ".", memory_budget, [*settings, *extra])))
         return make_plan(cfg, cfg.data.vocab_size, torch.device("cuda"))
 
-    whole_gpu = bf16_plan(f"trainer.memory_budget={bench.default_memory_budget()}").checkpointing
+    whole_gpu = plan(BASELINE, f"trainer.memory_budget={bench.default_memory_budget()}").checkpointing
     policy = [f"checkpointing={whole_gpu.policy.value}", f"checkpointing.every_k={whole_gpu.every_k}"]
-    return [f"trainer.micro_batch={bf16_plan(*policy).micro_batch}", *policy]
+    return [f"trainer.micro_batch={min(plan(p, *policy).micro_batch for p in PRECISIONS)}", *policy]
 
 
 def row(model: str, precision: str, run: step.Run, checks: dict) -> dict:
@@ -160,7 +163,7 @@ def speed_report(rows: Sequence[dict]) -> list[str]:
 
 # -- quality ---------------------------------------------------------------------------------------------------------
 def read_run(run_dir: Path) -> dict:
-    """A run's precision and seed, its validation loss by step, the optimizer steps it skipped, whether every
+    """A run's precision, seed and command-line overrides, its validation loss by step, the optimizer steps it skipped, whether every
     logged loss was finite (the logger writes a non-finite one as null) and its last logged step."""
     run_dir = Path(run_dir)
     steps = report.read_step_records(run_dir / "metrics.jsonl")
@@ -168,6 +171,7 @@ def read_run(run_dir: Path) -> dict:
     losses = [r[k] for r in steps for k in ("train/loss", "val/loss") if k in r]
     return {"dir": str(run_dir), "precision": report.read_plan(run_dir / "metrics.jsonl")["precision"],
             "seed": config["trainer"]["seed"],
+            "overrides": yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text()) or [],
             "val": {r["step"]: r["val/loss"] for r in steps if r.get("val/loss") is not None},
             "skipped": max((r.get("amp/skipped_steps", 0) for r in steps), default=0),
             "finite": all(x is not None and math.isfinite(x) for x in losses),
@@ -180,29 +184,37 @@ def relative_gaps(run: dict, base: dict) -> dict[int, float]:
 
 
 def quality_report(runs: Sequence[dict]) -> list[str]:
-    """Per run its validation losses; per non-bf16 run its gap to bf16 of its seed at every shared step; per
-    precision the final gaps over seeds; bf16's final losses' spread over seeds (the noise a gap is set beside)."""
-    by_seed: dict[int, dict[str, dict]] = {}
+    """Per run its validation losses; per other run its gap to the first bf16 run of its seed at every shared step;
+    per label the final gaps over seeds; bf16's final losses' spread over seeds (the noise a gap is set beside).
+    A run's label is its precision and its overrides that not every run shares but seed and precision: a noise
+    control (bf16 twice, model.gelu=fused,torch) sets a second bf16 run beside the first."""
+    shared = set.intersection(*(set(run["overrides"]) for run in runs)) if runs else set()
+
+    def label(run: dict) -> str:
+        own = [o for o in run["overrides"] if o not in shared and o.split("=")[0] not in ("precision", "trainer.seed")]
+        return " ".join([run["precision"], *own])
+
+    by_seed: dict[int, list[dict]] = {}
     for run in runs:
-        by_seed.setdefault(run["seed"], {})[run["precision"]] = run
+        by_seed.setdefault(run["seed"], []).append(run)
+    bases = {seed: next((run for run in cells if run["precision"] == BASELINE), None)
+             for seed, cells in by_seed.items()}
     lines, final_gaps = [], {}
     for seed, cells in sorted(by_seed.items()):
-        for precision, run in sorted(cells.items()):
-            lines.append(f"seed {seed} {precision}: {run['last_step']} steps, {run['skipped']:g} skipped, "
+        base = bases[seed]
+        for run in cells:
+            lines.append(f"seed {seed} {label(run)}: {run['last_step']} steps, {run['skipped']:g} skipped, "
                          f"{'finite' if run['finite'] else 'NON-FINITE LOSS'} | val "
                          + " ".join(f"{s}:{v:.4f}" for s, v in sorted(run["val"].items())))
-            if precision == BASELINE or BASELINE not in cells:
-                continue
-            gaps = relative_gaps(run, cells[BASELINE])
+            gaps = relative_gaps(run, base) if base is not None and run is not base else {}
             if gaps:
-                final_gaps.setdefault(precision, []).append(gaps[max(gaps)])
-                lines.append(f"  vs bf16: " + " ".join(f"{s}:{g:+.2%}" for s, g in gaps.items())
+                final_gaps.setdefault(label(run), []).append(gaps[max(gaps)])
+                lines.append(f"  vs {label(base)}: " + " ".join(f"{s}:{g:+.2%}" for s, g in gaps.items())
                              + f" (largest |gap| {max(map(abs, gaps.values())):.2%})")
-    for precision, gaps in sorted(final_gaps.items()):
-        lines.append(f"{precision}: final validation loss against bf16's of the same seed: "
+    for name, gaps in sorted(final_gaps.items()):
+        lines.append(f"{name}: final validation loss against bf16's of the same seed: "
                      + ", ".join(f"{g:+.2%}" for g in gaps))
-    finals = [cells[BASELINE]["val"][max(cells[BASELINE]["val"])] for cells in by_seed.values()
-              if cells.get(BASELINE, {}).get("val")]
+    finals = [base["val"][max(base["val"])] for base in bases.values() if base is not None and base["val"]]
     if len(finals) > 1:
         lines.append(f"bf16's final validation loss over {len(finals)} seeds: {min(finals):.4f}-{max(finals):.4f} "
                      f"({max(finals) / min(finals) - 1:.2%} apart)")
