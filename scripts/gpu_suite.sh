@@ -124,16 +124,19 @@ for what in "$@"; do
     fp8_quality)  # validation loss, fp8 against bf16: QUALITY_MODEL (gpt2-124m), QUALITY_STEPS (1000) on the built-in
       # corpus at GPT-3's peak lr for the size, a cell per precision in QUALITY_PRECISIONS (bf16,fp8) and seed in
       # QUALITY_SEEDS (1337) through train.py -m, QUALITY_AT_A_TIME side by side (1); QUALITY_EXTRA: more overrides,
-      # e.g. a noise control, model.gelu=fused,torch with QUALITY_PRECISIONS=bf16. The cells' records (not their
-      # checkpoints) go to OUT/fp8_quality/; `bench_fp8.py quality OUT*/fp8_quality/*/*` compares them all
+      # e.g. a noise control, model.gelu=fused,torch with QUALITY_PRECISIONS=bf16. Deterministic, so that a cell's
+      # figures reproduce on the same GPU (without, one cell pair run twice ended +1.40% and +0.12% apart). The
+      # cells' records (not their checkpoints) go to OUT/fp8_quality/; `bench_fp8.py quality
+      # OUT*/fp8_quality/*/*` compares them all
       model=${QUALITY_MODEL:-gpt2-124m}; precisions=${QUALITY_PRECISIONS:-bf16,fp8}; seeds=${QUALITY_SEEDS:-1337}
       extra=${QUALITY_EXTRA:-}; tag=${extra//[^a-z0-9]/-}
       name=$model-${precisions//,/-}-s${seeds//,/-}${tag:+-$tag}; sw=/tmp/fp8-quality/$name; rm -rf $sw
       lr=$(python3 -c "from minitrain.tools.benchmarks.step import LR; print(LR.get('$model', 6e-4))")
-      timeout 510 python3 scripts/train.py -m model=$model precision=$precisions trainer.seed=$seeds \
+      timeout 560 python3 scripts/train.py -m model=$model precision=$precisions trainer.seed=$seeds \
         trainer.max_steps=${QUALITY_STEPS:-1000} trainer.lr=$lr trainer.min_lr=$(python3 -c "print(f'{$lr / 10:g}')") \
         trainer.eval_every=100 trainer.eval_batches=20 trainer.log_every=50 trainer.save_every=1000 \
-        trainer.sample_tokens=0 hydra.sweeper.max_batch_size=${QUALITY_AT_A_TIME:-1} hydra.sweep.dir=$sw $extra 2>&1 | tail -3
+        trainer.deterministic=true trainer.sample_tokens=0 hydra.sweeper.max_batch_size=${QUALITY_AT_A_TIME:-1} \
+        hydra.sweep.dir=$sw $extra 2>&1 | tail -3
       mkdir -p "$out/fp8_quality"
       tar -C /tmp/fp8-quality --exclude=checkpoints -cf - $name | tar -C "$out/fp8_quality" -xf -
       python3 scripts/report.py $sw --out "$out/fp8_quality/$name" 2>&1 | sed -n 1,8p
