@@ -70,6 +70,10 @@ class Float8Recipe(str, Enum):
     rowwise = "rowwise"  # one scale per row: kinder to outliers, costlier casts and GEMMs
 
 
+# Each block's linears by their names inside it (minitrain/model.py's Block), in its order.
+BLOCK_LINEARS = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+
+
 class Float8Kernels(str, Enum):
     """Whose kernels cast to float8 and multiply (minitrain/fp8.py)."""
 
@@ -223,6 +227,8 @@ class PrecisionConfig:
     loss_scaling: bool = False  # dynamic loss scaling (fp16 range)
     float8: Float8Recipe = Float8Recipe.none  # the blocks' linears multiply in float8, cast from bf16
     float8_kernels: Float8Kernels = Float8Kernels.minitrain  # whose casts and GEMMs (precision.float8 != none)
+    # null: torchao's shape filter picks the linears wide enough to gain; a list: exactly these of BLOCK_LINEARS
+    float8_linears: Optional[List[str]] = None
     init_scale: float = 65536.0
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
@@ -250,6 +256,14 @@ class PrecisionConfig:
                  f"{self.param_dtype.value}")
         _require(self.float8 != Float8Recipe.rowwise or self.float8_kernels == Float8Kernels.torchao,
                  "precision.float8_kernels", "minitrain's float8 kernels scale per tensor; rowwise runs on torchao")
+        if self.float8_linears is not None:
+            _require(self.float8 != Float8Recipe.none, "precision.float8_linears",
+                     f"names linears for float8 matmuls, which precision={self.name} does not run (precision=fp8)")
+            _require(len(self.float8_linears) > 0, "precision.float8_linears",
+                     "is empty: every matmul in bf16 is precision=bf16")
+            unknown = [name for name in self.float8_linears if name not in BLOCK_LINEARS]
+            _require(not unknown, "precision.float8_linears",
+                     f"{', '.join(map(repr, unknown))} is not one of a block's linears: {', '.join(BLOCK_LINEARS)}")
 
 
 @dataclass

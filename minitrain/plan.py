@@ -22,8 +22,8 @@ import torch
 
 from . import fp8, memory
 from .recompute import recomputed_blocks
-from .config import SCRATCH, CheckpointingConfig, CheckpointPolicy, Config, ConfigError, DistributedMode, \
-    Float8Kernels, Float8Recipe, KernelImpl, ModelConfig, OptimizerImpl, TrainerConfig
+from .config import BLOCK_LINEARS, SCRATCH, CheckpointingConfig, CheckpointPolicy, Config, ConfigError, \
+    DistributedMode, Float8Kernels, Float8Recipe, KernelImpl, ModelConfig, OptimizerImpl, TrainerConfig
 from .memory import GB, MemoryEstimate
 from .precision import Precision, resolve_precision
 from .schedule import LRSchedule, default_warmup
@@ -214,6 +214,11 @@ def _float8_linears(precision: Precision, model: ModelConfig, device: torch.devi
     reason = fp8.unavailable_reason(device)
     if reason is not None:
         raise PlanError(f"precision={precision.name}: {reason}")
+    if precision.float8_linears is not None:  # the user's, in the block's order
+        if model.n_embd % 16:  # every block linear has n_embd as one of its two dimensions
+            raise PlanError(f"precision.float8_linears: float8 GEMMs need dimensions in multiples of 16, and "
+                            f"{model.name} has n_embd={model.n_embd}")
+        return tuple(name for name in BLOCK_LINEARS if name in precision.float8_linears)
     return fp8.float8_linears(model, precision.float8)
 
 

@@ -40,6 +40,7 @@ class Precision:
     tf32: bool  # fp32 matmuls on tensor cores (CUDA only; TF32 keeps fp32's range, rounds the mantissa)
     float8: Float8Recipe = Float8Recipe.none  # the blocks' linears multiply in float8, params unchanged
     float8_kernels: Float8Kernels = Float8Kernels.minitrain  # whose casts and GEMMs
+    float8_linears: Optional[tuple[str, ...]] = None  # None: torchao's shape filter picks them
     init_scale: float = 65536.0
     growth_factor: float = 2.0
     backoff_factor: float = 0.5
@@ -127,4 +128,5 @@ def resolve_precision(cfg: PrecisionConfig, device: torch.device, tf32: bool = T
         grad_dtype=(cfg.grad_dtype or cfg.param_dtype).torch,
         loss_scaling=cfg.loss_scaling, tf32=tf32 and device.type == "cuda", float8=cfg.float8,
         float8_kernels=cfg.float8_kernels, init_scale=cfg.init_scale,
+        float8_linears=None if cfg.float8_linears is None else tuple(cfg.float8_linears),
         growth_factor=cfg.growth_factor, backoff_factor=cfg.backoff_factor, growth_interval=cfg.growth_interval)

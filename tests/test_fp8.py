@@ -10,6 +10,7 @@ of CPU tensors and run our Triton kernels through the interpreter (so never unde
 
 import gc
 import os
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -20,10 +21,10 @@ import torch.multiprocessing as mp
 
 from minitrain import checkpoint, fp8
 from minitrain import plan as plan_module
-from minitrain.config import CheckpointingConfig, CheckpointPolicy, ConfigError, Float8Kernels, Float8Recipe, \
-    KernelImpl, ModelConfig, compose_config, resolve
+from minitrain.config import BLOCK_LINEARS, CheckpointingConfig, CheckpointPolicy, ConfigError, Float8Kernels, \
+    Float8Recipe, KernelImpl, ModelConfig, compose_config, resolve
 from minitrain.memory import GB, _float8_saved_delta, _minitrain_float8_block_delta, predict
-from minitrain.model import GPT
+from minitrain.model import GPT, Block
 from minitrain.ops import Float8Linear as MinitrainFloat8Linear, fused_linear_cross_entropy
 from minitrain.optim import AdamW
 from minitrain.optim.dtensor import _is_float8_all_gather_weight
@@ -153,6 +154,32 @@ def test_the_plan_names_the_linears_torchao_converts(monkeypatch):
     narrow = plan_on(cuda, "model=tiny", "precision=fp8", monkeypatch=monkeypatch)
     assert narrow.float8_linears == () and any("every matmul runs in bf16" in n for n in narrow.notes)
     assert plan_on(cuda, "model=gpt2-124m", "precision=bf16", monkeypatch=monkeypatch).float8_linears == ()
+
+
+def test_precision_float8_linears_names_them_in_place_of_torchaos_filter(monkeypatch):
+    """The user's list, checked where the config is read, in the block's order, even where the filter takes none."""
+    block = Block(resolve(compose_config(["trainer.out_dir=.", "model=tiny"])).model)
+    assert BLOCK_LINEARS == ALL == tuple(name for name, m in block.named_modules() if isinstance(m, torch.nn.Linear))
+    cuda = torch.device("cuda")
+    assert plan_on(cuda, "model=gpt2-350m", "precision=fp8", monkeypatch=monkeypatch).float8_linears == GPT2_124M
+    chosen = plan_on(cuda, "model=gpt2-350m", "precision=fp8", "precision.float8_linears=[mlp.c_proj,attn.c_attn]",
+                     monkeypatch=monkeypatch)
+    assert chosen.float8_linears == ("attn.c_attn", "mlp.c_proj") and "in each block's attn.c_attn, mlp.c_proj" in \
+        chosen.describe()
+    assert plan_on(cuda, "model=tiny", "precision=fp8", "precision.float8_linears=[mlp.c_proj]",
+                   monkeypatch=monkeypatch).float8_linears == ("mlp.c_proj",)
+    with pytest.raises(PlanError, match="^precision.float8_linears: float8 GEMMs need dimensions in multiples of 16, "
+                                        "and tiny has n_embd=120$"):
+        plan_on(cuda, "model=tiny", "model.n_embd=120", "precision=fp8",
+                "precision.float8_linears=[mlp.c_proj]", monkeypatch=monkeypatch)
+    for overrides, reason in (
+            (["precision=fp8", "precision.float8_linears=[attn.c_attn,mlp.fc]"],
+             "'mlp.fc' is not one of a block's linears: attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj"),
+            (["precision=fp8", "precision.float8_linears=[]"], "is empty: every matmul in bf16 is precision=bf16"),
+            (["precision=bf16", "precision.float8_linears=[attn.c_attn]"],
+             "names linears for float8 matmuls, which precision=bf16 does not run (precision=fp8)")):
+        with pytest.raises(ConfigError, match=f"^precision.float8_linears: {re.escape(reason)}$"):
+            resolve(compose_config(["trainer.out_dir=.", *overrides]))
 
 
 def test_fsdp_gathers_tensorwise_float8_weights_in_float8_unless_told_not_to(monkeypatch):
