@@ -228,6 +228,7 @@ class PrecisionConfig:
     float8: Float8Recipe = Float8Recipe.none  # the blocks' linears multiply in float8, cast from bf16
     float8_kernels: Float8Kernels = Float8Kernels.minitrain  # whose casts and GEMMs (precision.float8 != none)
     # null: torchao's shape filter picks the linears wide enough to gain; a list: exactly these of BLOCK_LINEARS
+    # (with precision.float8 != none)
     float8_linears: Optional[List[str]] = None
     init_scale: float = 65536.0
     growth_factor: float = 2.0
@@ -256,9 +257,7 @@ class PrecisionConfig:
                  f"{self.param_dtype.value}")
         _require(self.float8 != Float8Recipe.rowwise or self.float8_kernels == Float8Kernels.torchao,
                  "precision.float8_kernels", "minitrain's float8 kernels scale per tensor; rowwise runs on torchao")
-        if self.float8_linears is not None:
-            _require(self.float8 != Float8Recipe.none, "precision.float8_linears",
-                     f"names linears for float8 matmuls, which precision={self.name} does not run (precision=fp8)")
+        if self.float8_linears is not None:  # without float8 it is not read, as float8_kernels (a sweep sets both)
             _require(len(self.float8_linears) > 0, "precision.float8_linears",
                      "is empty: every matmul in bf16 is precision=bf16")
             unknown = [name for name in self.float8_linears if name not in BLOCK_LINEARS]

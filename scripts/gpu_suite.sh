@@ -129,14 +129,14 @@ for what in "$@"; do
       # cells' records (not their checkpoints) go to OUT/fp8_quality/; `bench_fp8.py quality
       # OUT*/fp8_quality/*/*` compares them all
       model=${QUALITY_MODEL:-gpt2-124m}; precisions=${QUALITY_PRECISIONS:-bf16,fp8}; seeds=${QUALITY_SEEDS:-1337}
-      extra=${QUALITY_EXTRA:-}; tag=${extra//[^a-z0-9]/-}
+      extra=${QUALITY_EXTRA:-}; tag=${extra//[^a-z0-9]/-}; read -ra extra_args <<< "$extra"  # split, not globbed
       name=$model-${precisions//,/-}-s${seeds//,/-}${tag:+-$tag}; sw=/tmp/fp8-quality/$name; rm -rf $sw
       lr=$(python3 -c "from minitrain.tools.benchmarks.step import LR; print(LR.get('$model', 6e-4))")
       timeout 560 python3 scripts/train.py -m model=$model precision=$precisions trainer.seed=$seeds \
         trainer.max_steps=${QUALITY_STEPS:-1000} trainer.lr=$lr trainer.min_lr=$(python3 -c "print(f'{$lr / 10:g}')") \
         trainer.eval_every=100 trainer.eval_batches=20 trainer.log_every=50 trainer.save_every=1000 \
         trainer.deterministic=true trainer.sample_tokens=0 hydra.sweeper.max_batch_size=${QUALITY_AT_A_TIME:-1} \
-        hydra.sweep.dir=$sw $extra 2>&1 | tail -3
+        hydra.sweep.dir=$sw "${extra_args[@]}" 2>&1 | tail -3
       mkdir -p "$out/fp8_quality"
       tar -C /tmp/fp8-quality --exclude=checkpoints -cf - $name | tar -C "$out/fp8_quality" -xf -
       python3 scripts/report.py $sw --out "$out/fp8_quality/$name" 2>&1 | sed -n 1,8p

@@ -157,7 +157,8 @@ def test_the_plan_names_the_linears_torchao_converts(monkeypatch):
 
 
 def test_precision_float8_linears_names_them_in_place_of_torchaos_filter(monkeypatch):
-    """The user's list, checked where the config is read, in the block's order, even where the filter takes none."""
+    """The user's list, checked where the config is read, in the block's order, even where the filter takes none;
+    without float8 it is not read."""
     block = Block(resolve(compose_config(["trainer.out_dir=.", "model=tiny"])).model)
     assert BLOCK_LINEARS == ALL == tuple(name for name, m in block.named_modules() if isinstance(m, torch.nn.Linear))
     cuda = torch.device("cuda")
@@ -168,6 +169,9 @@ def test_precision_float8_linears_names_them_in_place_of_torchaos_filter(monkeyp
         chosen.describe()
     assert plan_on(cuda, "model=tiny", "precision=fp8", "precision.float8_linears=[mlp.c_proj]",
                    monkeypatch=monkeypatch).float8_linears == ("mlp.c_proj",)
+    # a sweep over precision=bf16,fp8 sets it for both cells: bf16's does not read it
+    assert plan_on(cuda, "model=gpt2-350m", "precision=bf16", "precision.float8_linears=[mlp.c_proj]",
+                   monkeypatch=monkeypatch).float8_linears == ()
     with pytest.raises(PlanError, match="^precision.float8_linears: float8 GEMMs need dimensions in multiples of 16, "
                                         "and tiny has n_embd=120$"):
         plan_on(cuda, "model=tiny", "model.n_embd=120", "precision=fp8",
@@ -175,9 +179,7 @@ def test_precision_float8_linears_names_them_in_place_of_torchaos_filter(monkeyp
     for overrides, reason in (
             (["precision=fp8", "precision.float8_linears=[attn.c_attn,mlp.fc]"],
              "'mlp.fc' is not one of a block's linears: attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj"),
-            (["precision=fp8", "precision.float8_linears=[]"], "is empty: every matmul in bf16 is precision=bf16"),
-            (["precision=bf16", "precision.float8_linears=[attn.c_attn]"],
-             "names linears for float8 matmuls, which precision=bf16 does not run (precision=fp8)")):
+            (["precision=fp8", "precision.float8_linears=[]"], "is empty: every matmul in bf16 is precision=bf16")):
         with pytest.raises(ConfigError, match=f"^precision.float8_linears: {re.escape(reason)}$"):
             resolve(compose_config(["trainer.out_dir=.", *overrides]))
 
