@@ -125,9 +125,9 @@ for what in "$@"; do
       # corpus at GPT-3's peak lr for the size, a cell per precision in QUALITY_PRECISIONS (bf16,fp8) and seed in
       # QUALITY_SEEDS (1337) through train.py -m, QUALITY_AT_A_TIME side by side (1); QUALITY_EXTRA: more overrides,
       # e.g. a noise control, model.gelu=fused,torch with QUALITY_PRECISIONS=bf16. Deterministic, so that a cell's
-      # figures reproduce on the same GPU (without, one cell pair run twice ended +1.40% and +0.12% apart). The
-      # cells' records (not their checkpoints) go to OUT/fp8_quality/; `bench_fp8.py quality
-      # OUT*/fp8_quality/*/*` compares them all
+      # figures reproduce on the same GPU (docs/benchmarks.md: without, reruns of one cell differ). The cells'
+      # records (not their checkpoints) go to OUT/fp8_quality/; `bench_fp8.py quality OUT*/fp8_quality/*/*`
+      # compares them all
       model=${QUALITY_MODEL:-gpt2-124m}; precisions=${QUALITY_PRECISIONS:-bf16,fp8}; seeds=${QUALITY_SEEDS:-1337}
       extra=${QUALITY_EXTRA:-}; tag=${extra//[^a-z0-9]/-}; read -ra extra_args <<< "$extra"  # split, not globbed
       name=$model-${precisions//,/-}-s${seeds//,/-}${tag:+-$tag}; sw=/tmp/fp8-quality/$name; rm -rf $sw

@@ -163,8 +163,9 @@ def speed_report(rows: Sequence[dict]) -> list[str]:
 
 # -- quality ---------------------------------------------------------------------------------------------------------
 def read_run(run_dir: Path) -> dict:
-    """A run's precision, seed and command-line overrides, its validation loss by step, the optimizer steps it skipped, whether every
-    logged loss was finite (the logger writes a non-finite one as null) and its last logged step."""
+    """A run's precision, seed and command-line overrides, its validation loss by step, the optimizer steps it
+    skipped, whether every logged loss was finite (the logger writes a non-finite one as null) and its last logged
+    step."""
     run_dir = Path(run_dir)
     steps = report.read_step_records(run_dir / "metrics.jsonl")
     config = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())
@@ -186,8 +187,8 @@ def relative_gaps(run: dict, base: dict) -> dict[int, float]:
 def quality_report(runs: Sequence[dict]) -> list[str]:
     """Per run its validation losses; per other run its gap to the first bf16 run of its seed at every shared step;
     per label the final gaps over seeds; bf16's final losses' spread over seeds (the noise a gap is set beside).
-    A run's label is its precision and its overrides that not every run shares but seed and precision: a noise
-    control (bf16 twice, model.gelu=fused,torch) sets a second bf16 run beside the first."""
+    A run's label: its precision and those of its overrides that not every run shares (seed and precision left
+    out), so that a noise control (bf16 twice, model.gelu=fused,torch) sets a second bf16 run beside the first."""
     shared = set.intersection(*(set(run["overrides"]) for run in runs)) if runs else set()
 
     def label(run: dict) -> str:
