@@ -132,15 +132,15 @@ for what in "$@"; do
       extra=${QUALITY_EXTRA:-}; tag=${extra//[^a-z0-9]/-}; read -ra extra_args <<< "$extra"  # split, not globbed
       name=$model-${precisions//,/-}-s${seeds//,/-}${tag:+-$tag}; sw=/tmp/fp8-quality/$name; rm -rf $sw
       lr=$(python3 -c "from minitrain.tools.benchmarks.step import LR; print(LR.get('$model', 6e-4))")
-      timeout 560 python3 scripts/train.py -m model=$model precision=$precisions trainer.seed=$seeds \
+      timeout 575 python3 scripts/train.py -m model=$model precision=$precisions trainer.seed=$seeds \
         trainer.max_steps=${QUALITY_STEPS:-1000} trainer.lr=$lr trainer.min_lr=$(python3 -c "print(f'{$lr / 10:g}')") \
         trainer.eval_every=100 trainer.eval_batches=20 trainer.log_every=50 trainer.save_every=1000 \
         trainer.deterministic=true trainer.sample_tokens=0 hydra.sweeper.max_batch_size=${QUALITY_AT_A_TIME:-1} \
         hydra.sweep.dir=$sw "${extra_args[@]}" 2>&1 | tail -3
       mkdir -p "$out/fp8_quality"
       tar -C /tmp/fp8-quality --exclude=checkpoints -cf - $name | tar -C "$out/fp8_quality" -xf -
+      python3 scripts/bench_fp8.py quality $sw/* --out "$out/fp8_quality/$name.json"  # the figures before the plots
       python3 scripts/report.py $sw --out "$out/fp8_quality/$name" 2>&1 | sed -n 1,8p
-      python3 scripts/bench_fp8.py quality $sw/* --out "$out/fp8_quality/$name.json"
       rm -rf $sw/*/checkpoints ;;
     gelu) timeout 60 python3 scripts/bench_gelu.py --out "$out/bench_gelu.json" 2>&1 | tail -6 ;;
     attention) timeout 120 python3 scripts/bench_attention.py --out "$out/bench_attention.json" 2>&1 | tail -24 ;;
