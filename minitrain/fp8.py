@@ -12,9 +12,9 @@ By default (`precision.float8_kernels=minitrain`) minitrain's Float8Linear is sw
 loses what the float8 GEMMs gain (docs/benchmarks.md, fp8); torchao's stays for rowwise scales and FSDP2's float8
 all-gather, and decides which linears to convert.
 
-What is converted: each block's linears that torchao's shape filter expects to gain; narrower ones stay bf16.
-The LM head is the tied embedding inside the fused loss, not a linear: it stays bf16. The plan decides the list
-once (`float8_linears`); the memory model and `convert` read it.
+What is converted: each block's linears that torchao's shape filter expects to gain (narrower ones stay bf16), or
+those that precision.float8_linears names. The LM head is the tied embedding inside the fused loss, not a linear:
+it stays bf16. The plan decides the list once (`float8_linears`); the memory model and `convert` read it.
 """
 
 from __future__ import annotations
