@@ -1,5 +1,5 @@
 """`make mutants`: plausible one-line bugs, each injected into a copy of the repo, must fail the tests that guard
-against them. `python scripts/mutants.py [--only ID ...] [--list]`
+against them. `python scripts/mutants.py [--only ID ...] [--list] [--file LIST.toml]`
 
 A suite can pass while the code is wrong: a tolerance wide enough to hide a bug, a piece of checkpoint state
 that no test loses, a formula no case is sensitive to. scripts/mutants.toml lists such bugs, each with the
@@ -217,13 +217,15 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--only", action="append", metavar="ID", help="run only this mutant (repeatable)")
     ap.add_argument("--list", action="store_true", help="list the mutants and their selections, run nothing")
+    ap.add_argument("--file", type=Path, default=MUTANTS_FILE,
+                    help="another list in the same form (a road's candidate bugs, before they join the main list)")
     args = ap.parse_args()
     try:
-        mutants = load_mutants()
+        mutants = load_mutants(args.file)
         if args.only:
             unknown = set(args.only) - {m.id for m in mutants}
             if unknown:
-                raise MutantListError(f"--only: no mutant {', '.join(sorted(unknown))} in {MUTANTS_FILE.name}")
+                raise MutantListError(f"--only: no mutant {', '.join(sorted(unknown))} in {args.file.name}")
             mutants = [m for m in mutants if m.id in args.only]
         for m in mutants:  # every snippet checked before anything runs
             mutated_text(m, REPO)
