@@ -13,7 +13,6 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from tqdm import tqdm
 
 from minitrain.config import DataConfig
 from minitrain.data import TokenData
@@ -79,7 +78,7 @@ def text_corpus(folder: Path, docs: int = 40) -> list[str]:
 
 
 @pytest.fixture
-def corpus(tmp_path) -> tuple[list[str], dict[str, str]]:
+def corpus(tmp_path) -> tuple[list[str], dict[str, object]]:
     """The texts of a corpus of 40 files, and the settings that prepare it in tmp_path/cache."""
     texts = text_corpus(tmp_path / "text")
     return texts, dict(data="files", data_paths=f"{tmp_path / 'text'}/*.txt", data_cache_dir=str(tmp_path / "cache"),
@@ -100,7 +99,8 @@ def test_data_paths_and_cache_dir_are_the_corpus_and_where_its_cache_goes(capsys
     first = prepare(capsys, *args(**settings))
     assert first.prepared and first.data.path.parent == tmp_path / "cache"
     assert sorted(first.documents["train"] + first.documents["val"]) == sorted(texts)  # the *.txt files, whole
-    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [first.data.path.name, first.data.path.name + ".lock"]
+    name = first.data.path.name
+    assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [name, name + ".lock"]  # and nothing else
     again = prepare(capsys, *args(**settings))  # nothing changed
     assert not again.prepared and again.data.path == first.data.path
     for f in (tmp_path / "text").glob("*.txt"):  # times changed, contents not: the tokens would be the same
@@ -109,7 +109,7 @@ def test_data_paths_and_cache_dir_are_the_corpus_and_where_its_cache_goes(capsys
     assert not touched.prepared and touched.data.path == first.data.path
 
 
-def test_a_file_rewritten_in_place_to_the_same_size_and_times_is_prepared_again(capsys, tmp_path, corpus):
+def test_a_file_rewritten_in_place_to_the_same_size_and_times_or_renamed_is_prepared_again(capsys, tmp_path, corpus):
     texts, settings = corpus
     first = prepare(capsys, *args(**settings))
     doc = tmp_path / "text" / "doc007.txt"
@@ -124,6 +124,11 @@ def test_a_file_rewritten_in_place_to_the_same_size_and_times_is_prepared_again(
     assert again.prepared and again.data.path != first.data.path
     documents = again.documents["train"] + again.documents["val"]
     assert edited in documents and texts[7] not in documents
+    (tmp_path / "text" / "doc000.txt").rename(tmp_path / "text" / "doc999.txt")  # the same text, last in order
+    renamed = prepare(capsys, *args(**settings))
+    assert renamed.prepared and renamed.data.path != again.data.path
+    assert renamed.documents["train"] + renamed.documents["val"] != documents
+    assert sorted(renamed.documents["train"] + renamed.documents["val"]) == sorted(documents)
 
 
 def test_val_fraction_chooses_each_documents_split_and_keys_the_cache(capsys, corpus):
@@ -203,8 +208,9 @@ def test_a_pretrained_tokenizer_directory_keys_the_cache_by_its_files(capsys, tm
     run = prepare(capsys, *args(**pretrained))
     assert run.prepared and run.data.path != trained.data.path
     assert run.data.tokenizer.to_str() == first.to_str() and run.data.vocab_size == 320
-    np.testing.assert_array_equal(run.data.val[:], [i for t in run.documents["val"]
-                                                    for i in first.encode(t).ids + [first.token_to_id("<|endoftext|>")]])
+    eot = first.token_to_id("<|endoftext|>")
+    expected = [i for text in run.documents["val"] for i in first.encode(text).ids + [eot]]
+    np.testing.assert_array_equal(run.data.val[:], expected)
     other_vocab = prepare(capsys, *args(**{**pretrained, "data_vocab_size": 999}))
     assert not other_vocab.prepared and other_vocab.data.path == run.data.path
     second.save(str(tmp_path / "tok" / "tokenizer.json"))  # another tokenizer, same place
@@ -267,24 +273,24 @@ def test_a_hub_datasets_name_config_split_and_column_choose_its_text_and_key_the
     settings = dict(data="hub", data_hub_name=str(tmp_path / "stories"), data_hub_config="a", data_hub_split="train",
                     data_text_column="story", data_cache_dir=str(tmp_path / "cache"), data_vocab_size=300,
                     data_val_fraction=0.3, model_block_size=8)
-    runs = {}
+    runs = []
     for change in ({}, {"data_hub_config": "b"}, {"data_hub_split": "test"}, {"data_text_column": "title"}):
         run = prepare(capsys, *args(**{**settings, **change}))
         config, split = change.get("data_hub_config", "a"), change.get("data_hub_split", "train")
-        column = change.get("data_text_column", "story")
-        rows = [json.loads(line) for line in (tmp_path / "stories" / config / f"{split}-0.jsonl").read_text().splitlines()]
-        assert run.prepared
-        assert sorted(run.documents["train"] + run.documents["val"]) == sorted(r[column] for r in rows)
-        runs[json.dumps(change)] = run
-    assert len({run.data.path for run in runs.values()}) == 4
+        path = tmp_path / "stories" / config / f"{split}-0.jsonl"
+        texts = [json.loads(row)[change.get("data_text_column", "story")] for row in path.read_text().splitlines()]
+        assert run.prepared and sorted(run.documents["train"] + run.documents["val"]) == sorted(texts)
+        runs.append(run)
+    assert len({run.data.path for run in runs}) == 4
     again = prepare(capsys, *args(**settings))
-    assert not again.prepared and again.data.path == runs["{}"].data.path
+    assert not again.prepared and again.data.path == runs[0].data.path
     copy = tmp_path / "stories" / "a" / "train-0.jsonl"  # the local copy rewritten: same size, same times
-    times, story = (copy.stat().st_atime_ns, copy.stat().st_mtime_ns), json.loads(copy.read_text().splitlines()[0])["story"]
+    times = (copy.stat().st_atime_ns, copy.stat().st_mtime_ns)
+    story = json.loads(copy.read_text().splitlines()[0])["story"]
     copy.write_text(copy.read_text().replace("story 0 of", "story 9 of", 1))
     os.utime(copy, ns=times)
     rewritten = prepare(capsys, *args(**settings))
-    assert rewritten.prepared and rewritten.data.path != runs["{}"].data.path
+    assert rewritten.prepared and rewritten.data.path != runs[0].data.path
     documents = rewritten.documents["train"] + rewritten.documents["val"]
     assert story.replace("story 0 of", "story 9 of") in documents and story not in documents
 
@@ -307,7 +313,8 @@ def test_a_split_of_exactly_one_block_is_accepted_one_token_less_is_refused_nami
 
 def test_bad_settings_stop_with_one_line_naming_them_and_exit_2(capsys, tmp_path, corpus):
     _, settings = corpus
-    for key, value, says in (("data_val_fraction", 0.5, "data.val_fraction"), ("data_vocab_size", 259, "data.vocab_size"),
+    for key, value, says in (("data_val_fraction", 0.5, "data.val_fraction"),
+                             ("data_vocab_size", 259, "data.vocab_size"),
                              ("data_shard_tokens", 1023, "data.shard_tokens"),
                              ("data_tokenizer_sample_mb", 0, "data.tokenizer_sample_mb"),
                              ("data_vocab", 300, "did you mean data.vocab_size")):
@@ -337,20 +344,26 @@ def renders(err: str, desc: str) -> list[str]:
     return [part.strip() for part in re.split(r"[\r\n]", err) if part.strip().startswith(f"{desc}:")]
 
 
-def test_training_the_tokenizer_shows_its_progress_as_the_tokenizing_does(capsys, corpus):
-    """A bar over the sample's bytes as the library reads them, ending at the sample's size, then the merges being
-    computed; a pretrained tokenizer has no such phase."""
-    texts, settings = corpus
+def test_training_the_tokenizer_shows_its_progress_as_the_tokenizing_does(capsys, tmp_path):
+    """A bar over the sample's bytes as the library reads them, ending at the sample's size (here the whole corpus,
+    small enough for the bar to print exact numbers), then the merges being computed; a pretrained tokenizer has no
+    such phase."""
+    (tmp_path / "text").mkdir()
+    texts = ["déjà vu, ünïcødé ✓\n" * 5, "the quick brown fox\n" * 8, "jumps over the lazy dog\n" * 6]
+    for i, text in enumerate(texts):
+        (tmp_path / "text" / f"{i}.txt").write_text(text)
+    settings = dict(data="files", data_paths=f"{tmp_path / 'text'}/*.txt", data_cache_dir=str(tmp_path / "cache"),
+                    data_vocab_size=300, model_block_size=4)
     run = prepare(capsys, *args(**settings))
-    sample = sum(len(t.encode()) for t in texts)  # the whole corpus: smaller than the sample's budget
+    sample = sum(len(t.encode()) for t in texts)
+    assert sample < 1000 and sample > sum(map(len, texts))
     bar = renders(run.err, "tokenizer")
-    size = tqdm.format_sizeof(sample)
-    assert bar and re.search(rf"^tokenizer: 100%\|.*\| {re.escape(size)}/{re.escape(size)} \[.*, computing the merges "
-                             r"of 400 tokens\]$", bar[-1]), bar[-3:]
+    assert bar and re.fullmatch(rf"tokenizer: 100%\|.*\| {sample}/{sample} \[.*, computing the merges of 300 tokens\]",
+                                bar[-1]), bar[-3:]
     assert renders(run.err, "tokenizing")  # the next phase's bar
-    (Path(settings["data_paths"]).parent.parent / "tok").mkdir()
-    run.data.tokenizer.save(str(Path(settings["data_paths"]).parent.parent / "tok" / "tokenizer.json"))
-    pretrained = prepare(capsys, *args(**settings, data_tokenizer=Path(settings["data_paths"]).parent.parent / "tok"))
+    (tmp_path / "tok").mkdir()
+    run.data.tokenizer.save(str(tmp_path / "tok" / "tokenizer.json"))
+    pretrained = prepare(capsys, *args(**settings, data_tokenizer=tmp_path / "tok"))
     assert pretrained.prepared and not renders(pretrained.err, "tokenizer") and renders(pretrained.err, "tokenizing")
 
 
