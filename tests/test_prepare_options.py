@@ -282,6 +282,8 @@ def test_a_hub_datasets_name_config_split_and_column_choose_its_text_and_key_the
         assert run.prepared and sorted(run.documents["train"] + run.documents["val"]) == sorted(texts)
         runs.append(run)
     assert len({run.data.path for run in runs}) == 4
+    (tmp_path / "stories" / ".git").mkdir()  # a clone's own files, which the datasets library does not read
+    (tmp_path / "stories" / ".git" / "FETCH_HEAD").write_text("0" * 40)
     again = prepare(capsys, *args(**settings))
     assert not again.prepared and again.data.path == runs[0].data.path
     copy = tmp_path / "stories" / "a" / "train-0.jsonl"  # the local copy rewritten: same size, same times
@@ -330,7 +332,10 @@ def test_ctrl_c_stops_with_130_saying_how_to_continue_and_the_same_command_conti
 
     with monkeypatch.context() as m:
         m.setattr(prepare_mod, "token_ids", interrupted)
-        code, out, err = main(capsys, *args(**settings))
+        try:
+            code, out, err = main(capsys, *args(**settings))
+        except KeyboardInterrupt:
+            pytest.fail("Ctrl-C left prepare_data.py's main as a traceback")
     assert code == 130 and out == ""
     assert err.strip().splitlines()[-1] == "minitrain: preparation stopped; run the same command again to continue it"
     run = prepare(capsys, *args(**settings))

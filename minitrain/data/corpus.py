@@ -313,11 +313,17 @@ def contents_digest(files: list) -> str:
     return digest.hexdigest()
 
 
+def _copy_files(folder: Path) -> list[str]:
+    """A hub dataset's local copy: its files, sorted, hidden ones left out as the datasets library leaves them (a
+    git clone's .git/ holds the data again)."""
+    return sorted(str(f) for f in folder.rglob("*")
+                  if f.is_file() and not any(part.startswith(".") for part in f.relative_to(folder).parts))
+
+
 def corpus_identity(cfg: DataConfig) -> list:
     """The corpus as the cache key knows it: local files, or a hub dataset's local copy, by their contents; a hub
     dataset by its name (it is not even opened)."""
     if cfg.source == DataSource.hub:
-        copy = (contents_digest(sorted(str(f) for f in Path(cfg.hub_name).expanduser().rglob("*") if f.is_file()))
-                if is_local(cfg.hub_name) else None)
+        copy = contents_digest(_copy_files(Path(cfg.hub_name).expanduser())) if is_local(cfg.hub_name) else None
         return ["hub", cfg.hub_name, cfg.hub_config, cfg.hub_split, cfg.text_column, copy]
     return ["files", contents_digest(local_files(cfg))]
