@@ -97,7 +97,7 @@ def test_data_paths_and_cache_dir_are_the_corpus_and_where_its_cache_goes(capsys
     texts, settings = corpus
     (tmp_path / "text" / "notes.md").write_text("a file the glob leaves out\n" * 50)
     first = prepare(capsys, *args(**settings))
-    assert first.prepared and first.data.path.parent == tmp_path / "cache"
+    assert first.prepared and first.data.path.parent == tmp_path / "cache" and first.data.path.name.startswith("files-")
     assert sorted(first.documents["train"] + first.documents["val"]) == sorted(texts)  # the *.txt files, whole
     name = first.data.path.name
     assert sorted(p.name for p in (tmp_path / "cache").iterdir()) == [name, name + ".lock"]  # and nothing else
