@@ -1,13 +1,14 @@
 """Prepare a corpus's token shards ahead of training: `python scripts/prepare_data.py [data=... data.key=value ...]`.
 
-The same preparation scripts/train.py runs when its data cache is missing, with the same overrides: a stopped
-preparation (Ctrl-C, a kill, a full disk) is continued by running the same command again.
+The same preparation scripts/train.py runs when its data cache is missing, with the same overrides (its
+model.block_size too: each split must hold one window of it): a stopped preparation (Ctrl-C, a kill, a full
+disk) is continued by running the same command again, and a prepared one is reused.
 """
 
 import sys
 import time
 
-from minitrain.config import ConfigError, resolve_data
+from minitrain.config import ConfigError, resolve_data_and_block_size
 from minitrain.data import DataError, prepare_data
 
 USAGE_EXIT_CODE, ABORTED_EXIT_CODE = 2, 130
@@ -19,7 +20,7 @@ def main(argv: list[str]) -> int:
         return 0
     started = time.monotonic()
     try:
-        data = prepare_data(resolve_data(argv))
+        data = prepare_data(*resolve_data_and_block_size(argv))
     except (ConfigError, DataError) as e:
         print(f"error: {e}", file=sys.stderr)
         return USAGE_EXIT_CODE
@@ -27,8 +28,9 @@ def main(argv: list[str]) -> int:
         print("minitrain: preparation stopped; run the same command again to continue it", file=sys.stderr)
         return ABORTED_EXIT_CODE
     shards = sum(len(stream.shards) for stream in (data.train, data.val))
+    done = f"prepared in {time.monotonic() - started:.0f} s" if data.prepared else "already prepared: reused"
     print(f"{data.path}: {len(data.train):,} training and {len(data.val):,} validation tokens in {shards} shards "
-          f"({data.train.dtype}, vocabulary {data.vocab_size:,}), {time.monotonic() - started:.0f} s")
+          f"({data.train.dtype}, vocabulary {data.vocab_size:,}), {done}")
     return 0
 
 

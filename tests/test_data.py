@@ -120,6 +120,13 @@ def test_windows_cross_shard_boundaries_as_in_one_array(shard_tokens):
         assert torch.equal(whole.get(step)[0], sharded.get(step)[0])
 
 
+def test_a_stream_of_exactly_one_window_gives_that_window():
+    """T + 1 tokens, the shortest split prepare_data accepts: every window of every step is the whole stream."""
+    T = 8
+    x, y = Batches(np.arange(T + 1, dtype=np.uint16), T, batch_size=4, seed=0, device=torch.device("cpu")).get(3)
+    assert torch.equal(x, torch.arange(T).expand(4, T)) and torch.equal(y, x + 1)
+
+
 def test_windows_reach_the_last_token_and_stay_inside():
     """T + 2 tokens hold two windows of T + 1: both are drawn, and none reads past the end."""
     T = 8

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
 from ..config import DataConfig, DataSource, error_reason
+from ..hub import is_local
 
 DOC_CHARS = 1 << 20
 # Documents are encoded in chunks of at most this many characters: many chunks keep every core busy in one
@@ -298,8 +299,31 @@ def open_corpus(cfg: DataConfig, notify: Callable[[str], None], scratch: Path) -
     return HubStream(cfg, scratch) if cfg.source == DataSource.hub else LocalFiles(cfg, notify)
 
 
+def contents_digest(files: list) -> str:
+    """One digest of the files' paths and bytes, in their order: a file rewritten in place to the same size, its
+    times set back, still changes it. Reading the bytes costs about a second per GB (docs/benchmarks.md, Data
+    preparation), small beside tokenizing them."""
+    digest, buffer = hashlib.sha256(), bytearray(1 << 20)
+    for path in files:
+        file_digest = hashlib.sha256()
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(buffer):
+                file_digest.update(memoryview(buffer)[:n])
+        digest.update(f"{path}\0{file_digest.hexdigest()}\0".encode("utf-8", "surrogateescape"))
+    return digest.hexdigest()
+
+
+def _copy_files(folder: Path) -> list[str]:
+    """A hub dataset's local copy: its files, sorted, hidden ones left out as the datasets library leaves them (a
+    git clone's .git/ holds the data again)."""
+    return sorted(str(f) for f in folder.rglob("*")
+                  if f.is_file() and not any(part.startswith(".") for part in f.relative_to(folder).parts))
+
+
 def corpus_identity(cfg: DataConfig) -> list:
-    """The corpus as the cache key knows it, found without reading it (a hub dataset is not even opened)."""
+    """The corpus as the cache key knows it: local files, or a hub dataset's local copy, by their contents; a hub
+    dataset by its name (it is not even opened)."""
     if cfg.source == DataSource.hub:
-        return ["hub", cfg.hub_name, cfg.hub_config, cfg.hub_split, cfg.text_column]
-    return ["files", [(f, os.path.getsize(f), os.stat(f).st_mtime_ns) for f in local_files(cfg)]]
+        copy = contents_digest(_copy_files(Path(cfg.hub_name).expanduser())) if is_local(cfg.hub_name) else None
+        return ["hub", cfg.hub_name, cfg.hub_config, cfg.hub_split, cfg.text_column, copy]
+    return ["files", contents_digest(local_files(cfg))]

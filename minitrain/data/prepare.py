@@ -9,8 +9,9 @@
        last record, and its shards are bit for bit those of a preparation never stopped
     4. index.json, and the folder published by a rename: a reader sees a whole cache or none
 
-The cache is keyed by the corpus (its files' paths, sizes and mtimes; a hub dataset's name) and the settings
-that change the tokens. A lock on `<cache>.lock` makes concurrent ranks or sweep jobs build a cache once.
+The cache is keyed by the corpus (its files' paths and contents; a hub dataset's name, and a local copy's
+contents) and the settings that change the tokens: a file rewritten in place, its size and times kept, is read
+again. A lock on `<cache>.lock` makes concurrent ranks or sweep jobs build a cache once.
 """
 
 from __future__ import annotations
@@ -21,8 +22,11 @@ import json
 import os
 import shutil
 import sys
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import replace
 from itertools import chain
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
@@ -34,7 +38,7 @@ from ..config import DataConfig, error_reason
 from .corpus import Batch, DataError, HubStream, LocalFiles, chunks, corpus_identity, open_corpus
 from .shards import (FORMAT, INDEX, TOKENIZER, ShardWriter, TokenData, UnusableCache, open_cache, token_dtype,
                      vocab_size_of)
-from .tokenizer import EOT, pretrained_tokenizer
+from .tokenizer import EOT, pretrained_tokenizer, tokenizer_identity
 
 PROGRESS = "progress.json"
 SPLITS = ("train", "val")
@@ -52,10 +56,11 @@ def _digest(*parts) -> str:
 
 
 def cache_path(cfg: DataConfig) -> Path:
-    """Where `cfg`'s cache lives: keyed by the corpus and every setting that changes its tokens."""
+    """Where `cfg`'s cache lives: keyed by the corpus's contents and every setting that changes its tokens, their
+    split or their shards (a model's block size changes none of them)."""
     trained = cfg.tokenizer == "train"
-    key = _digest(FORMAT, corpus_identity(cfg), cfg.tokenizer, cfg.vocab_size if trained else None,
-                  cfg.tokenizer_sample_mb if trained else None, cfg.val_fraction, cfg.shard_tokens)
+    tokenizer = ["train", cfg.vocab_size, cfg.tokenizer_sample_mb] if trained else tokenizer_identity(cfg.tokenizer)
+    key = _digest(FORMAT, corpus_identity(cfg), tokenizer, cfg.val_fraction, cfg.shard_tokens)
     return Path(os.path.expanduser(cfg.cache_dir)) / f"{cfg.name}-{key}"
 
 
@@ -101,22 +106,53 @@ def _build_locked(cfg: DataConfig, final: Path, progress: bool, notify: Callable
                 shutil.rmtree(leftover, ignore_errors=True)
         files.publish(tmp, final)
         (final / PROGRESS).unlink()  # kept until now: a stop before the rename continues from it
-        return open_cache(final)
+        return replace(open_cache(final), prepared=True)
     finally:
         lock.release()
 
 
-def train_tokenizer(chunks, vocab_size: int, progress: bool):
-    """A byte-level BPE (GPT-2's pre-tokenizer, no unknown token) learned from the text `chunks`."""
+def train_tokenizer(chunks, vocab_size: int):
+    """A byte-level BPE (GPT-2's pre-tokenizer, no unknown token) learned from the text `chunks`. The library's own
+    progress bars stay off: they draw on a terminal only, over tqdm's (`_Preparation._train_tokenizer` has one)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=progress,
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
                                   initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
     tok.train_from_iterator(chunks, trainer=trainer)
     return tok
+
+
+def _counted(chunks: Iterator[str], bar, merging: str) -> Iterator[str]:
+    """`chunks`, their UTF-8 bytes counted on `bar`; once they are all read, the bar says `merging`."""
+    for chunk in chunks:
+        bar.update(len(chunk.encode("utf-8", "surrogatepass")))
+        yield chunk
+    bar.total = bar.n  # the sample as read (a window leaves out the lines it cuts)
+    bar.set_postfix_str(merging)
+
+
+@contextmanager
+def _clock_running(bar, interval_s: float = 0.5) -> Iterator[None]:
+    """The bar redrawn every `interval_s` while the block runs, so that its clock keeps time through a phase that
+    updates nothing (the tokenizers library computing merges, which releases the GIL)."""
+    stop = threading.Event()
+
+    def redraw():
+        while not stop.wait(interval_s):
+            bar.refresh()
+
+    ticker = threading.Thread(target=redraw, name="progress-clock", daemon=True)
+    if not bar.disable:
+        ticker.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        if ticker.is_alive():
+            ticker.join()
 
 
 def _chunked(docs: list[tuple[str, int, bool]]) -> tuple[list[str], list[int]]:
@@ -217,13 +253,22 @@ class _Preparation:
             if self.cfg.tokenizer == "train":
                 self.notify(f"data: training a {self.cfg.vocab_size}-token BPE on up to "
                             f"{self.cfg.tokenizer_sample_mb} MB of the {self.cfg.name} corpus")
-                tokenizer = train_tokenizer(corpus.sample(self.cfg.tokenizer_sample_mb << 20), self.cfg.vocab_size,
-                                            self.progress)
+                tokenizer = self._train_tokenizer(corpus)
             else:
-
                 tokenizer = pretrained_tokenizer(self.cfg.tokenizer)
             files.atomic_write(path, tokenizer.to_str(pretty=True))
         return Tokenizer.from_file(str(path))
+
+    def _train_tokenizer(self, corpus: LocalFiles | HubStream):
+        """The BPE learned from the corpus's sample, under a bar like the tokenizing one: the sample's bytes as the
+        library reads them, then its merges being computed (a few seconds to tens), the bar's clock running."""
+        from tqdm.auto import tqdm
+
+        budget = self.cfg.tokenizer_sample_mb << 20
+        with tqdm(total=min(corpus.total_bytes or budget, budget), unit="B", unit_scale=True, desc="tokenizer",
+                  disable=not self.progress, dynamic_ncols=True) as bar, _clock_running(bar):
+            merging = f"computing the merges of {self.cfg.vocab_size:,} tokens"
+            return train_tokenizer(_counted(corpus.sample(budget), bar, merging), self.cfg.vocab_size)
 
     def _record(self, state: dict[str, Any], writers: Optional[dict[str, ShardWriter]] = None) -> None:
         """The progress record, once the tokens it counts are on disk."""

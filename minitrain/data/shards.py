@@ -172,6 +172,7 @@ class TokenData:
     val: TokenStream
     path: Path
     vocab_size: int  # every id is below it
+    prepared: bool = False  # whether this call tokenized the corpus (False: the cache was there already)
 
     def decode(self, ids) -> str:
         return self.tokenizer.decode([int(i) for i in ids])

@@ -11,10 +11,11 @@ from __future__ import annotations
 from pathlib import Path
 
 from ..hub import SourceError, is_local, source_file
-from .corpus import DataError
+from .corpus import DataError, contents_digest
 
 KEY = "data.tokenizer"
 EOT = "<|endoftext|>"  # between documents, in every tokenizer the pipeline uses
+FILES = ("tokenizer.json", "vocab.json", "merges.txt")  # what a directory's tokenizer is read from
 
 
 class TokenizerError(DataError):
@@ -38,6 +39,15 @@ def pretrained_tokenizer(name_or_dir: str):
         raise TokenizerError(f"{KEY}={name_or_dir}: its tokenizer files are unreadable ({e})") from None
     _require_byte_level_bpe(tokenizer, where)
     return tokenizer
+
+
+def tokenizer_identity(name_or_dir: str) -> list:
+    """A pretrained tokenizer as the token cache's key knows it: a Hugging Face name by its name, a directory also by
+    the contents of its tokenizer files, so that another tokenizer saved in the same place is another cache."""
+    if not is_local(name_or_dir):
+        return [name_or_dir, None]
+    folder = Path(name_or_dir).expanduser()
+    return [name_or_dir, contents_digest([str(f) for f in (folder / name for name in FILES) if f.is_file()])]
 
 
 def _from_vocab_and_merges(folder: Path):
