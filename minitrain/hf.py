@@ -8,9 +8,10 @@ the transpose of nn.Linear's (out, in); the blocks are `h.<i>` there, `blocks.<i
 In: `model.init_from=gpt2` (a hub name, read from the hub's cache when offline) or a local directory. The
 shape comes from config.json (`settle_shape`); the embedding keeps the checkpoint's rows plus zero rows up to
 a multiple of 64, and `model.head_vocab` keeps the head (loss and sampling) on the checkpoint's rows, so the
-loss is transformers' loss on the same batch. Out: `export` writes what `GPT2LMHeadModel.from_pretrained` and
-`AutoTokenizer.from_pretrained` load as they are; a model without biases is written with zero ones, which
-compute the same function.
+loss is transformers' loss on the same batch. A head not tied to the embedding (`tie_word_embeddings=false`, or an
+`lm_head.weight` of other values) is refused: minitrain's head is the embedding. Out: `export` writes what
+`GPT2LMHeadModel.from_pretrained`, `AutoTokenizer.from_pretrained` and transformers' `pipeline` load as they are;
+a model without biases is written with zero ones, which compute the same function.
 """
 
 from __future__ import annotations
@@ -25,7 +26,10 @@ import torch
 from .config import SCRATCH, ConfigError, ModelConfig, error_reason
 from .hub import SourceError, source_file
 
-WEIGHTS, CONFIG = "model.safetensors", "config.json"
+WEIGHTS, CONFIG, GENERATION = "model.safetensors", "config.json", "generation_config.json"
+# model.safetensors' metadata in an export: transformers' own ("format") and the mark that tells an earlier export,
+# which a new one may replace, from another model's files, which it must not
+EXPORT_METADATA = {"format": "pt", "exported_by": "minitrain"}
 KEY = "model.init_from"  # the setting a source error names
 _CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 _BUFFERS = (".attn.bias", ".attn.masked_bias")  # causal masks older GPT-2 checkpoints saved with the weights
@@ -273,23 +277,51 @@ def read_checkpoint(path: Path, tokenizer: str | None = None) -> Weights:
     return Weights(cfg, {k: v.cpu() for k, v in state.items()}, tok, ckpt)
 
 
+def hf_generation_config(cfg: ModelConfig, eot_id) -> dict:
+    """generation_config.json: end at `<|endoftext|>`, and at most the context (max_length counts the prompt).
+    Without a max_length transformers' text-generation pipeline asks for 256 new tokens, past the last position
+    of a shorter context."""
+    return {"bos_token_id": eot_id, "eos_token_id": eot_id, "max_length": cfg.block_size}
+
+
+def _may_export_into(out_dir: Path, names) -> bool:
+    """Whether an export may write into `out_dir`: a new or empty directory, or one that holds an earlier export
+    only (its file names, and weights that carry the export's mark)."""
+    from safetensors import safe_open
+
+    if not out_dir.exists():
+        return True
+    if not out_dir.is_dir() or any(p.name not in names for p in out_dir.iterdir()):
+        return False
+    if not any(out_dir.iterdir()):
+        return True
+    try:
+        with safe_open(str(out_dir / WEIGHTS), "pt") as handle:
+            return handle.metadata() == EXPORT_METADATA
+    except Exception:  # no weights, or unreadable ones: not an export's
+        return False
+
+
 def export(weights: Weights, out_dir: Path) -> list[Path]:
-    """`out_dir` as transformers' GPT-2: config.json, model.safetensors, the tokenizer (tokenizer.json and the
-    files AutoTokenizer reads, `<|endoftext|>` as bos and eos). A directory holding other files is refused."""
+    """`out_dir` as transformers' GPT-2: config.json, model.safetensors, generation_config.json and the tokenizer
+    (tokenizer.json and the files AutoTokenizer reads, `<|endoftext|>` as bos and eos, the context as its
+    model_max_length). A directory holding anything but an earlier export is refused."""
     from safetensors.torch import save_file
 
     from .data import EOT
 
-    files = {name: out_dir / name for name in (CONFIG, WEIGHTS, "tokenizer.json", "tokenizer_config.json",
-                                                "special_tokens_map.json")}
-    if out_dir.exists() and any(p.name not in files for p in out_dir.iterdir()):
-        raise SourceError(f"{out_dir} holds other files; export into a new or empty directory")
+    files = {name: out_dir / name for name in (CONFIG, WEIGHTS, GENERATION, "tokenizer.json",
+                                                "tokenizer_config.json", "special_tokens_map.json")}
+    if not _may_export_into(out_dir, files):
+        raise SourceError(f"{out_dir} is neither empty nor an earlier export (its files would mix with this "
+                          "model's); export into a new or empty directory")
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg, eot = weights.cfg, weights.tokenizer.token_to_id(EOT)
     tensors = hf_state(weights.state, cfg)
-    save_file(tensors, files[WEIGHTS], metadata={"format": "pt"})
+    save_file(tensors, files[WEIGHTS], metadata=EXPORT_METADATA)
     dtype = next(iter(tensors.values())).dtype
     files[CONFIG].write_text(json.dumps(hf_config(cfg, eot, dtype), indent=2) + "\n")
+    files[GENERATION].write_text(json.dumps(hf_generation_config(cfg, eot), indent=2) + "\n")
     weights.tokenizer.save(str(files["tokenizer.json"]))
     special = {"bos_token": EOT, "eos_token": EOT, "unk_token": EOT}
     files["tokenizer_config.json"].write_text(json.dumps(

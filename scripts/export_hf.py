@@ -1,8 +1,9 @@
 """Export a run to Hugging Face's GPT-2 layout: `python scripts/export_hf.py CHECKPOINT OUT_DIR`.
 
 CHECKPOINT: a run dir or a checkpoint directory (its checkpoints/latest/, whatever the world size that saved it).
-OUT_DIR gets config.json, model.safetensors and the run's tokenizer, which transformers loads as they are:
-GPT2LMHeadModel.from_pretrained(OUT_DIR), AutoTokenizer.from_pretrained(OUT_DIR).
+OUT_DIR (new, empty, or an earlier export, which it replaces) gets config.json, model.safetensors,
+generation_config.json and the run's tokenizer, which transformers loads as they are:
+GPT2LMHeadModel.from_pretrained(OUT_DIR), AutoTokenizer.from_pretrained(OUT_DIR), pipeline("text-generation", OUT_DIR).
 """
 
 import argparse

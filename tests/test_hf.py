@@ -50,14 +50,20 @@ def test_imported_gpt2_computes_transformers_logits_and_loss(hf_gpt2):
                                        rtol=0, atol=1e-5)
 
 
+def resized(hf_gpt2, folder, rows):
+    """The fixture's GPT-2 with its vocab cut to `rows` (transformers' resize_token_embeddings), saved to `folder`."""
+    shutil.copytree(hf_gpt2, folder)
+    theirs = transformers_model(folder)
+    theirs.resize_token_embeddings(rows)
+    theirs.save_pretrained(folder)
+    return folder
+
+
 def test_padding_rows_are_zero_and_outside_the_head(hf_gpt2, tmp_path):
     """A vocab of 300 rows is padded to 320: the 20 rows are zero, and the head (loss, sampling) never scores them,
     though zero rows would score 0 where real tokens score less."""
-    folder = tmp_path / "gpt2-300"
-    shutil.copytree(hf_gpt2, folder)
+    folder = resized(hf_gpt2, tmp_path / "gpt2-300", 300)
     theirs = transformers_model(folder)
-    theirs.resize_token_embeddings(300)
-    theirs.save_pretrained(folder)
     model = hf.open_weights(str(folder)).build("cpu")
     assert model.cfg.vocab_size == 320 and model.cfg.head_vocab == 300
     assert model.wte.weight[300:].abs().sum() == 0 and model.lm_head_weight.shape == (300, 64)
@@ -79,11 +85,13 @@ def test_export_loads_in_transformers_with_our_logits_and_tokenizer(hf_gpt2, tmp
     idx = windows()
     with torch.no_grad():
         torch.testing.assert_close(theirs(idx).logits, weights.build("cpu")(idx), rtol=0, atol=1e-5)
-    text = "def f(x):\n    return x <|endoftext|> café"
+    text = "def f(x):\n    return x , y . It 's done <|endoftext|> café"  # spaces transformers' clean-up would drop
     tok = AutoTokenizer.from_pretrained(tmp_path / "out")
     assert tok(text)["input_ids"] == weights.tokenizer.encode(text).ids
     assert tok.eos_token == tok.bos_token == EOT and theirs.config.eos_token_id == weights.tokenizer.token_to_id(EOT)
     assert tok.decode(tok(text)["input_ids"]) == text
+    # on, transformers 4 drops the spaces before punctuation in a decode; 5 skips that for a BPE, with a warning
+    assert tok.clean_up_tokenization_spaces is False
 
 
 def test_a_model_without_biases_is_exported_with_zero_ones(hf_gpt2, tmp_path):
@@ -100,6 +108,88 @@ def test_a_model_without_biases_is_exported_with_zero_ones(hf_gpt2, tmp_path):
     idx = windows()
     with torch.no_grad():
         torch.testing.assert_close(transformers_model(tmp_path / "out")(idx).logits, unbiased(idx), rtol=0, atol=1e-5)
+
+
+def imported(folder, block_size=None):
+    """GPT-2 weights imported as a run imports them (model.init_from=folder, model.block_size=block_size)."""
+    from minitrain.config import ModelConfig
+    from minitrain.model import GPT
+
+    cfg = hf.settle_shape(ModelConfig(init_from=str(folder), block_size=block_size))
+    torch.manual_seed(1)  # random weights first: what the import leaves unwritten would show
+    model = GPT(cfg)
+    hf.load_weights(model)
+    return model.eval()
+
+
+def losses(model, theirs, idx):
+    """Our loss (the head's rows only, both implementations) and transformers' on the same batch."""
+    hidden = model.forward_hidden(idx[:, :-1]).flatten(0, 1)
+    ours = [loss(hidden, model.lm_head_weight, idx[:, 1:].flatten())
+            for loss in (linear_cross_entropy_reference, fused_linear_cross_entropy)]
+    return ours, theirs(idx, labels=idx).loss
+
+
+@pytest.mark.parametrize("rows, block_size", [(GPT2_VOCAB, None), (300, 64), (GPT2_VOCAB, 127), (300, None)])
+def test_import_and_export_compute_transformers_logits_and_loss_on_each_variant(hf_gpt2, tmp_path, rows,
+                                                                                 block_size):
+    """A vocab that is a multiple of 64 or padded to one, the weights' full context or a shorter one: imported, our
+    logits and loss are transformers' on windows filling the context; exported, transformers reads the model with
+    our shape (config.json's vocab and positions, the tokenizer's model_max_length, generation's max_length) and
+    computes the same, and importing the export gives back the same tensors."""
+    from transformers import AutoTokenizer, GenerationConfig
+
+    folder = hf_gpt2 if rows == GPT2_VOCAB else resized(hf_gpt2, tmp_path / f"gpt2-{rows}", rows)
+    theirs, model = transformers_model(folder), imported(folder, block_size)
+    context = block_size or 128
+    assert (model.cfg.vocab_size, model.cfg.head_vocab, model.cfg.block_size) == (320, rows, context)
+    assert model.wte.weight[rows:].abs().sum() == 0 and model.wpe.weight.shape[0] == context
+    idx = windows(length=context) % rows
+    with torch.no_grad():
+        torch.testing.assert_close(model(idx), theirs(idx).logits, rtol=0, atol=1e-5)
+        ours, expected = losses(model, theirs, idx)
+        for loss in ours:
+            torch.testing.assert_close(loss, expected, rtol=0, atol=1e-5)
+
+    weights = hf.Weights(model.cfg, model.state_dict(), pretrained_tokenizer(str(hf_gpt2)), folder)
+    hf.export(weights, tmp_path / "out")
+    config = json.loads((tmp_path / "out" / hf.CONFIG).read_text())
+    assert (config["vocab_size"], config["n_positions"]) == (rows, context)
+    exported = transformers_model(tmp_path / "out")
+    assert exported.generation_config.max_length == GenerationConfig.from_pretrained(tmp_path / "out").max_length \
+        == context
+    assert AutoTokenizer.from_pretrained(tmp_path / "out").model_max_length == context
+    with torch.no_grad():
+        torch.testing.assert_close(exported(idx).logits, theirs(idx).logits, rtol=0, atol=1e-5)
+        torch.testing.assert_close(exported(idx, labels=idx).loss, expected, rtol=0, atol=1e-5)
+    again = hf.open_weights(str(tmp_path / "out"))
+    shape = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "head_vocab")
+    assert [getattr(again.cfg, k) for k in shape] == [getattr(model.cfg, k) for k in shape]
+    assert all(torch.equal(again.state[k], v) for k, v in model.state_dict().items())
+
+
+def test_the_readmes_pipeline_one_liner_runs_on_a_short_context_without_a_warning(hf_gpt2, tmp_path):
+    """The README's `python -c "... pipeline('text-generation', model='exported/gpt2-notes')('The meeting')"`, as it
+    is written, on an export whose context (64) is shorter than the pipeline's default length (256 new tokens): it
+    generates, and stderr holds nothing but transformers' loading bar (no torchao note, no length warning)."""
+    import re
+    import shlex
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    command = next(line for line in (REPO / "README.md").read_text().splitlines()
+                   if line.startswith("python -c") and "pipeline('text-generation'" in line)
+    argv = shlex.split(command)
+    model = imported(hf_gpt2, block_size=64)
+    hf.export(hf.Weights(model.cfg, model.state_dict(), pretrained_tokenizer(str(hf_gpt2)), hf_gpt2),
+              tmp_path / "exported" / "gpt2-notes")
+    out = subprocess.run([sys.executable, *argv[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("[{'generated_text': 'The meeting")
+    loading_bar = re.compile(r"Loading weights: +\d+%\|.*")
+    assert [line for line in re.split(r"[\r\n]", out.stderr) if line and not loading_bar.fullmatch(line)] == []
 
 
 def test_a_trained_checkpoint_round_trips_through_the_export(make_cfg, gpt2_corpus, tmp_path):
@@ -122,6 +212,83 @@ def test_a_trained_checkpoint_round_trips_through_the_export(make_cfg, gpt2_corp
         torch.testing.assert_close(transformers_model(tmp_path / "out")(idx).logits, ours, rtol=0, atol=1e-5)
         assert torch.equal(again.build("cpu")(idx), ours)
     assert again.tokenizer.to_str() == trainer.data.tokenizer.to_str()
+
+
+def export_hf_py(monkeypatch, capsys, *argv):
+    """`python scripts/export_hf.py ARGV` (run as its own __main__, in this process): exit code, stdout, stderr."""
+    import runpy
+    import sys
+
+    from conftest import REPO
+
+    script = REPO / "scripts" / "export_hf.py"
+    capsys.readouterr()  # what came before
+    monkeypatch.setattr(sys, "argv", [str(script), *map(str, argv)])
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_export_hf_py_as_a_user_runs_it(make_cfg, hf_gpt2, gpt2_corpus, tmp_path, monkeypatch, capsys):
+    """CHECKPOINT as a run dir and as a checkpoint dir, OUT_DIR new and then holding the earlier export, --tokenizer
+    for a run without its tokenizer.json; a directory holding anything else is refused in one line (exit 2), as is
+    the run without --tokenizer. The run trained with dropout: config.json keeps it for training in transformers;
+    evaluated (our build, transformers' eval) there is none, and the logits are ours."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    trainer = Trainer(make_cfg("data=files", f"data.paths={gpt2_corpus}/*.txt", "data.val_fraction=0.05",
+                               "data.vocab_size=300", "trainer.max_steps=2", "model.n_layer=2", "model.dropout=0.1"),
+                      progress=False)
+    trainer.fit()
+    run, out = tmp_path / "run", tmp_path / "exported"
+    code, stdout, stderr = export_hf_py(monkeypatch, capsys, run, out)
+    assert (code, stderr) == (0, "")
+    assert stdout == (f"exported {run / 'checkpoints' / 'latest'} (2 layers, {trainer.model.cfg.n_embd} wide) to "
+                      f"{out}: config.json, model.safetensors, generation_config.json, tokenizer.json, "
+                      "tokenizer_config.json, special_tokens_map.json\n")
+    config = json.loads((out / hf.CONFIG).read_text())
+    assert config["resid_pdrop"] == config["embd_pdrop"] == config["attn_pdrop"] == 0.1
+    built, idx = hf.open_weights(str(run)).build("cpu"), windows() % 300
+    assert not built.training
+    with torch.no_grad():
+        expected = trainer.model.eval()(idx)
+        torch.testing.assert_close(transformers_model(out)(idx).logits, expected, rtol=0, atol=1e-5)
+        assert torch.equal(built(idx), expected)
+
+    first = load_file(out / hf.WEIGHTS)
+    assert export_hf_py(monkeypatch, capsys, run / "checkpoints" / "latest", out)[0] == 0  # over its own export
+    again = load_file(out / hf.WEIGHTS)
+    assert again.keys() == first.keys() and all(torch.equal(again[k], first[k]) for k in first)
+
+    refusal = (2, "", f"error: {out} is neither empty nor an earlier export (its files would mix with this "
+                      "model's); export into a new or empty directory\n")
+    (out / "pytorch_model.bin").write_bytes(b"another model's weights")
+    assert export_hf_py(monkeypatch, capsys, run, out)[0:3] == refusal
+    other = tmp_path / "gpt2"  # another model's files under the names an export writes
+    other.mkdir()
+    for name in (hf.CONFIG, hf.WEIGHTS):
+        shutil.copy(hf_gpt2 / name, other / name)
+    refusal = (*refusal[:2], refusal[2].replace(str(out), str(other)))
+    assert export_hf_py(monkeypatch, capsys, run, other) == refusal
+    assert (other / hf.WEIGHTS).read_bytes() == (hf_gpt2 / hf.WEIGHTS).read_bytes()
+
+    (tmp_path / "tokenizer").mkdir()
+    (run / "tokenizer.json").rename(tmp_path / "tokenizer" / "tokenizer.json")
+    code, stdout, stderr = export_hf_py(monkeypatch, capsys, run, tmp_path / "again")
+    assert code == 2 and len(stderr.splitlines()) == 1 and "(--tokenizer gpt2, or " in stderr
+    assert not (tmp_path / "again").exists()
+    assert export_hf_py(monkeypatch, capsys, run, tmp_path / "again", "--tokenizer", tmp_path / "tokenizer")[0] == 0
+    text = "def f(x):\n    return x <|endoftext|> café"
+    exported_tokenizer = AutoTokenizer.from_pretrained(tmp_path / "again")
+    assert exported_tokenizer(text)["input_ids"] == trainer.data.tokenizer.encode(text).ids
+    # and for Hugging Face weights, the tokenizer named instead of theirs
+    assert hf.open_weights(str(hf_gpt2), str(tmp_path / "tokenizer")).tokenizer.to_str() == \
+        trainer.data.tokenizer.to_str()
 
 
 def test_a_fine_tune_starts_at_transformers_loss_and_resumes_bit_for_bit(make_cfg, hf_gpt2, gpt2_corpus, tmp_path,
@@ -159,13 +326,28 @@ def logged_losses(run):
     ("precision=fp16", "checkpointing=full", "loss=fused"),
     ("precision=amp_bf16", "optimizer.impl=fused", "checkpointing=every_k", "checkpointing.every_k=1"),
 ])
-def test_fine_tuning_runs_in_each_precision_and_policy(make_cfg, hf_gpt2, gpt2_corpus, extra):
+def test_fine_tuning_runs_in_each_precision_and_policy(make_cfg, hf_gpt2, gpt2_corpus, tmp_path, extra):
+    """...and its checkpoint is exported in the dtype the run kept its weights in (config.json's dtype too), the
+    trained values: transformers computes our logits."""
+    from safetensors.torch import load_file
+    from transformers import GPT2LMHeadModel
+
     trainer = Trainer(finetune(make_cfg, hf_gpt2, gpt2_corpus, "trainer.max_steps=2", "trainer.log_every=1",
                                *extra), progress=False)
     before = trainer.model.wte.weight.detach().float().clone()
     record = trainer.fit()
     assert torch.isfinite(torch.tensor(record["train/loss"])) and record["amp/skipped_steps"] == 0
     assert not torch.equal(trainer.model.wte.weight.detach().float(), before)
+
+    dtype = trainer.model.wte.weight.dtype
+    hf.export(hf.open_weights(str(tmp_path / "run")), tmp_path / "out")
+    assert {t.dtype for t in load_file(tmp_path / "out" / hf.WEIGHTS).values()} == {dtype}
+    assert json.loads((tmp_path / "out" / hf.CONFIG).read_text())["dtype"] == str(dtype).removeprefix("torch.")
+    theirs = GPT2LMHeadModel.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
+    ours = trainer.model.float().eval()
+    idx = windows()
+    with torch.no_grad():
+        torch.testing.assert_close(theirs(idx).logits, ours(idx), rtol=0, atol=1e-5)
 
 
 def distributed_worker(rank, port, configs):
@@ -241,11 +423,7 @@ def test_a_preset_that_matches_the_weights_is_accepted_and_one_that_does_not_is_
 def test_a_tokenizer_larger_than_the_weights_vocab_is_refused(make_cfg, hf_gpt2, gpt2_corpus, tmp_path):
     """Weights of 300 tokens (padded to 320 rows) with the fixture's tokenizer of 320: ids 300-319 would index
     padding, which the head never scores."""
-    folder = tmp_path / "gpt2-300"
-    shutil.copytree(hf_gpt2, folder)
-    theirs = transformers_model(folder)
-    theirs.resize_token_embeddings(300)
-    theirs.save_pretrained(folder)
+    folder = resized(hf_gpt2, tmp_path / "gpt2-300", 300)
     with pytest.raises(ConfigError) as refused:
         Trainer(finetune(make_cfg, folder, gpt2_corpus), progress=False)
     assert str(refused.value) == (f"model.head_vocab=300 (model.init_from={folder}'s vocab) is smaller than the "
@@ -280,6 +458,20 @@ def one_layer_fewer(folder):
     (folder / hf.CONFIG).write_text(json.dumps({**config, "n_layer": 1}))
 
 
+def untied_config(folder):
+    config = json.loads((folder / hf.CONFIG).read_text())
+    (folder / hf.CONFIG).write_text(json.dumps({**config, "tie_word_embeddings": False}))
+
+
+def with_head(folder, offset):
+    """An lm_head.weight saved beside the embedding (older checkpoints hold one): the embedding plus `offset`."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(folder / hf.WEIGHTS)
+    tensors["lm_head.weight"] = tensors["transformer.wte.weight"] + offset
+    save_file(tensors, folder / hf.WEIGHTS, metadata={"format": "pt"})
+
+
 @pytest.mark.parametrize("edit, message", [
     (lambda f: (f / hf.WEIGHTS).unlink(), r"model.init_from=.*broken: there is no model.safetensors in that directory"),
     (truncate, r".*broken/model.safetensors is unreadable \(.*\): a partial download"),
@@ -287,6 +479,9 @@ def one_layer_fewer(folder):
     (exact_gelu, r".*broken/config.json: activation_function='gelu', where minitrain's GPT computes 'gelu_new'"),
     (one_layer_fewer, r".*broken/model.safetensors holds h.1.attn.c_attn.bias, which the GPT-2 of its config.json"),
     (lambda f: (f / hf.CONFIG).write_text("{"), r".*broken/config.json is unreadable \(JSONDecodeError"),
+    (untied_config, r".*broken/config.json: tie_word_embeddings=False, where minitrain's GPT computes True$"),
+    (lambda f: with_head(f, 1e-3), r".*broken/model.safetensors: lm_head.weight is not the token embedding, and "
+                                   r"minitrain's head is tied to it$"),
 ])
 def test_unusable_weights_are_refused_in_one_line_naming_the_file(hf_gpt2, tmp_path, edit, message):
     folder = broken_copy(hf_gpt2, tmp_path, edit)
@@ -294,6 +489,16 @@ def test_unusable_weights_are_refused_in_one_line_naming_the_file(hf_gpt2, tmp_p
         hf.open_weights(str(folder))
     assert "\n" not in str(refused.value)
     assert refused.match(message)
+
+
+def test_a_head_saved_equal_to_the_embedding_is_read_as_the_tied_head(hf_gpt2, tmp_path):
+    """A head not tied to the embedding is refused (above: transformers would compute with it, minitrain cannot);
+    one saved with the embedding's values is that head, and transformers computes our logits with it."""
+    folder = broken_copy(hf_gpt2, tmp_path, lambda f: with_head(f, 0.0))
+    idx = windows()
+    with torch.no_grad():
+        ours = hf.open_weights(str(folder)).build("cpu")(idx)
+        torch.testing.assert_close(ours, transformers_model(folder)(idx).logits, rtol=0, atol=1e-5)
 
 
 def test_a_name_is_read_from_the_hub_cache_offline_and_an_unknown_one_is_refused(hf_gpt2, tmp_path, monkeypatch):
