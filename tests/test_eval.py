@@ -481,10 +481,14 @@ def test_eval_script_refuses_what_it_cannot_do_in_one_line(tmp_path, capsys, arg
 
 
 def test_json_is_the_record_and_its_folder_is_made(saved_run, tmp_path, capsys):
+    """--json writes the record (a run dir's or its checkpoint's: the same) into a folder it makes; a path it
+    cannot write is one line, the numbers printed all the same."""
     path = tmp_path / "results" / "of" / "eval.json"
     code, out, _ = eval_main(capsys, saved_run, "--val-tokens", 64, "--json", path)
     assert code == 0 and json.loads(path.read_text()) == evaluate_checkpoint(str(saved_run), CPU, val_tokens=64,
                                                                              progress=False)
+    assert eval_json(capsys, tmp_path, saved_run / "checkpoints" / "latest", "--val-tokens", 64) == \
+        json.loads(path.read_text())
     (tmp_path / "a_file").write_text("")
     code, again, err = eval_main(capsys, saved_run, "--val-tokens", 64, "--json", tmp_path / "a_file" / "eval.json")
     assert (code, again) == (2, out)  # the numbers printed all the same

@@ -249,19 +249,21 @@ def test_report_script_prints_the_report_and_writes_it_where_out_says(tmp_path, 
 
 
 def test_report_script_logs_to_wandb_in_the_project_given(tmp_path, capsys, monkeypatch):
-    """--wandb offline logs a sweep whose jobs did not; --project names the run's project; without --wandb, a sweep
-    whose jobs logged to wandb is logged offline."""
+    """--wandb offline logs a sweep whose jobs did not, into --project; without --wandb, a sweep whose jobs logged
+    to wandb is logged offline, into the minitrain project."""
+    import wandb
+
     monkeypatch.setenv("WANDB_SILENT", "true")
+    runs, init = [], wandb.init
+    monkeypatch.setattr(wandb, "init", lambda **kw: runs.append((kw["mode"], kw["project"])) or init(**kw))
     sweep = tmp_path / "sweep"
     fabricate_sweep(sweep)
     assert report_main(capsys, sweep, "--wandb", "offline", "--project", "my-sweeps")[0] == 0
-    [logged] = (sweep / "wandb").glob("offline-run-*")
-    assert b"my-sweeps" in next(logged.glob("run-*.wandb")).read_bytes()
+    assert runs == [("offline", "my-sweeps")] and len(list((sweep / "wandb").glob("offline-run-*"))) == 1
     shutil.rmtree(sweep / "wandb")
     (sweep / "0_precision=fp32,checkpointing=none" / "wandb").mkdir()  # a job that logged to wandb
     assert report_main(capsys, sweep)[0] == 0
-    [logged] = (sweep / "wandb").glob("offline-run-*")
-    assert b"my-sweeps" not in next(logged.glob("run-*.wandb")).read_bytes()
+    assert runs[1:] == [("offline", "minitrain")] and len(list((sweep / "wandb").glob("offline-run-*"))) == 1
     with pytest.raises(SystemExit) as exit:
         report_main(capsys, sweep, "--wandb", "sometimes")
     assert exit.value.code == 2 and "invalid choice: 'sometimes'" in capsys.readouterr().err
