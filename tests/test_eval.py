@@ -340,14 +340,15 @@ def test_the_trainer_logs_perplexity_and_hellaswag_at_eval_steps(make_cfg, tmp_p
 # -- a saved run, evaluated ---------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def saved_run(data_cache, tmp_path_factory):
-    """Two steps on the stdlib corpus (its trained byte-level BPE, block_size 64), saved: what eval.py reads."""
+def saved_run(data_cache, gpt2_corpus, tmp_path_factory):
+    """Two steps on a few standard-library modules as text files (a byte-level BPE of 512 tokens trained on them,
+    block_size 64, a validation split small enough to score whole), saved: what eval.py reads."""
     out = tmp_path_factory.mktemp("saved") / "run"
-    train(compose_config([f"data.cache_dir={data_cache}", f"trainer.out_dir={out}", "logger.mode=disabled",
-                          "trainer.batch_size=8", "model.block_size=64", "trainer.max_steps=2",
-                          "trainer.warmup_steps=1",
-                          "trainer.eval_every=2", "trainer.save_every=2", "trainer.eval_batches=1",
-                          "trainer.sample_tokens=0"]), progress=False)
+    train(compose_config(["data=files", f"data.paths={gpt2_corpus / '*.txt'}", "data.vocab_size=512",
+                          "data.val_fraction=0.2", f"data.cache_dir={data_cache}", f"trainer.out_dir={out}",
+                          "logger.mode=disabled", "trainer.batch_size=8", "model.block_size=64", "trainer.max_steps=2",
+                          "trainer.warmup_steps=1", "trainer.eval_every=2", "trainer.save_every=2",
+                          "trainer.eval_batches=1", "trainer.sample_tokens=0"]), progress=False)
     return out
 
 
@@ -366,17 +367,17 @@ def eval_json(capsys, tmp_path, *argv) -> dict:
     return json.loads(path.read_text())
 
 
-def window_losses(saved_run, n_windows: int) -> list[float]:
-    """The saved model's mean loss on each of the first consecutive windows of its validation split, computed
-    directly: window i reads tokens [64 i, 64 (i + 1)] and predicts the last 64 of them."""
+def window_losses(saved_run) -> list[float]:
+    """The saved model's mean loss on each consecutive window of its validation split, computed directly (all the
+    windows in one forward): window i reads tokens [64 i, 64 (i + 1)] and predicts the last 64 of them."""
     run = load_run(str(saved_run), CPU)
     val = prepare_data(run.data_config(), 64, progress=False).val
-    tokens = np.empty(64 * n_windows + 1, dtype=np.int64)
+    tokens = np.empty(len(val), dtype=np.int64)
     val.read(0, tokens)
-    ids = torch.from_numpy(tokens)
+    ids, n = torch.from_numpy(tokens), (len(tokens) - 1) // 64
     with torch.no_grad():
-        return [float(F.cross_entropy(run.logits(ids[None, 64 * i:64 * (i + 1)])[0].float(),
-                                      ids[64 * i + 1:64 * (i + 1) + 1])) for i in range(n_windows)]
+        logits = run.logits(ids[:64 * n].view(n, 64)).float()
+    return F.cross_entropy(logits.transpose(1, 2), ids[1:64 * n + 1].view(n, 64), reduction="none").mean(1).tolist()
 
 
 def test_eval_script_output_is_what_a_user_sees(saved_run, tmp_path, hellaswag_file):
@@ -403,10 +404,12 @@ def test_eval_script_output_is_what_a_user_sees(saved_run, tmp_path, hellaswag_f
 
 def test_val_tokens_of_one_window_one_more_and_one_less(saved_run, tmp_path, capsys):
     """--val-tokens 64 is exactly one window of model.block_size=64 (65 tokens read); 65 still one; 63 none, refused
-    in one line; 320 five windows, the mean of the five computed directly."""
-    losses = window_losses(saved_run, 5)
-    for val_tokens, windows in [(64, 1), (65, 1), (128, 2), (320, 5)]:
-        r = eval_json(capsys, tmp_path, saved_run, "--val-tokens", val_tokens)
+    in one line; 320 five windows; by default all of the split's; the mean of the windows' losses computed
+    directly."""
+    losses = window_losses(saved_run)
+    assert len(losses) > 5
+    for val_tokens, windows in [(64, 1), (65, 1), (128, 2), (320, 5), (None, len(losses))]:
+        r = eval_json(capsys, tmp_path, saved_run, *(("--val-tokens", val_tokens) if val_tokens else ()))
         assert r["val/tokens"] == 64 * windows and set(r) == {"step", "val/loss", "val/ppl", "val/tokens"}
         assert r["val/loss"] == pytest.approx(np.mean(losses[:windows]), rel=1e-5)
     code, out, err = eval_main(capsys, saved_run, "--val-tokens", 63)
