@@ -58,8 +58,9 @@ def validation_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor
                     max_tokens: Optional[int] = None) -> dict[str, float]:
     """Mean token loss over the consecutive windows of `block_size` predictions covering the first `max_tokens`
     predictions (default: all) of `tokens` (a window reads block_size + 1 tokens, its last the next window's
-    first); `loss_fn(inputs, targets)` is each prediction's loss. They are summed in float64, where a sum of
-    float32 losses is exact, so that the mean is the same whatever `batch_size`."""
+    first); `loss_fn(inputs, targets)` is each prediction's loss. They are summed in float64 (a float32 loss
+    holds 24 significant bits: at a loss's magnitudes their sum is exact in any order), so that the batching adds
+    no rounding of its own."""
     usable = len(tokens) if max_tokens is None else min(len(tokens), max_tokens + 1)
     n_windows = (usable - 1) // block_size
     if n_windows == 0:
@@ -304,7 +305,7 @@ def evaluate_checkpoint(checkpoint: str, device: torch.device, data_cfg: Optiona
     """A checkpoint's validation loss and perplexity on its run's data config or `data_cfg` (the first
     `val_tokens` of the split, default all; 0: none), and its HellaSwag accuracy with `hellaswag_source` (hub
     or a local jsonl); `batch_size` windows, or HellaSwag examples, per forward. Deterministic: the same
-    checkpoint gives the same numbers, whatever the batch size."""
+    checkpoint gives the same numbers, and the batching adds no rounding of its own."""
     run = load_run(checkpoint, device)
     record: dict[str, float] = {"step": run.step}
     data = _eval_data(run, data_cfg, progress) if val_tokens != 0 else None
