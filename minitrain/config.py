@@ -346,7 +346,7 @@ class TrainerConfig:
     eval_every: int = 100
     eval_batches: int = 10
     # HellaSwag accuracy at every eval: null (off), hub (its validation set from the Hugging Face hub, needs
-    # network once), or a local copy's path (hellaswag_val.jsonl: ctx, endings, label per line).
+    # network once), or a local copy's path (hellaswag_val.jsonl: activity_label, ctx_a, ctx_b, endings, label per line).
     eval_hellaswag: Optional[str] = None
     eval_hellaswag_examples: Optional[int] = None  # the first N examples; null: all (10042 in the validation set)
     log_every: int = 10

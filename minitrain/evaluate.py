@@ -3,16 +3,22 @@
 Validation loss here is exact and deterministic: the mean token loss over consecutive windows covering a split
 (or its first tokens), not a sample of random windows as the trainer's periodic `val/loss` is.
 
-HellaSwag (Zellers et al., 2019): a context and four endings, one of them right. Each ending is scored by the
-model's loss on the ending's tokens after the context; `acc_norm` picks the ending with the lowest mean loss per
-token (the length-normalised completion log-likelihood, as llm.c and nanoGPT-derived trainers compute it), `acc`
-the one with the lowest summed loss.
+HellaSwag (Zellers et al., 2019): a context and four endings, one of them right. Scored as EleutherAI's
+lm-evaluation-harness scores its `hellaswag` task, zero-shot, so that the numbers compare with the papers that
+report it: the context is `activity_label: ctx_a Ctx_b` and each ending is cleaned of WikiHow's bracketed
+markup (the harness's `preprocess`); each ending, after a space, is scored as a continuation of the context (the
+context and the continuation tokenized together, the continuation's tokens those after the context's own), by
+its summed log-likelihood. `acc` picks the ending of highest log-likelihood, `acc_norm` the highest
+log-likelihood per character of the ending. llm.c and nanoGPT-derived trainers report another `acc_norm`: the
+raw `ctx` as context and the mean log-likelihood per token. Beyond the harness, which refuses one, an ending
+longer than the block is scored on its last block_size tokens.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -30,7 +36,8 @@ from .data.corpus import hub_quietly
 from .model import GPT
 from .precision import preset, resolve_precision
 
-# The validation set on the hub: the parquet copy the hub made of the original jsonl (ctx, endings, label).
+# The validation set on the hub: the parquet copy the hub made of the original jsonl (activity_label, ctx_a, ctx_b,
+# endings, label, ...).
 HELLASWAG_REPO, HELLASWAG_REVISION = "Rowan/hellaswag", "refs/convert/parquet"
 HELLASWAG_FILE = "default/validation/0000.parquet"
 
@@ -50,10 +57,16 @@ def validation_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor
                     block_size: int, batch_size: int, device: torch.device,
                     max_tokens: Optional[int] = None) -> dict[str, float]:
     """Mean token loss over the consecutive windows of `block_size` predictions covering the first `max_tokens`
-    (default: all) of `tokens`; `loss_fn(inputs, targets)` is the batch's mean token loss."""
+    predictions (default: all) of `tokens` (a window reads block_size + 1 tokens, its last the next window's
+    first); `loss_fn(inputs, targets)` is each prediction's loss. They are summed in float64 (a float32 loss
+    holds 24 significant bits: at a loss's magnitudes their sum is exact in any order), so that the batching adds
+    no rounding of its own."""
     usable = len(tokens) if max_tokens is None else min(len(tokens), max_tokens + 1)
     n_windows = (usable - 1) // block_size
     if n_windows == 0:
+        if usable < len(tokens):
+            raise DataError(f"{max_tokens} validation tokens asked for, fewer than one window of "
+                            f"model.block_size={block_size}: ask for at least {block_size}")
         raise DataError(f"the validation split holds {len(tokens)} tokens, fewer than one window of "
                         f"model.block_size={block_size} + 1")
     total = 0.0
@@ -63,33 +76,40 @@ def validation_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor
         for row in range(rows):
             tokens.read((first + row) * block_size, windows[row])
         ids = torch.from_numpy(windows).to(device)
-        total += float(loss_fn(ids[:, :-1], ids[:, 1:]).float()) * rows
-    loss = total / n_windows
+        total += float(loss_fn(ids[:, :-1], ids[:, 1:]).double().sum())
+    loss = total / (n_windows * block_size)
     return {"val/loss": loss, "val/ppl": perplexity(loss), "val/tokens": n_windows * block_size}
 
 
 @dataclass(frozen=True)
 class HellaSwagExample:
-    context: str
-    endings: tuple[str, ...]
+    context: str  # the harness's query: "activity_label: ctx_a Ctx_b", cleaned
+    endings: tuple[str, ...]  # cleaned, without the space that joins each to the context
     label: int
+
+
+def _harness_text(text: str) -> str:
+    """lm-evaluation-harness's HellaSwag `preprocess`: a WikiHow `[title]` as a sentence's end, the rest of the
+    bracketed markup (`[header]`, `[step]`, ...) dropped, double spaces made single."""
+    text = text.strip().replace(" [title]", ". ")
+    return re.sub(r"\[.*?\]", "", text).replace("  ", " ")
 
 
 def _example(row: dict, where: str) -> HellaSwagExample:
     try:
-        endings, label = tuple(str(e) for e in row["endings"]), int(row["label"])
-        context = str(row["ctx"])
+        context = _harness_text(f"{row['activity_label']}: {row['ctx_a']} {str(row['ctx_b']).capitalize()}")
+        endings, label = tuple(_harness_text(str(e)) for e in row["endings"]), int(row["label"])
     except (KeyError, TypeError, ValueError) as e:
-        raise DataError(f"{where}: not a HellaSwag example ({type(e).__name__}: {e}); each needs ctx, endings "
-                        "and label") from None
+        raise DataError(f"{where}: not a HellaSwag example ({type(e).__name__}: {e}); each needs activity_label, "
+                        "ctx_a, ctx_b, endings and label") from None
     if not 0 <= label < len(endings):
         raise DataError(f"{where}: label {label} names none of its {len(endings)} endings")
     return HellaSwagExample(context, endings, label)
 
 
 def load_hellaswag(source: str, limit: Optional[int] = None) -> list[HellaSwagExample]:
-    """The first `limit` (default: all) validation examples, from the hub (`hub`) or a local jsonl file with ctx,
-    endings and label on each line (hellaswag_val.jsonl as its authors publish it)."""
+    """The first `limit` (default: all) validation examples, from the hub (`hub`) or a local jsonl file with
+    activity_label, ctx_a, ctx_b, endings and label on each line (hellaswag_val.jsonl as its authors publish it)."""
     if source == "hub":
         import pyarrow.parquet as pq
 
@@ -133,17 +153,28 @@ def _download_hellaswag() -> str:
     except Exception as e:  # offline, or the hub moved it: either way the local copy is the way out
         raise DataError(f"HellaSwag could not be downloaded from the hub ({type(e).__name__}); it needs network "
                         "once. Offline, point at a local copy instead: hellaswag_val.jsonl from "
-                        "github.com/rowanz/hellaswag (data/), one example per line with ctx, endings and "
-                        "label") from None
+                        "github.com/rowanz/hellaswag (data/), one example per line with activity_label, "
+                        "ctx_a, ctx_b, endings and label") from None
+
+
+def _continuation_ids(tokenizer, context: str, continuation: str) -> tuple[list[int], list[int]]:
+    """The context's and the continuation's token ids as the harness splits them: the context's trailing
+    whitespace moved to the continuation, the two encoded together, the continuation's ids those past the
+    context's own (with a pre-tokenizer that splits before a space, as GPT-2's does, the ids of each encoded
+    alone)."""
+    stripped = context.rstrip()
+    continuation = context[len(stripped):] + continuation
+    whole = tokenizer.encode(stripped + continuation, add_special_tokens=False).ids
+    context_ids = tokenizer.encode(stripped, add_special_tokens=False).ids
+    return context_ids, whole[len(context_ids):]
 
 
 def _rows(tokenizer, example: HellaSwagExample, block_size: int) -> list[tuple[list[int], int]]:
     """Each ending's token row (the context, then " " + the ending), kept to its last block_size + 1 tokens,
     and where the ending starts in it."""
-    context = tokenizer.encode(example.context, add_special_tokens=False).ids
     rows = []
     for ending in example.endings:
-        completion = tokenizer.encode(" " + ending, add_special_tokens=False).ids
+        context, completion = _continuation_ids(tokenizer, example.context, " " + ending)
         row = (context + completion)[-(block_size + 1):]
         rows.append((row, max(1, len(row) - len(completion))))
     return rows
@@ -151,9 +182,9 @@ def _rows(tokenizer, example: HellaSwagExample, block_size: int) -> list[tuple[l
 
 @torch.no_grad()
 def ending_losses(logits_fn: LogitsFn, tokenizer, examples: Sequence[HellaSwagExample], block_size: int,
-                  device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """The summed and the mean loss of each ending of `examples`, in order, from one forward of all their rows
-    (right-padded: a causal model's earlier positions do not see the padding)."""
+                  device: torch.device) -> torch.Tensor:
+    """The summed loss (minus the log-likelihood) of each ending of `examples`, in order, from one forward of
+    all their rows (right-padded: a causal model's earlier positions do not see the padding)."""
     rows = [row for example in examples for row in _rows(tokenizer, example, block_size)]
     width = max(len(row) for row, _ in rows)
     ids = torch.zeros((len(rows), width), dtype=torch.int64)
@@ -164,22 +195,23 @@ def ending_losses(logits_fn: LogitsFn, tokenizer, examples: Sequence[HellaSwagEx
     ids, mask = ids.to(device), mask.to(device)
     logits = logits_fn(ids[:, :-1]).float()
     losses = F.cross_entropy(logits.flatten(0, 1), ids[:, 1:].flatten(), reduction="none").view_as(mask)
-    summed = (losses * mask).sum(1)
-    return summed, summed / mask.sum(1)
+    return (losses * mask).sum(1).cpu()
 
 
 def hellaswag(logits_fn: LogitsFn, tokenizer, examples: Sequence[HellaSwagExample], block_size: int,
               device: torch.device, batch_examples: int = 8) -> dict[str, float]:
-    """Accuracy over `examples`, picking the ending of lowest mean (`acc_norm`) and summed (`acc`) loss."""
+    """Accuracy over `examples`, `batch_examples` of them per forward: the ending of lowest summed loss (`acc`)
+    and of lowest loss per character (`acc_norm`)."""
     right_norm = right_sum = 0
     for first in range(0, len(examples), batch_examples):
         batch = examples[first:first + batch_examples]
-        summed, mean = ending_losses(logits_fn, tokenizer, batch, block_size, device)
+        summed = ending_losses(logits_fn, tokenizer, batch, block_size, device)
+        per_char = summed / torch.tensor([float(len(e)) for example in batch for e in example.endings])
         at = 0
         for example in batch:
             n = len(example.endings)
             right_sum += int(summed[at:at + n].argmin()) == example.label
-            right_norm += int(mean[at:at + n].argmin()) == example.label
+            right_norm += int(per_char[at:at + n].argmin()) == example.label
             at += n
     return {"hellaswag/acc_norm": right_norm / len(examples), "hellaswag/acc": right_sum / len(examples),
             "hellaswag/examples": len(examples)}
@@ -201,8 +233,9 @@ class SavedRun:
         with self.autocast():
             return self.model(ids)
 
-    def loss(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return F.cross_entropy(self.logits(inputs).float().flatten(0, 1), targets.flatten())
+    def token_losses(self, inputs: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Each prediction's loss, (B, T)."""
+        return F.cross_entropy(self.logits(inputs).float().transpose(1, 2), targets, reduction="none")
 
     def data_config(self) -> DataConfig:
         return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DataConfig), self.config["data"]))
@@ -271,13 +304,16 @@ def evaluate_checkpoint(checkpoint: str, device: torch.device, data_cfg: Optiona
                         progress: bool = True) -> dict[str, float]:
     """A checkpoint's validation loss and perplexity on its run's data config or `data_cfg` (the first
     `val_tokens` of the split, default all; 0: none), and its HellaSwag accuracy with `hellaswag_source` (hub
-    or a local jsonl). Deterministic: the same checkpoint gives the same numbers."""
+    or a local jsonl); `batch_size` windows, or HellaSwag examples, per forward. Deterministic: the same
+    checkpoint gives the same numbers, and the batching adds no rounding of its own."""
     run = load_run(checkpoint, device)
     record: dict[str, float] = {"step": run.step}
     data = _eval_data(run, data_cfg, progress) if val_tokens != 0 else None
     if data is not None:
-        record.update(validation_loss(run.loss, data.val, run.model.cfg.block_size, batch_size, device, val_tokens))
+        record.update(validation_loss(run.token_losses, data.val, run.model.cfg.block_size, batch_size, device,
+                                      val_tokens))
     if hellaswag_source is not None:
         examples = load_hellaswag(hellaswag_source, hellaswag_examples)
-        record.update(hellaswag(run.logits, _run_tokenizer(run, data), examples, run.model.cfg.block_size, device))
+        record.update(hellaswag(run.logits, _run_tokenizer(run, data), examples, run.model.cfg.block_size, device,
+                                batch_size))
     return record

@@ -7,6 +7,8 @@ overrides give (tokenized with the run's tokenizer), and with --hellaswag the He
 import argparse
 import json
 import sys
+from pathlib import Path
+from typing import Optional
 
 import torch
 
@@ -16,6 +18,9 @@ from minitrain.evaluate import evaluate_checkpoint
 from minitrain.rundir import RunDirError
 
 USAGE_EXIT_CODE = 2
+# What the line printed shows of a record, in this order; --json writes the whole record.
+SHOWN = {"val/loss": "{:.4f}", "val/ppl": "{:.2f}", "val/tokens": "{:,}", "hellaswag/acc_norm": "{:.4f}",
+         "hellaswag/acc": "{:.4f}", "hellaswag/examples": "{:,}"}
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -24,8 +29,9 @@ def parse(argv: list[str]) -> argparse.Namespace:
                                        "(checkpoints/latest/ or another), whatever the world size that saved it")
     ap.add_argument("overrides", nargs="*", help="data settings to evaluate on another corpus, as train.py takes "
                                                  "them (data=files data.paths='corpus/**/*.txt')")
-    ap.add_argument("--val-tokens", type=int, default=None, help="the validation split's first N tokens "
-                                                                 "(default: all; 0: no validation loss)")
+    ap.add_argument("--val-tokens", type=int, default=None,
+                    help="score the validation split's first N tokens, in whole windows of model.block_size "
+                         "(default: all; 0: no validation loss)")
     ap.add_argument("--hellaswag", metavar="SOURCE", help="hub (downloaded once) or a local hellaswag_val.jsonl")
     ap.add_argument("--hellaswag-examples", type=int, default=None, help="the first N examples (default: all)")
     ap.add_argument("--batch-size", type=int, default=8, help="windows (or examples) per forward")
@@ -34,8 +40,38 @@ def parse(argv: list[str]) -> argparse.Namespace:
     return ap.parse_intermixed_args(argv)
 
 
+def refusal(args: argparse.Namespace) -> Optional[str]:
+    """Why these options cannot be run as given (None: they can), before a checkpoint is read."""
+    for override in args.overrides:  # anything else would be composed, then silently left unused
+        key = override.lstrip("+~").partition("=")[0]
+        if key != "data" and not key.startswith("data."):
+            return f"{override}: eval.py takes data settings only (data=NAME, data.KEY=VALUE)"
+    if args.val_tokens is not None and args.val_tokens < 0:
+        return f"--val-tokens must be >= 0 (0: no validation loss), got {args.val_tokens}"
+    if args.val_tokens == 0 and args.hellaswag is None:
+        return "nothing to evaluate: --val-tokens 0 leaves the validation loss out and no --hellaswag was given"
+    if args.hellaswag_examples is not None and args.hellaswag is None:
+        return "--hellaswag-examples needs --hellaswag SOURCE"
+    if args.hellaswag_examples is not None and args.hellaswag_examples < 1:
+        return f"--hellaswag-examples must be >= 1, got {args.hellaswag_examples}"
+    if args.batch_size < 1:
+        return f"--batch-size must be >= 1, got {args.batch_size}"
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:  # not a device string
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        return f"--device must be cpu, cuda or cuda:N, got {args.device!r}"
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        return f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+    return None
+
+
 def main(argv: list[str]) -> int:
     args = parse(argv)
+    if (reason := refusal(args)) is not None:
+        print(f"error: {reason}", file=sys.stderr)
+        return USAGE_EXIT_CODE
     try:
         data_cfg = resolve_data(args.overrides) if args.overrides else None
         record = evaluate_checkpoint(args.checkpoint, torch.device(args.device), data_cfg, args.val_tokens,
@@ -43,13 +79,15 @@ def main(argv: list[str]) -> int:
     except (ConfigError, DataError, RunDirError) as e:
         print(f"error: {e}", file=sys.stderr)
         return USAGE_EXIT_CODE
-    shown = {"val/loss": "{:.4f}", "val/ppl": "{:.2f}", "val/tokens": "{:,}", "hellaswag/acc_norm": "{:.4f}",
-             "hellaswag/acc": "{:.4f}", "hellaswag/examples": "{:,}"}
     print(f"{args.checkpoint} at step {record['step']}: " + ", ".join(
-        f"{key} {fmt.format(record[key])}" for key, fmt in shown.items() if key in record))
+        f"{key} {fmt.format(record[key])}" for key, fmt in SHOWN.items() if key in record))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(record, f)
+        try:
+            Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.json).write_text(json.dumps(record))
+        except OSError as e:
+            print(f"error: --json {args.json}: cannot write it ({e.strerror})", file=sys.stderr)
+            return USAGE_EXIT_CODE
     return 0
 
 

@@ -1,4 +1,5 @@
 import json
+import runpy
 import shutil
 import subprocess
 import sys
@@ -223,3 +224,46 @@ def test_cells_of_one_setting_run_twice_are_told_apart_by_job(tmp_path):
     assert [c.name for c in cells] == ["precision=fp32,checkpointing=none",
                                        "precision=bf16,checkpointing=full #1_precision=bf16,checkpointing=full",
                                        "precision=bf16,checkpointing=full #2_again"]
+
+
+def report_main(capsys, *argv) -> tuple[int, str, str]:
+    """scripts/report.py's main(argv) in this process: (exit code, stdout, stderr)."""
+    code = runpy.run_path(str(REPO / "scripts" / "report.py"))["main"]([str(arg) for arg in argv])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_report_script_prints_the_report_and_writes_it_where_out_says(tmp_path, capsys):
+    sweep, elsewhere = tmp_path / "sweep", tmp_path / "elsewhere"
+    fabricate_sweep(sweep)
+    code, out, _ = report_main(capsys, sweep, "--out", elsewhere)
+    written = {"report": "report.md", "throughput_vs_memory": "throughput_vs_memory.png",
+               "memory_breakdown": "memory_breakdown.png", "loss_curves": "loss_curves.png"}
+    md = (elsewhere / "report.md").read_text()
+    assert code == 0 and md.startswith(f"# Sweep report: {sweep}\n")
+    assert out == md + "\n" + "".join(f"{name}: {elsewhere / file}\n" for name, file in written.items())
+    assert sorted(p.name for p in sweep.iterdir() if p.is_file()) == []  # nothing written into the sweep
+    code, out, _ = report_main(capsys, sweep)  # by default, into the sweep dir
+    assert code == 0 and (sweep / "report.md").read_text() == md and f"report: {sweep / 'report.md'}\n" in out
+    assert not (sweep / "wandb").exists()  # no --wandb and no job logged to wandb: nothing logged
+
+
+def test_report_script_logs_to_wandb_in_the_project_given(tmp_path, capsys, monkeypatch):
+    """--wandb offline logs a sweep whose jobs did not, into --project; without --wandb, a sweep whose jobs logged
+    to wandb is logged offline, into the minitrain project."""
+    import wandb
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    runs, init = [], wandb.init
+    monkeypatch.setattr(wandb, "init", lambda **kw: runs.append((kw["mode"], kw["project"])) or init(**kw))
+    sweep = tmp_path / "sweep"
+    fabricate_sweep(sweep)
+    assert report_main(capsys, sweep, "--wandb", "offline", "--project", "my-sweeps")[0] == 0
+    assert runs == [("offline", "my-sweeps")] and len(list((sweep / "wandb").glob("offline-run-*"))) == 1
+    shutil.rmtree(sweep / "wandb")
+    (sweep / "0_precision=fp32,checkpointing=none" / "wandb").mkdir()  # a job that logged to wandb
+    assert report_main(capsys, sweep)[0] == 0
+    assert runs[1:] == [("offline", "minitrain")] and len(list((sweep / "wandb").glob("offline-run-*"))) == 1
+    with pytest.raises(SystemExit) as exit:
+        report_main(capsys, sweep, "--wandb", "sometimes")
+    assert exit.value.code == 2 and "invalid choice: 'sometimes'" in capsys.readouterr().err
