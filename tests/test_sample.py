@@ -62,7 +62,8 @@ def test_the_defaults_draw_seeded_samples_and_a_seed_draws_the_same_text_again(c
     assert again == texts and other == expected(DEFAULTS, 30, seed=7) and other != texts
 
 
-@pytest.mark.parametrize("greedy", [["--temperature", "0"], ["--top-k", "1"], ["--top-p", "1e-6"]])
+@pytest.mark.parametrize("greedy", [["--temperature", "0"], ["--top-k", "1"], ["--top-p", "1e-6"]],
+                         ids=["temperature", "top_k", "top_p"])
 def test_each_greedy_option_gives_the_greedy_text_under_any_seed(capsys, hf_gpt2, expected, greedy):
     """A top-p below the top token's probability keeps that token alone, as top-k 1 does."""
     for seed in ("1", "2"):
@@ -211,8 +212,9 @@ def test_each_numeric_option_at_the_edge_of_its_range_is_accepted(capsys, hf_gpt
     assert code == 0 and texts == expected(GREEDY, 1) and "(1 x 1 new tokens)" in err
 
 
-def test_the_script_refuses_zero_samples_in_one_line_with_exit_2():
-    """As a user runs it: the script's own process, its exit code and its whole stderr."""
-    out = subprocess.run([sys.executable, str(SCRIPT), "gpt2", "--num-samples", "0"], capture_output=True, text=True,
-                         timeout=120)
+def test_the_script_refuses_zero_samples_in_one_line_with_exit_2(hf_gpt2):
+    """As a user runs it: the script's own process, its exit code and its whole stderr (an empty batch was a
+    ValueError's traceback, exit 1)."""
+    out = subprocess.run([sys.executable, str(SCRIPT), str(hf_gpt2), "--max-new-tokens", "10", "--num-samples", "0"],
+                         capture_output=True, text=True, timeout=120)
     assert (out.returncode, out.stdout, out.stderr) == (2, "", "error: --num-samples must be >= 1, got 0\n")
