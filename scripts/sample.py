@@ -77,8 +77,8 @@ def main(argv: list[str]) -> int:
     for text in texts:
         print(text, end="\n---------------\n", flush=True)
     fitted = "" if out.new_tokens == (args.max_new_tokens or DEFAULT_NEW_TOKENS) else \
-        f", not the default {DEFAULT_NEW_TOKENS}: all that the model's context of {model.cfg.block_size} tokens leaves " \
-        "after the prompt"
+        f", not the default {DEFAULT_NEW_TOKENS}: all that the model's context of {model.cfg.block_size} tokens " \
+        "leaves after the prompt"
     print(f"{weights.source} on {device} ({str(dtype).removeprefix('torch.')}): prefill {out.prefill_s * 1e3:.1f} ms, "
           f"decode {out.decode_tokens_per_s:,.0f} tokens/s ({args.num_samples} x {out.new_tokens} new tokens{fitted})",
           file=sys.stderr)

@@ -193,7 +193,8 @@ def test_by_default_the_new_tokens_fit_what_the_context_leaves(capsys, hf_gpt2, 
                 "tokens leaves after the prompt)\n") in err
     code, texts, err = sample(capsys, str(hf_gpt2), "--prompt", prompt_of(CONTEXT, weights))
     assert code == 2 and not texts
-    assert err == f"error: the prompt's {CONTEXT} tokens fill the model's context of {CONTEXT} tokens: no new token fits\n"
+    assert err == (f"error: the prompt's {CONTEXT} tokens fill the model's context of {CONTEXT} tokens: no new token "
+                   "fits\n")
 
 
 @pytest.mark.parametrize("option, value, allowed", [
