@@ -126,11 +126,11 @@ def test_a_sequence_that_fills_the_context_exactly_is_drawn_and_one_token_more_i
     """128 positions: a 10-token prompt and 118 new tokens reach the last one, cached as uncached; 117 fit too,
     119 do not (in a Sampler of the whole context, and in generate's)."""
     ours, _ = gpt2
-    prompt, greedy = prompts(length=10), Sampling(temperature=0)
-    assert generate(ours, prompt, 117, greedy).tokens.shape == (2, 127)
+    prompt, greedy = prompts(n=1, length=10), Sampling(temperature=0)
+    assert generate(ours, prompt, 117, greedy).tokens.shape == (1, 127)
     full = generate(ours, prompt, 118, greedy).tokens
     assert torch.equal(generate(ours, prompt, 118, greedy, kv_cache=False).tokens, full)
-    sampler = Sampler(ours, 2, 128, greedy)
+    sampler = Sampler(ours, 1, 128, greedy)
     assert torch.equal(sampler.generate(prompt, 118).tokens, full)
     with pytest.raises(GenerationError, match="10 prompt tokens \\+ 119 new ones: between 1 and 118 new tokens fit"):
         sampler.generate(prompt, 119)
