@@ -113,6 +113,14 @@ class _CapturedStep:
         return self.next
 
 
+def device_clock(device: torch.device) -> float:
+    """Seconds, once `device` has run what was queued: Generation's times (a module function, so that a test can
+    set a clock of known times and check the rates' arithmetic exactly)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 @dataclass
 class Generation:
     tokens: torch.Tensor  # (B, prompt + new)
@@ -173,22 +181,17 @@ class Sampler:
         tokens = torch.empty((B, T + n), dtype=torch.long, device=self.device)
         tokens[:, :T] = prompt
         positions = torch.arange(T + n, device=self.device)
-        start = self._clock()
+        start = device_clock(self.device)
         hidden = model.forward_hidden(prompt) if self.cache is None else \
             model.forward_hidden(prompt, self.cache, positions[:T])
         tokens[:, T] = next_token(head_logits(model, hidden), s)
-        prefilled = self._clock()
+        prefilled = device_clock(self.device)
         for i in range(T + 1, T + n):
             if self.cache is None:
                 tokens[:, i] = next_token(head_logits(model, model.forward_hidden(tokens[:, :i])), s)
             else:
                 tokens[:, i] = self.step(model, self.cache, tokens[:, i - 1:i], positions[i - 1:i], s)
-        return Generation(tokens, n, prefilled - start, self._clock() - prefilled)
-
-    def _clock(self) -> float:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        return time.perf_counter()
+        return Generation(tokens, n, prefilled - start, device_clock(self.device) - prefilled)
 
 
 def generate(model: GPT, prompt: torch.Tensor, max_new_tokens: int, sampling: Sampling = Sampling(),
@@ -198,14 +201,30 @@ def generate(model: GPT, prompt: torch.Tensor, max_new_tokens: int, sampling: Sa
     return sampler.generate(prompt, max_new_tokens, seed)
 
 
-def sample_texts(model: GPT, tokenizer, prompt: str, num_samples: int, max_new_tokens: int, sampling: Sampling,
-                 seed: Optional[int] = None, kv_cache: bool = True,
+DEFAULT_NEW_TOKENS = 200  # scripts/sample.py's, where the model's context leaves room for them
+
+
+def sample_texts(model: GPT, tokenizer, prompt: str, num_samples: int, max_new_tokens: Optional[int],
+                 sampling: Sampling, seed: Optional[int] = None, kv_cache: bool = True,
                  graphs: Optional[bool] = None) -> tuple[list[str], Generation]:
     """`num_samples` continuations of `prompt` (an empty one starts from `<|endoftext|>`, as a new document), as
-    text; the ids beyond the tokenizer's vocabulary are never drawn."""
+    text; the ids beyond the tokenizer's vocabulary are never drawn. `max_new_tokens` None: DEFAULT_NEW_TOKENS,
+    or as many as the model's context leaves after the prompt (Generation.new_tokens says how many); a number
+    that does not fit is refused (scripts/sample.py's engine: its errors name the script's options)."""
     from .data import EOT
 
     ids = tokenizer.encode(prompt).ids or [tokenizer.token_to_id(EOT)]
+    context = model.cfg.block_size
+    room = context - len(ids)
+    if room < 1:
+        raise GenerationError(f"the prompt's {len(ids)} tokens fill the model's context of {context} tokens: no "
+                              "new token fits")
+    if max_new_tokens is None:
+        max_new_tokens = min(DEFAULT_NEW_TOKENS, room)
+    elif max_new_tokens > room:
+        raise GenerationError(f"--max-new-tokens {max_new_tokens}: the prompt's {len(ids)} tokens and "
+                              f"{max_new_tokens} new ones exceed the model's context of {context} tokens (at most "
+                              f"{room} new ones fit; leave --max-new-tokens out to draw what fits)")
     prompt_ids = torch.tensor([ids] * num_samples)
     sampling = replace(sampling, vocab=tokenizer.get_vocab_size())
     sampler = Sampler(model, num_samples, len(ids) + max_new_tokens, sampling, kv_cache, graphs)

@@ -13,17 +13,20 @@ import torch
 
 from minitrain.config import ConfigError, KernelImpl
 from minitrain.data import DataError
-from minitrain.generate import GenerationError, Sampling, sample_texts
+from minitrain.generate import DEFAULT_NEW_TOKENS, GenerationError, Sampling, sample_texts
 from minitrain.hf import open_weights
 from minitrain.rundir import RunDirError
 
+USAGE_EXIT_CODE = 2
 
-def main() -> None:
+
+def parse(argv: list[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("source", help="run dir, checkpoint, Hugging Face directory or name")
     p.add_argument("--prompt", default="", help="the text to continue (empty: a new document)")
     p.add_argument("--prompt-file", type=Path, help="read the prompt from this file")
-    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help=f"default: {DEFAULT_NEW_TOKENS}, or as many as the model's context leaves after the prompt")
     p.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
     p.add_argument("--top-k", type=int, default=200)
     p.add_argument("--top-p", type=float, default=None)
@@ -37,7 +40,27 @@ def main() -> None:
                    help="on a GPU: decode eagerly through the model's own forward, without the decode kernels' CUDA "
                         "graph (for comparing, or where Triton cannot compile)")
     p.add_argument("--tokenizer", help="for a run that kept no tokenizer.json: the name or directory it trained with")
-    args = p.parse_args()
+    return p.parse_args(argv)
+
+
+def out_of_range(args: argparse.Namespace) -> str | None:
+    """The first numeric option outside the values it can take, said in one line (before any weights load)."""
+    for option, value, ok, allowed in [
+            ("--max-new-tokens", args.max_new_tokens, args.max_new_tokens is None or args.max_new_tokens >= 1, ">= 1"),
+            ("--temperature", args.temperature, args.temperature >= 0, ">= 0 (0: greedy)"),
+            ("--top-k", args.top_k, args.top_k >= 1, ">= 1"),
+            ("--top-p", args.top_p, args.top_p is None or 0 < args.top_p <= 1, "in (0, 1]"),
+            ("--num-samples", args.num_samples, args.num_samples >= 1, ">= 1")]:
+        if not ok:
+            return f"{option} must be {allowed}, got {value}"
+    return None
+
+
+def main(argv: list[str]) -> int:
+    args = parse(argv)
+    if (problem := out_of_range(args)) is not None:
+        print(f"error: {problem}", file=sys.stderr)
+        return USAGE_EXIT_CODE
     try:
         prompt = args.prompt_file.read_text() if args.prompt_file else args.prompt
         device = torch.device(args.device)
@@ -50,13 +73,17 @@ def main() -> None:
                                   args.seed, kv_cache=not args.no_kv_cache, graphs=False if args.no_compile else None)
     except (ConfigError, DataError, GenerationError, RunDirError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        return USAGE_EXIT_CODE
     for text in texts:
         print(text, end="\n---------------\n", flush=True)
+    fitted = "" if out.new_tokens == (args.max_new_tokens or DEFAULT_NEW_TOKENS) else \
+        f", not the default {DEFAULT_NEW_TOKENS}: all that the model's context of {model.cfg.block_size} tokens " \
+        "leaves after the prompt"
     print(f"{weights.source} on {device} ({str(dtype).removeprefix('torch.')}): prefill {out.prefill_s * 1e3:.1f} ms, "
-          f"decode {out.decode_tokens_per_s:,.0f} tokens/s ({args.num_samples} x {args.max_new_tokens} new tokens)",
+          f"decode {out.decode_tokens_per_s:,.0f} tokens/s ({args.num_samples} x {out.new_tokens} new tokens{fitted})",
           file=sys.stderr)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main(sys.argv[1:]))

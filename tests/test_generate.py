@@ -122,6 +122,22 @@ def test_settings_and_lengths_that_cannot_work_are_refused(gpt2):
         Sampler(model, 2, 30, Sampling()).generate(prompts(), 30)
 
 
+def test_a_sequence_that_fills_the_context_exactly_is_drawn_and_one_token_more_is_refused(gpt2):
+    """128 positions: a 10-token prompt and 118 new tokens reach the last one, cached as uncached; 117 fit too,
+    119 do not (in a Sampler of the whole context, and in generate's)."""
+    ours, _ = gpt2
+    prompt, greedy = prompts(n=1, length=10), Sampling(temperature=0)
+    assert generate(ours, prompt, 117, greedy).tokens.shape == (1, 127)
+    full = generate(ours, prompt, 118, greedy).tokens
+    assert torch.equal(generate(ours, prompt, 118, greedy, kv_cache=False).tokens, full)
+    sampler = Sampler(ours, 1, 128, greedy)
+    assert torch.equal(sampler.generate(prompt, 118).tokens, full)
+    with pytest.raises(GenerationError, match="10 prompt tokens \\+ 119 new ones: between 1 and 118 new tokens fit"):
+        sampler.generate(prompt, 119)
+    with pytest.raises(GenerationError, match="129 in all, exceed model.block_size=128"):
+        generate(ours, prompt, 119, greedy)
+
+
 def test_sample_texts_continue_the_prompt_or_a_new_document(hf_gpt2, gpt2):
     from minitrain.generate import sample_texts
     from minitrain.data.tokenizer import pretrained_tokenizer
