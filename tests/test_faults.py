@@ -407,7 +407,8 @@ def test_a_run_dir_that_cannot_be_made_is_refused_in_one_line_and_nothing_is_mad
 def test_a_run_dir_on_a_read_only_filesystem_is_refused_naming_it(tmp_path, monkeypatch):
     """A read-only mount, faked: making one needs root. Hydra's default run dir, runs/<date>/<time>/, is checked
     by its fixed part (runs/ in the working directory)."""
-    from minitrain.config import ConfigError, command_line
+    from minitrain.cli import command_line
+    from minitrain.config import ConfigError
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(os, "access", lambda path, mode: False)
