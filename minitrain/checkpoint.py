@@ -15,8 +15,8 @@ fsyncs the folder: a crash at any point leaves `latest`, or else `previous`, com
 them in that order, falling back past an unreadable one with a note. The unreadable one is then kept aside as
 `latest.unusable-<time>` (never taken for a checkpoint): the next save must not rotate it into `previous` over the
 checkpoint the run resumed from. The last KEPT_UNUSABLE kept aside stay, the older are removed: each is as large as
-a checkpoint, and a run that keeps failing its saves would fill the disk with them. A multi-node job needs `trainer.out_dir` on a filesystem
-every node sees.
+a checkpoint, and a run that keeps failing its saves would fill the disk with them. A multi-node job needs
+`trainer.out_dir` on a filesystem every node sees.
 """
 
 from __future__ import annotations

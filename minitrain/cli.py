@@ -222,9 +222,9 @@ def _require_own_tokenizer(init_from: Optional[str]) -> None:
 
 def command_line(argv: list[str]) -> list[str]:
     """scripts/train.py's arguments, checked and completed before Hydra reads them: an unknown key or a value
-    of the wrong type raises ConfigError (check_overrides), as does a run dir that
-    cannot be made (_require_makeable_hydra_dir); model.init_from gets model=pretrained and its own tokenizer
-    unless given (with_init_from_defaults). A single run given trainer.out_dir=X (and no hydra.run.dir) gets hydra.run.dir=X
+    of the wrong type raises ConfigError (check_overrides), as does a run dir that cannot be made
+    (_require_makeable_hydra_dir); model.init_from gets model=pretrained and its own tokenizer unless given
+    (with_init_from_defaults). A single run given trainer.out_dir=X (and no hydra.run.dir) gets hydra.run.dir=X
     too: Hydra makes its run dir before any code of ours runs, so the default runs/<date>/<time>/ would be left
     behind empty, and the wandb run's name, which reads Hydra's run dir, would name it. A -m sweep given one fixed
     trainer.out_dir raises: every cell would write to that one directory, and each after the first would refuse
