@@ -194,6 +194,7 @@ class DataConfig:
     text_column: str = "text"
     # train: a byte-level BPE of data.vocab_size tokens trained on the corpus; else a pretrained one: a Hugging
     # Face name (gpt2) or a directory holding tokenizer.json (or vocab.json + merges.txt) (minitrain/data/tokenizer.py).
+    # With model.init_from the command line makes it follow model.init_from unless given (minitrain/cli.py).
     tokenizer: str = "train"
     vocab_size: int = 4096  # tokenizer=train only
     # tokenizer=train learns its merges from at most this many MB of the corpus (evenly spaced over local files,

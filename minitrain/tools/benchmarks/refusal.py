@@ -56,10 +56,15 @@ def measure(rounds: int, cwd: Path, repo: Path = REPO) -> dict[str, Any]:
                        for name in NAMES}, rounds)
     summary = {name: {"wall_s": Spread.of(wall[name]).__dict__, "cpu_s": Spread.of(cpu[name]).__dict__}
                for name in NAMES}
-    refusal, torch_alone = (summary[name]["wall_s"]["median"] for name in NAMES)
-    met = refusal <= TARGET_S or refusal <= torch_alone + TARGET_AFTER_TORCH_S
     return {"repo": str(repo), "rounds": rounds, "cores": os.cpu_count(), "load": [load_before, os.getloadavg()[0]],
-            "wall_s": wall, "cpu_s": cpu, "summary": summary, "met": met}
+            "wall_s": wall, "cpu_s": cpu, "summary": summary,
+            "met": met(*(summary[name]["wall_s"]["median"] for name in NAMES))}
+
+
+def met(refusal_s: float, torch_s: float) -> bool:
+    """The target: refused within TARGET_S, or (a machine where the interpreter alone is slow) no later than
+    TARGET_AFTER_TORCH_S after `import torch` alone."""
+    return refusal_s <= TARGET_S or refusal_s <= torch_s + TARGET_AFTER_TORCH_S
 
 
 def report(result: dict[str, Any]) -> list[str]:
