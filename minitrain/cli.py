@@ -2,8 +2,10 @@
 before Hydra reads it and before anything heavy is imported: a typo is refused in the time it takes to read the
 schema, not after torch, transformers and the trainer have loaded (scripts/bench_refusal.py measures it).
 
-    check_overrides    each `key=value` against the typed config (minitrain/config.py), in one line naming the key
-    command_line       that, then the completions and the run dir's checks train.py needs before Hydra makes it
+    check_overrides          each `key=value` against the typed config (minitrain/config.py), refused in one line
+                             naming the key
+    with_init_from_defaults  weights to start from bring their shape (model=pretrained) and their tokenizer
+    command_line             both, then the run dir's completion and checks, before Hydra makes the run dir
 
 Importing this module imports the schema, OmegaConf and Hydra's override parser, never torch
 (tests/test_cli.py holds it to that).
