@@ -372,6 +372,22 @@ def test_vocab_larger_than_the_model_fails_naming_both(make_cfg):
         Trainer(make_cfg("model.vocab_size=512"), progress=False)
 
 
+def test_train_py_says_in_its_plan_what_a_vocabulary_beyond_the_tokenizer_costs(data_cache, tmp_path):
+    """As a user runs it: the plan (console and train.log) names the rows no token has, their share of the step
+    and the setting that sizes them away (tests/test_plan.py checks the share itself)."""
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "train.py"), "model.vocab_size=4160",
+                          "trainer.max_steps=1", "trainer.batch_size=2", "model.block_size=32", "trainer.eval_batches=1",
+                          "trainer.sample_tokens=0", f"data.cache_dir={data_cache}", "logger.mode=disabled",
+                          f"hydra.run.dir={tmp_path / 'run'}"], cwd=tmp_path, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    note = re.compile(r"  note: model\.vocab_size=4160 scores 64 rows more than the tokenizer's 4,096 ids need \(padded "
+                      r"to 4,096\): logits of tokens that never occur, \d+\.\d% of the step's FLOPs; "
+                      r"model\.vocab_size=null sizes the vocabulary to the tokenizer")
+    for said in (out.stdout, (tmp_path / "run" / "train.log").read_text()):
+        assert len([line for line in said.splitlines() if note.fullmatch(line)]) == 1, said[:3000]
+
+
 def strict_records(path):
     """metrics.jsonl as strict JSON: a bare NaN or Infinity fails here."""
     def refuse(constant):
