@@ -137,6 +137,7 @@ def padded_vocab(ids: int) -> int:
     cores' tiles), the padding rows zero with weights to start from, and never a token."""
     return -(-ids // 64) * 64
 
+
 SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size")
 
 
