@@ -13,9 +13,10 @@ The run dir keeps the last two: `checkpoints/latest/` and `checkpoints/previous/
 directory named by rank 0, fsyncs it, renames `latest` to `previous`, then the temporary to `latest`, and
 fsyncs the folder: a crash at any point leaves `latest`, or else `previous`, complete, and `resume=auto` tries
 them in that order, falling back past an unreadable one with a note. The unreadable one is then kept aside as
-`latest.unusable-<time>` (never deleted, never taken for a checkpoint): the next save must not rotate it into
-`previous` over the checkpoint the run resumed from. A multi-node job needs `trainer.out_dir` on a filesystem
-every node sees.
+`latest.unusable-<time>` (never taken for a checkpoint): the next save must not rotate it into `previous` over the
+checkpoint the run resumed from. The last KEPT_UNUSABLE kept aside stay, the older are removed: each is as large as
+a checkpoint, and a run that keeps failing its saves would fill the disk with them. A multi-node job needs
+`trainer.out_dir` on a filesystem every node sees.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import errno
 import fnmatch
 import json
 import os
+import re
 import shutil
 import time
 import warnings
@@ -41,6 +43,10 @@ from .rundir import RunDirError, checkpoint_dir
 LATEST, PREVIOUS = "latest", "previous"  # torch.distributed.checkpoint directories
 JOB_INFO = "minitrain.json"  # beside the shards: world_size, mode, config
 UNUSABLE_MARK = ".unusable-"  # a checkpoint resume=auto fell back past, kept aside for the user to look at
+# Kept aside at most: the one a resume just fell back past and the one before it, enough to tell a one-off failure
+# from a repeating one; older ones are removed (the note of the fallback names them).
+KEPT_UNUSABLE = 2
+_ASIDE_STAMP = re.compile(r"(\d{8}-\d{6})(?:-(\d+))?")  # _set_aside's <time>[-n]
 
 # The parts that differ by rank, each with how a rank of a job of another size makes its state from the saved
 # ranks' states (a list, by rank).
@@ -257,7 +263,7 @@ def load_checkpoint(resume: str, out_dir: Path, *, template: dict[str, Any], per
             unusable.append(candidate)
             continue
         if unusable and rank == 0 and candidate.parent.resolve() == checkpoint_dir(out_dir).resolve():
-            problems += [f"kept aside as {_shown(_set_aside(bad), out_dir)}" for bad in unusable]
+            problems += [_set_aside(bad, out_dir) for bad in unusable]
         fallback = [f"{'; '.join(problems)}; resumed from {shown}"] if problems else []
         return Loaded(state=state, path=candidate, notes=fallback + notes)
     raise CheckpointError("no usable checkpoint to resume from: " + "; ".join(problems)
@@ -265,19 +271,38 @@ def load_checkpoint(resume: str, out_dir: Path, *, template: dict[str, Any], per
                             "(hydra.run.dir=...) with trainer.resume=none")
 
 
-def _set_aside(path: Path) -> Path:
+def _set_aside(path: Path, out_dir: Path) -> str:
     """Rename a checkpoint resume=auto fell back past to a name that says so, beside the good ones: in the run's
     own dir the next save would rotate it into `previous`, over the checkpoint the run resumed from (then the
-    only good one). Kept, not deleted: it may be worth a look. Called after every rank has read its candidates
-    (the load of the good one is collective), on rank 0 only."""
+    only good one). Kept, not deleted: it may be worth a look; but only the last KEPT_UNUSABLE of them (older ones
+    set aside the same way are removed). Called after every rank has read its candidates (the load of the good one
+    is collective), on rank 0 only. Returns the note that says what was kept and what removed."""
     stamp = time.strftime("%Y%m%d-%H%M%S")
     aside, n = path.with_name(f"{path.name}{UNUSABLE_MARK}{stamp}"), 1
     while aside.exists():
         n += 1
         aside = path.with_name(f"{path.name}{UNUSABLE_MARK}{stamp}-{n}")
     os.replace(path, aside)
+    removed = _kept_aside(path.parent)[:-KEPT_UNUSABLE]
+    for old in removed:
+        if old.is_dir():
+            shutil.rmtree(old)
+        else:  # a file where a checkpoint directory was expected
+            old.unlink()
     files.fsync(path.parent)
-    return aside
+    note = f"kept aside as {_shown(aside, out_dir)}"
+    if removed:
+        note += (f" (the last {KEPT_UNUSABLE} kept aside stay, each as large as a checkpoint; removed the older "
+                 f"{', '.join(p.name for p in removed)})")
+    return note
+
+
+def _kept_aside(ckpts: Path) -> list[Path]:
+    """The checkpoints _set_aside renamed in `ckpts`, oldest first, by the time in their names (a name it did not
+    make is left alone)."""
+    stamped = [(m[1], int(m[2] or 1), p) for p in ckpts.glob(f"*{UNUSABLE_MARK}*")
+               if (m := _ASIDE_STAMP.fullmatch(p.name.partition(UNUSABLE_MARK)[2]))]
+    return [p for *_, p in sorted(stamped)]
 
 
 def _why_absent(path: Path) -> str:

@@ -23,7 +23,7 @@ from typing import Mapping
 
 import torch
 
-from .config import SCRATCH, ConfigError, ModelConfig, error_reason
+from .config import SCRATCH, ConfigError, ModelConfig, error_reason, padded_vocab
 from .hub import SourceError, source_file
 
 WEIGHTS, CONFIG, GENERATION = "model.safetensors", "config.json", "generation_config.json"
@@ -96,7 +96,7 @@ def settle_shape(cfg: ModelConfig) -> ModelConfig:
         raise ConfigError(f"model.bias=false conflicts with {where}): every GPT-2 layer has biases; leave model.bias "
                           "out")
     return replace(cfg, **shape, block_size=cfg.block_size or positions, head_vocab=rows,
-                   vocab_size=cfg.vocab_size or -(-rows // 64) * 64)
+                   vocab_size=cfg.vocab_size or padded_vocab(rows))
 
 
 def with_weights_shape(cfg):

@@ -23,8 +23,9 @@ import torch
 from . import fp8, memory
 from .recompute import recomputed_blocks
 from .config import BLOCK_LINEARS, SCRATCH, CheckpointingConfig, CheckpointPolicy, Config, ConfigError, \
-    DistributedMode, Float8Kernels, Float8Recipe, KernelImpl, ModelConfig, OptimizerImpl, TrainerConfig
+    DistributedMode, Float8Kernels, Float8Recipe, KernelImpl, ModelConfig, OptimizerImpl, TrainerConfig, padded_vocab
 from .memory import GB, MemoryEstimate
+from .model import GPT
 from .precision import Precision, resolve_precision
 from .schedule import LRSchedule, default_warmup
 
@@ -170,19 +171,41 @@ def device_memory(device: torch.device) -> int:
 
 
 def model_config_for(cfg: Config, tokenizer_vocab: int, device: torch.device) -> ModelConfig:
-    """The model config with vocab_size settled against the tokenizer and the GELU's `auto` resolved."""
+    """The model config with vocab_size settled against the tokenizer and the GELU's `auto` resolved. Rows fewer
+    than the tokenizer's ids are refused, naming the setting that fixes it: a token past the head's rows would
+    index no row (or padding the head never scores)."""
     gelu = KernelImpl.fused if cfg.model.gelu.fused_on(device.type) else KernelImpl.torch
-    if cfg.model.vocab_size is None:
-        return replace(cfg.model, vocab_size=-(-tokenizer_vocab // 64) * 64, gelu=gelu)
-    rows, key = (cfg.model.head_vocab, "model.head_vocab") if cfg.model.head_vocab else \
-        (cfg.model.vocab_size, "model.vocab_size")
+    model = replace(cfg.model, vocab_size=cfg.model.vocab_size or padded_vocab(tokenizer_vocab), gelu=gelu)
+    rows, key = (model.head_vocab, "model.head_vocab") if model.head_vocab else (model.vocab_size, "model.vocab_size")
     if rows < tokenizer_vocab:
-        weights = f" (model.init_from={cfg.model.init_from}'s vocab)" if cfg.model.init_from != SCRATCH else ""
         source = f"data.vocab_size={cfg.data.vocab_size}" if cfg.data.tokenizer == "train" else \
             f"data.tokenizer={cfg.data.tokenizer}"
-        raise ConfigError(f"{key}={rows}{weights} is smaller than the tokenizer's vocabulary ({tokenizer_vocab}, "
-                          f"from {source})")
-    return replace(cfg.model, gelu=gelu)
+        smaller = f"is smaller than the tokenizer's vocabulary ({tokenizer_vocab}, from {source})"
+        if cfg.model.init_from == SCRATCH:
+            raise ConfigError(f"{key}={rows} {smaller}; {key}=null sizes it to the tokenizer")
+        fix = "name it in data.tokenizer" if cfg.data.tokenizer == cfg.model.init_from else \
+            "leave data.tokenizer out (it follows model.init_from) or name that one"
+        raise ConfigError(f"{key}={rows} (model.init_from={cfg.model.init_from}'s vocab) {smaller}; the weights need "
+                          f"the tokenizer they were trained with: {fix}")
+    return model
+
+
+def _surplus_vocab_note(cfg: Config, model: ModelConfig, tokenizer_vocab: int) -> Optional[str]:
+    """A model whose head scores more rows than the tokenizer has ids, beyond their padding (a GPT-2 preset's 50304
+    over a corpus's 4096-token BPE): logits of tokens that never occur, computed every step. Said with their share
+    of the step's FLOPs (MFU's count: the head's matmul is 6 x n_embd FLOPs per row and token) and the setting that
+    sizes the vocabulary to the tokenizer. Weights' rows (model.init_from) are theirs to keep."""
+    fitted, head = padded_vocab(tokenizer_vocab), model.head_vocab or model.vocab_size
+    if cfg.model.init_from != SCRATCH or head <= fitted:
+        return None
+    with torch.device("meta"):
+        step = GPT(model).flops_per_token(model.block_size)
+    share = 6 * model.n_embd * (head - fitted) / step
+    key, fix = ("model.head_vocab", "model.vocab_size=null model.head_vocab=null") if model.head_vocab else \
+        ("model.vocab_size", "model.vocab_size=null")
+    return (f"{key}={head} scores {head - fitted:,} rows more than the tokenizer's {tokenizer_vocab:,} ids need "
+            f"(padded to {fitted:,}): logits of tokens that never occur, {share:.1%} of the step's FLOPs; "
+            f"{fix} sizes the vocabulary to the tokenizer")
 
 
 def _compile_mode(cfg: Config, device: torch.device) -> Optional[str]:
@@ -245,6 +268,8 @@ def make_plan(cfg: Config, tokenizer_vocab: int, device: torch.device, world_siz
     loss_impl, optimizer_impl = _kernels(cfg, device)
     auto = _resolved_from_auto(cfg, compile_mode)
     notes = _precision_notes(precision, model, float8_linears, device)
+    if (surplus := _surplus_vocab_note(cfg, model, tokenizer_vocab)) is not None:
+        notes.append(surplus)
     if t.batch_size % world_size:
         raise ConfigError(f"trainer.batch_size: the global batch of {t.batch_size} sequences does not split "
                           f"into {world_size} ranks")

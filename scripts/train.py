@@ -21,17 +21,36 @@ def ctrl_c(signum, frame):
 
 signal.signal(signal.SIGINT, ctrl_c)
 
+try:  # the command line's check first, in the time it takes to read the schema: a typo is refused before torch loads
+    from minitrain.cli import command_line
+    from minitrain.config import ConfigError
+    from minitrain.sweep import FAILED_CELL_EXIT_CODE
+except KeyboardInterrupt:
+    print(ABORTED_STARTING, file=sys.stderr)
+    sys.exit(ABORTED_EXIT_CODE)
+
+if __name__ == "__main__":
+    try:  # before Hydra reads the command line: its message for an unknown key advises a `+` the schema refuses too
+        sys.argv[1:] = command_line(sys.argv[1:])
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(FAILED_CELL_EXIT_CODE)
+    except KeyboardInterrupt:
+        print(ABORTED_STARTING, file=sys.stderr)
+        sys.exit(ABORTED_EXIT_CODE)
+
 try:  # the imports take seconds (torch): a Ctrl-C in them ends in one line, not a traceback
     import hydra
     from hydra.core.hydra_config import HydraConfig
     from omegaconf import DictConfig
     from omegaconf.errors import OmegaConfBaseException
 
+    from minitrain.checkpoint import holds_checkpoint
     from minitrain.compile_check import CompileMismatchError
-    from minitrain.config import ConfigError, command_line, register_configs
+    from minitrain.config import register_configs
     from minitrain.data import DataError
     from minitrain.rundir import RunDirBusyError, RunDirError, RunInfo, remove_if_empty
-    from minitrain.sweep import FAILED_CELL_EXIT_CODE, stop_cells
+    from minitrain.sweep import stop_cells
     from minitrain.divergence import NonFiniteLossError
     from minitrain.interrupts import TrainingInterrupted
     from minitrain.trainer import train
@@ -42,12 +61,15 @@ except KeyboardInterrupt:
     sys.exit(ABORTED_EXIT_CODE)
 
 
-def run_dir(cfg: DictConfig, hydra_dir: str) -> str:
-    """The run's dir, trainer.out_dir as the trainer expands it; Hydra's run dir where it does not resolve."""
+def aborted(cfg: DictConfig, hydra_dir: str) -> str:
+    """The line a Ctrl-C that saves nothing ends with: whether the run dir keeps checkpoints saved before, said only
+    where it holds some (a Ctrl-C before the first step usually finds none, or no run dir at all)."""
     try:
-        return str(Path(cfg.trainer.out_dir).expanduser())
-    except OmegaConfBaseException:
-        return hydra_dir
+        out_dir = Path(cfg.trainer.out_dir).expanduser()
+    except OmegaConfBaseException:  # trainer.out_dir does not resolve: the run used Hydra's dir, if any
+        out_dir = Path(hydra_dir)
+    kept = f"; the checkpoints saved before in {out_dir} are kept" if holds_checkpoint(out_dir) else ""
+    return f"minitrain: aborted (Ctrl-C) without saving a checkpoint{kept}"
 
 
 @hydra.main(version_base=None, config_path="../configs", config_name="config")
@@ -69,8 +91,7 @@ def main(cfg: DictConfig) -> str | None:
             return str(e)  # the next cells still run; the sweep's end names this one and exits non-zero
         sys.exit(FAILED_CELL_EXIT_CODE)
     except KeyboardInterrupt:  # Ctrl-C before fit's own handler is on (data, tokenizer, compile), or a second one
-        print(f"minitrain: aborted (Ctrl-C) without saving a checkpoint; any saved before in "
-              f"{run_dir(cfg, runtime.output_dir)} are kept", file=sys.stderr)
+        print(aborted(cfg, runtime.output_dir), file=sys.stderr)
         sys.exit(ABORTED_EXIT_CODE)
     finally:  # Hydra made its run dir before any code of ours ran: a refused run, or one whose trainer.out_dir is
         # elsewhere (command_line cannot point Hydra at an interpolated one), leaves it empty, and then no trace
@@ -80,14 +101,10 @@ def main(cfg: DictConfig) -> str | None:
 
 
 if __name__ == "__main__":
-    try:  # before Hydra reads the command line: its message for an unknown key advises a `+` the schema refuses too
-        sys.argv[1:] = command_line(sys.argv[1:])
+    try:
         main()
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(FAILED_CELL_EXIT_CODE)
-    except KeyboardInterrupt:  # in the command line's check or Hydra's composing, before main's own handler; or in
-        # the process that started a -m sweep of cells in processes of their own
+    except KeyboardInterrupt:  # in Hydra's composing, before main's own handler; or in the process that started a
+        # -m sweep of cells in processes of their own
         if any(a in ("-m", "--multirun") for a in sys.argv[1:]):
             stop_cells()
             print("minitrain: sweep interrupted (Ctrl-C): its running cells stopped (submitit gives each a second to "

@@ -6,7 +6,8 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from minitrain.config import ConfigError, _schema_keys, check_overrides, command_line, compose_config, resolve
+from minitrain.cli import check_overrides, command_line
+from minitrain.config import ConfigError, compose_config, resolve, schema_keys
 
 
 def test_defaults_resolve():
@@ -129,7 +130,7 @@ def test_every_setting_and_every_option_s_key_passes_the_command_line_check():
             if default != "???":
                 settings.append(f"{group.name}.{f.name}={command_line_value(default)}")
     assert "model.bias=true" in settings and "distributed.fsdp_unit_blocks=4" in settings and \
-        "loss.chunk_bytes=null" in settings and len(settings) == len([k for k in _schema_keys() if "." in k]) - 1
+        "loss.chunk_bytes=null" in settings and len(settings) == len([k for k in schema_keys() if "." in k]) - 1
     options = [f"{yaml.parent.name}.{key}={command_line_value(value)}" for yaml in (REPO / "configs").glob("*/*.yaml")
                for key, value in (OmegaConf.to_container(OmegaConf.load(yaml)) or {}).items()
                if yaml.parent.name != "hydra" and value != "???"]

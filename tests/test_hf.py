@@ -427,7 +427,66 @@ def test_a_tokenizer_larger_than_the_weights_vocab_is_refused(make_cfg, hf_gpt2,
     with pytest.raises(ConfigError) as refused:
         Trainer(finetune(make_cfg, folder, gpt2_corpus), progress=False)
     assert str(refused.value) == (f"model.head_vocab=300 (model.init_from={folder}'s vocab) is smaller than the "
-                                  f"tokenizer's vocabulary (320, from data.tokenizer={folder})")
+                                  f"tokenizer's vocabulary (320, from data.tokenizer={folder}); the weights need the "
+                                  "tokenizer they were trained with: name it in data.tokenizer")
+    with pytest.raises(ConfigError) as refused:  # a tokenizer trained on the corpus, asked for
+        Trainer(finetune(make_cfg, hf_gpt2, gpt2_corpus, "data.tokenizer=train", "data.vocab_size=400"), progress=False)
+    assert str(refused.value) == (f"model.head_vocab=320 (model.init_from={hf_gpt2}'s vocab) is smaller than the "
+                                  "tokenizer's vocabulary (400, from data.vocab_size=400); the weights need the "
+                                  "tokenizer they were trained with: leave data.tokenizer out (it follows "
+                                  "model.init_from) or name that one")
+
+
+def train_py(cwd, *argv: str):
+    """scripts/train.py as a user runs it, offline."""
+    import os
+    import subprocess
+    import sys
+
+    from conftest import REPO
+
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(REPO)}
+    return subprocess.run([sys.executable, str(REPO / "scripts" / "train.py"), *argv], cwd=cwd, env=env,
+                          capture_output=True, text=True, timeout=600)
+
+
+def test_a_run_from_weights_tokenizes_with_their_own_tokenizer_unless_told_otherwise(hf_gpt2, gpt2_corpus,
+                                                                                   data_cache, tmp_path):
+    """As nanoGPT's init_from: model.init_from=DIR alone tokenizes with DIR's tokenizer, not with a BPE trained on
+    the corpus, whose ids would mean other tokens to the weights (here it would also have more ids than their 320
+    rows, and be refused)."""
+    from tokenizers import Tokenizer
+
+    out = train_py(tmp_path, f"model.init_from={hf_gpt2}", "data=files", f"data.paths={gpt2_corpus}/*.txt",
+                   "data.val_fraction=0.05", f"data.cache_dir={data_cache}", "model.block_size=32",
+                   "trainer.batch_size=2", "trainer.max_steps=1", "trainer.eval_batches=1", "trainer.sample_tokens=0",
+                   "logger.mode=disabled", f"hydra.run.dir={tmp_path / 'run'}")
+    assert out.returncode == 0, out.stderr[-2000:]
+    ran_with = Tokenizer.from_file(str(tmp_path / "run" / "tokenizer.json"))
+    assert ran_with.to_str() == pretrained_tokenizer(str(hf_gpt2)).to_str()
+    assert f"tokenizer: {hf_gpt2}" in (tmp_path / "run" / ".hydra" / "config.yaml").read_text()
+
+
+def test_weights_without_a_tokenizer_need_data_tokenizer_and_run_with_the_one_it_names(hf_gpt2, gpt2_corpus,
+                                                                                      make_cfg, tmp_path):
+    """Refused before anything loads, in one line naming data.tokenizer; named, that one is used."""
+    folder = tmp_path / "weights-only"
+    folder.mkdir()
+    for name in (hf.CONFIG, hf.WEIGHTS):
+        shutil.copy(hf_gpt2 / name, folder / name)
+    out = train_py(tmp_path, f"model.init_from={folder}", f"hydra.run.dir={tmp_path / 'run'}")
+    assert out.returncode == 2 and out.stderr.strip().splitlines() == [
+        f"error: model.init_from={folder} holds no tokenizer (tokenizer.json, or vocab.json + merges.txt) for "
+        "data.tokenizer to follow; name the one its weights were trained with: data.tokenizer=gpt2, or a directory "
+        "holding it"], out.stderr[-2000:]
+    assert not (tmp_path / "run").exists()
+    trainer = Trainer(make_cfg(f"model.init_from={folder}", f"data.tokenizer={hf_gpt2}", "data=files",
+                               f"data.paths={gpt2_corpus}/*.txt", "data.val_fraction=0.05"), progress=False)
+    try:
+        assert trainer.cfg.data.tokenizer == str(hf_gpt2)
+        assert trainer.data.tokenizer.to_str() == pretrained_tokenizer(str(hf_gpt2)).to_str()
+    finally:
+        trainer.close()
 
 
 # -- errors: one line, naming the file or key -------------------------------------------------------------------
@@ -573,8 +632,10 @@ def test_a_tokenizer_that_is_not_a_byte_level_bpe_with_eot_is_refused(tmp_path):
     with pytest.raises(TokenizerError, match=r"bpe/tokenizer.json has no <\|endoftext\|> token"):
         pretrained_tokenizer(str(tmp_path / "bpe"))
     (tmp_path / "empty").mkdir()
-    with pytest.raises(TokenizerError, match=r"empty: holds neither tokenizer.json nor vocab.json \+ merges.txt"):
+    with pytest.raises(TokenizerError) as refused:
         pretrained_tokenizer(str(tmp_path / "empty"))
+    assert str(refused.value) == f"data.tokenizer={tmp_path / 'empty'}: holds neither tokenizer.json nor vocab.json + " \
+                                 "merges.txt"
 
 
 def test_the_data_cache_is_keyed_by_the_tokenizer(hf_gpt2, gpt2_corpus, data_cache, tmp_path):

@@ -225,7 +225,7 @@ def test_explicit_setting_close_to_the_budget_gets_a_note(monkeypatch):
                      monkeypatch=monkeypatch)
     near = plan_for("model=gpt2-124m", "trainer.micro_batch=8", "checkpointing=none",
                     memory_gb=tight.memory.peak / GB / 0.9 / 0.97, monkeypatch=monkeypatch)
-    assert not tight.notes and any("memory_budget" in n for n in near.notes)
+    assert not [n for n in tight.notes if "memory_budget" in n] and any("memory_budget" in n for n in near.notes)
 
 
 def test_the_global_batch_must_split_over_ranks():
@@ -385,3 +385,57 @@ def test_bf16_instructions_are_read_from_the_cpus_flags(tmp_path, monkeypatch, c
         path.write_text("processor\t: 0\n" + cpuinfo)
     monkeypatch.setattr(plan_module, "CPUINFO", path)
     assert plan_module.cpu_has_bf16() is has_bf16
+
+
+# -- the vocabulary against the tokenizer ------------------------------------------------------------------------
+def step_flops(model_cfg) -> int:
+    """GPT.flops_per_token of a model of `model_cfg`, built on the meta device."""
+    from minitrain.model import GPT
+
+    with torch.device("meta"):
+        return GPT(model_cfg).flops_per_token(model_cfg.block_size)
+
+
+@pytest.mark.parametrize("vocab_size, surplus", [(None, 0), (4096, 0), (4160, 64), (50304, 46208)])
+def test_a_vocabulary_beyond_the_tokenizer_s_padded_ids_is_said_with_its_share_of_the_step(vocab_size, surplus):
+    """gpt2-124m's 50304 rows over the built-in corpus's 4096-token BPE: 46208 rows of logits that no token has.
+    Their share is checked against the step's FLOPs with and without them (MFU's count): a quarter."""
+    from dataclasses import replace
+
+    p = plan_for("model=gpt2-124m", f"model.vocab_size={'null' if vocab_size is None else vocab_size}")
+    assert p.model.vocab_size == (vocab_size or VOCAB)
+    said = [note for note in p.notes if "rows more than the tokenizer" in note]
+    if not surplus:
+        assert said == []
+        return
+    share = 1 - step_flops(replace(p.model, vocab_size=VOCAB)) / step_flops(p.model)
+    assert said == [f"model.vocab_size={vocab_size} scores {surplus:,} rows more than the tokenizer's 4,096 ids need "
+                    f"(padded to 4,096): logits of tokens that never occur, {share:.1%} of the step's FLOPs; "
+                    "model.vocab_size=null sizes the vocabulary to the tokenizer"]
+    assert vocab_size != 50304 or said[0].count("24.9%") == 1
+    assert f"  note: {said[0]}" in p.describe().splitlines()
+
+
+def test_a_padded_tokenizer_and_a_model_s_own_weights_rows_are_not_a_surplus():
+    """4000 ids pad to 4032 rows, which model.vocab_size=null gives: nothing to say at 4032; with weights to start
+    from, their rows are theirs (a GPT-2 checkpoint's 50257 over a smaller tokenizer is the user's choice)."""
+    from dataclasses import replace
+
+    cfg = resolve(compose_config(["trainer.out_dir=.", "model=gpt2-124m", "model.vocab_size=4032"]))
+    assert not [n for n in make_plan(cfg, 4000, CPU).notes if "rows more" in n]
+    assert [n for n in make_plan(cfg, 3968, CPU).notes if "rows more" in n]  # 3968 ids pad to 3968: 64 rows more
+    weights = replace(cfg, model=replace(cfg.model, init_from="gpt2", vocab_size=50304, head_vocab=50257))
+    assert not [n for n in make_plan(weights, 4000, CPU).notes if "rows more" in n]
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["model.vocab_size=512"], "model.vocab_size=512 is smaller than the tokenizer's vocabulary (4096, from "
+                               "data.vocab_size=4096); model.vocab_size=null sizes it to the tokenizer"),
+    # no vocab_size: the tokenizer's, but the head scores its first 300 rows only, which ids up to 4095 overrun
+    (["model.head_vocab=300"], "model.head_vocab=300 is smaller than the tokenizer's vocabulary (4096, from "
+                               "data.vocab_size=4096); model.head_vocab=null sizes it to the tokenizer"),
+])
+def test_a_vocabulary_smaller_than_the_tokenizer_is_refused_naming_the_fix(overrides, message):
+    with pytest.raises(ConfigError) as refused:
+        plan_for(*overrides)
+    assert str(refused.value) == message

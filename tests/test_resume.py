@@ -448,6 +448,25 @@ def test_after_a_fallback_previous_stays_the_checkpoint_that_loaded_and_the_bad_
     assert len(list(ckpts.glob("latest.unusable-*"))) == 2
 
 
+def test_only_the_last_checkpoints_kept_aside_stay_and_the_note_names_those_removed(tmp_path):
+    """A run whose saves keep failing falls back on every start, and each checkpoint kept aside is as large as a
+    checkpoint: the older ones go, by the time in their names (the tenth of one second after its ninth), and a
+    name the fallback did not make stays."""
+    ckpts = checkpoint.checkpoint_dir(tmp_path)
+    latest = two_checkpoints(tmp_path)
+    older = [f"latest.unusable-20000101-000000-{n}" for n in (9, 10)]
+    for name in [*older, "latest.unusable-mine"]:
+        shutil.copytree(latest, ckpts / name)
+    truncate(latest)
+    loaded = checkpoint.load_checkpoint("auto", tmp_path, template=template())
+    assert loaded.state["step"] == 1 and checkpoint.KEPT_UNUSABLE == 2
+    [new] = set(ckpts.glob("latest.unusable-*")) - {ckpts / name for name in [*older, "latest.unusable-mine"]}
+    assert sorted(p.name for p in ckpts.iterdir()) == sorted([new.name, older[1], "latest.unusable-mine", "previous"])
+    assert loaded.notes[0].endswith(
+        f"; kept aside as checkpoints/{new.name} (the last 2 kept aside stay, each as large as a checkpoint; removed "
+        f"the older {older[0]}); resumed from checkpoints/previous"), loaded.notes[0]
+
+
 def test_a_fallback_in_another_runs_dir_leaves_that_dir_as_it_is(tmp_path):
     """This run saves into its own dir: the other run's files are not this run's to rename."""
     truncate(two_checkpoints(tmp_path / "old-run"))

@@ -27,9 +27,12 @@ def pretrained_tokenizer(name_or_dir: str):
     tokenizers.Tokenizer whose `<|endoftext|>` is its end of text; raises TokenizerError in one line."""
     from tokenizers import Tokenizer
 
+    folder = Path(name_or_dir).expanduser()
+    if is_local(name_or_dir) and not holds_tokenizer(folder):
+        raise TokenizerError(f"{KEY}={folder}: holds neither tokenizer.json nor vocab.json + merges.txt")
     try:
-        if is_local(name_or_dir) and not (Path(name_or_dir).expanduser() / "tokenizer.json").is_file():
-            tokenizer, where = _from_vocab_and_merges(Path(name_or_dir).expanduser())
+        if is_local(name_or_dir) and not (folder / "tokenizer.json").is_file():
+            tokenizer, where = _from_vocab_and_merges(folder)
         else:
             path = source_file(name_or_dir, "tokenizer.json", KEY)
             tokenizer, where = Tokenizer.from_file(str(path)), path
@@ -50,12 +53,15 @@ def tokenizer_identity(name_or_dir: str) -> list:
     return [name_or_dir, contents_digest([str(f) for f in (folder / name for name in FILES) if f.is_file()])]
 
 
+def holds_tokenizer(folder: Path) -> bool:
+    """Whether a directory holds what pretrained_tokenizer reads: tokenizer.json, or vocab.json + merges.txt."""
+    return (folder / "tokenizer.json").is_file() or all((folder / f).is_file() for f in ("vocab.json", "merges.txt"))
+
+
 def _from_vocab_and_merges(folder: Path):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
     vocab, merges = folder / "vocab.json", folder / "merges.txt"
-    if not (vocab.is_file() and merges.is_file()):
-        raise TokenizerError(f"{KEY}={folder}: holds neither tokenizer.json nor vocab.json + merges.txt")
     tokenizer = Tokenizer(models.BPE.from_file(str(vocab), str(merges)))
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
