@@ -81,8 +81,9 @@ def test_row_kernel_any_number_of_programs(programs, block):
 
 def test_row_kernel_bf16_logits_at_the_edge_of_fp32s_exp():
     """bf16 logits in the thousands, rows streamed in four blocks: exp overflows fp32 unless each block is taken
-    relative to the running max, and the sum of the exps is rescaled when a later block raises the max. A row's
-    largest logit sits in its first block, its last block or its masked tail's neighbour; one row is ignored."""
+    relative to the running max, and the sum of the exps is rescaled when a later block raises the max. Rows' largest
+    logits sit in the first block, at the start and at the end of the last (partial) one, at the end of the one
+    before; one row is ignored (its gradient zeroed in every block)."""
     from minitrain.ops.cross_entropy_triton import cross_entropy_rows
 
     g = torch.Generator().manual_seed(16)
@@ -118,7 +119,7 @@ def test_logit_grad_block_tiles_cover_every_row_and_column(tile):
 
     hidden, weight, targets = make_inputs(14)
     targets[:8] = -100
-    targets[10], targets[11] = 23, 122  # targets at the block's first column and past its last
+    targets[10], targets[11] = 23, 122  # targets in the block's first and last columns
     logits = hidden @ weight.T
     valid = targets != -100
     scale = torch.rand(N, generator=torch.Generator().manual_seed(14))
