@@ -86,7 +86,7 @@ def test_row_kernel_bf16_logits_at_the_edge_of_fp32s_exp():
     before; one row is ignored (its gradient zeroed in every block)."""
     from minitrain.ops.cross_entropy_triton import cross_entropy_rows
 
-    g = torch.Generator().manual_seed(16)
+    g = torch.Generator(torch.get_default_device()).manual_seed(16)
     rows, block = 6, 32
     logits = (torch.randn(rows, V, generator=g) * 3000).bfloat16()
     for row, col in enumerate((0, V - 1, 3 * block, 3 * block - 1)):
@@ -122,7 +122,7 @@ def test_logit_grad_block_tiles_cover_every_row_and_column(tile):
     targets[10], targets[11] = 23, 122  # targets in the block's first and last columns
     logits = hidden @ weight.T
     valid = targets != -100
-    scale = torch.rand(N, generator=torch.Generator().manual_seed(14))
+    scale = torch.rand(N, generator=torch.Generator(torch.get_default_device()).manual_seed(14))
     exact = logits.double().requires_grad_()
     lse = torch.where(valid, exact.detach().logsumexp(1), 0.0).float()
     want = F.cross_entropy(exact, targets, reduction="none", label_smoothing=0.1) + 1e-3 * exact.logsumexp(1) ** 2
