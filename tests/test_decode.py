@@ -69,7 +69,7 @@ def test_decode_linear_is_its_torch_composition(rows, K, norm, bias, gelu, resid
 @pytest.mark.parametrize("row", ["constant", "variance below eps"])
 def test_decode_linear_layer_norm_prologue_keeps_eps(row, K):
     """A row of one value (variance 0) and one whose variance is a tenth of eps: LayerNorm's eps decides the
-    scale of both, and a variance computed without it would be 0 (NaN out) or ten times too small."""
+    scale of both; without it the first divides by zero (NaN out) and the second is scaled 3.3 times too far."""
     x = torch.full((1, K), 3.0, device=DEVICE, dtype=DTYPE) if row == "constant" else randn(1, K, seed=7) * 1e-3
     ln, weight = layer_norm(K), randn(90, K, seed=2, scale=0.1)
     with torch.no_grad():
@@ -83,8 +83,8 @@ def test_decode_linear_layer_norm_prologue_keeps_eps(row, K):
 @pytest.mark.parametrize("pos, scale", [(0, 1.0), (1, 1.0), (63, 1.0), (64, 1.0), (65, 1.0), (100, 1.0),
                                         (100, 40.0)])
 def test_cached_attention_is_sdpa_over_the_cache_and_writes_the_token(pos, scale):
-    """scale 40: scores in the hundreds, the new token's far above or below the cached ones': exp overflows unless
-    the online softmax subtracts the running max at every step."""
+    """scale 40: scores in the hundreds and thousands, the new token's far above or below the cached ones': exp
+    overflows unless the online softmax subtracts the running max at every step."""
     B, H, L, D = 2, 3, 112, 16
     k_cache, v_cache = randn(B, H, L, D, seed=1, scale=scale ** 0.5), randn(B, H, L, D, seed=2)
     qkv = randn(B, 3 * H * D, seed=3, scale=scale)
