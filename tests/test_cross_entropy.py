@@ -79,6 +79,70 @@ def test_row_kernel_any_number_of_programs(programs, block):
     torch.testing.assert_close(outs[0][0].double(), exact.grad, rtol=1e-5, atol=1e-7)
 
 
+def test_row_kernel_bf16_logits_at_the_edge_of_fp32s_exp():
+    """bf16 logits in the thousands, rows streamed in four blocks: exp overflows fp32 unless each block is taken
+    relative to the running max, and the sum of the exps is rescaled when a later block raises the max. Rows' largest
+    logits sit in the first block, at the start and at the end of the last (partial) one, at the end of the one
+    before; one row is ignored (its gradient zeroed in every block)."""
+    from minitrain.ops.cross_entropy_triton import cross_entropy_rows
+
+    g = torch.Generator(torch.get_default_device()).manual_seed(16)
+    rows, block = 6, 32
+    logits = (torch.randn(rows, V, generator=g) * 3000).bfloat16()
+    for row, col in enumerate((0, V - 1, 3 * block, 3 * block - 1)):
+        logits[row, col] = 3e4
+    targets = torch.randint(0, V, (rows,), generator=g)
+    targets[4] = -100
+    scale = torch.rand(rows, generator=g)
+    grad, losses, lse = logits.clone(), torch.empty(rows), torch.empty(rows)
+    cross_entropy_rows(grad, targets, losses, lse, scale, ignore_index=-100, label_smoothing=0.1, z_loss=1e-6,
+                       write_grad=True, programs=3, block=block)
+    exact = logits.double().requires_grad_()
+    want = F.cross_entropy(exact, targets, reduction="none", label_smoothing=0.1, ignore_index=-100)
+    want = torch.where(targets != -100, want + 1e-6 * exact.logsumexp(1) ** 2, 0.0)
+    (scale.double() * want).sum().backward()
+    torch.testing.assert_close(losses.double(), want.detach(), rtol=1e-5, atol=1e-3)
+    torch.testing.assert_close(lse.double()[targets != -100], exact.detach().logsumexp(1)[targets != -100],
+                               rtol=1e-6, atol=0)
+    assert grad.dtype == torch.bfloat16 and torch.equal(grad[4], torch.zeros_like(grad[4]))
+    # fp32 math rounded once to nearest: within one bf16 step of the truth's rounding, and nearly always on it
+    torch.testing.assert_close(grad.double(), exact.grad, rtol=2 ** -8, atol=0)
+    assert (grad == exact.grad.bfloat16()).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("tile", [(4, 32), None])
+def test_logit_grad_block_tiles_cover_every_row_and_column(tile):
+    """Columns [col0, col0 + C) of every row become their gradient from the rows' log-sum-exp: 4 x 32 tiles make
+    12 x 4 programs (the last of each partial), the default tile for C = 100 (16 x 128) 3 x 1. Rows 0-7 are
+    ignored, two whole 4-row tiles; each row has its own gradient scale (reduction="none")."""
+    from minitrain.ops.cross_entropy_triton import logit_grad_block
+
+    hidden, weight, targets = make_inputs(14)
+    targets[:8] = -100
+    targets[10], targets[11] = 23, 122  # targets in the block's first and last columns
+    logits = hidden @ weight.T
+    valid = targets != -100
+    scale = torch.rand(N, generator=torch.Generator(torch.get_default_device()).manual_seed(14))
+    exact = logits.double().requires_grad_()
+    lse = torch.where(valid, exact.detach().logsumexp(1), 0.0).float()
+    want = F.cross_entropy(exact, targets, reduction="none", label_smoothing=0.1) + 1e-3 * exact.logsumexp(1) ** 2
+    (scale.double() * torch.where(valid, want, 0.0)).sum().backward()
+    col0, C = 23, 100
+    block = logits[:, col0:col0 + C].contiguous()
+    logit_grad_block(block, col0, V, targets, lse, scale, ignore_index=-100, label_smoothing=0.1, z_loss=1e-3,
+                     tile=tile)
+    torch.testing.assert_close(block.double(), exact.grad[:, col0:col0 + C], rtol=1e-5, atol=1e-7)
+    assert torch.equal(block[:8], torch.zeros(8, C))
+
+
+def test_low_memory_vocab_blocks_cross_the_gradient_kernels_tiles():
+    """V = 400 in vocab blocks of 384 columns: the gradient kernel's default tile there is 16 rows x 128 columns
+    (384's largest power-of-two divisor), 3 x 3 programs, and the second block is 16 columns wide."""
+    hidden, weight, targets = make_inputs(15, v=400)
+    assert_close_to_truth(hidden, weight, targets, label_smoothing=0.1, z_loss=1e-3, chunk_bytes=N * 384 * 4,
+                          low_memory=True)
+
+
 # low_memory: the row chunks use the memory of grad_weight and pass B's workspace; the vocab blocks are
 # as wide as the budget allows: one row / one column up to everything in one chunk.
 @pytest.mark.parametrize("h, columns", [(1, 1), (5, 7), (H, 64), (N + 3, V)])

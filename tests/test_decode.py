@@ -24,40 +24,70 @@ def randn(*shape, seed=0, scale=1.0):
     return (torch.randn(*shape, generator=g, device="cpu") * scale).to(DEVICE, DTYPE)
 
 
+def layer_norm(K, bias=True):
+    ln = torch.nn.LayerNorm(K, bias=bias).to(DEVICE, DTYPE)
+    with torch.no_grad():
+        ln.weight.copy_(randn(K, seed=4))
+        if ln.bias is not None:
+            ln.bias.copy_(randn(K, seed=5))
+    return ln
+
+
+def composed(x, weight, b=None, ln=None, gelu=False, res=None):
+    """decode_linear's reference: torch's LayerNorm, linear, tanh-GELU and residual add, in fp32."""
+    normed = F.layer_norm(x.float(), (x.shape[1],), ln.weight.float(),
+                          ln.bias.float() if ln.bias is not None else None, ln.eps) if ln else x.float()
+    out = F.linear(normed, weight.float(), b.float() if b is not None else None)
+    if gelu:
+        out = F.gelu(out, approximate="tanh")
+    return out + res.float() if res is not None else out
+
+
+# The tiles (decode._tiles, 8 multiprocessors on a CPU): one row takes columns 16 at a time and K 256 at a time,
+# so K = 200 is one K step (no split) and K = 300 two slices, each program normalising its row in the kernel;
+# several rows take 16 rows, 64 columns and K 128 at a time, split into 2 (K = 200) or 3 slices (K = 300, the
+# last one partial). N = 90 ends in a partial column tile either way; 17 rows fill more than one row tile.
+@pytest.mark.parametrize("K", [200, 300])
 @pytest.mark.parametrize("rows", [1, 3, 17])  # one sequence, a few, more than one program's ROWS
 @pytest.mark.parametrize("norm, bias, gelu, residual", [
     (False, False, False, False), (True, True, False, False), (False, True, False, True),
     (True, True, True, False), ("no bias", False, True, True)])
-def test_decode_linear_is_its_torch_composition(rows, norm, bias, gelu, residual):
-    K, N = 200, 90  # neither a multiple of the kernel's tiles
+def test_decode_linear_is_its_torch_composition(rows, K, norm, bias, gelu, residual):
+    N = 90
     x, weight = randn(rows, K, seed=1, scale=3.0) + 1.5, randn(N, K, seed=2, scale=0.1)
     b = randn(N, seed=3) if bias else None
-    ln = None
-    if norm:
-        ln = torch.nn.LayerNorm(K, bias=norm != "no bias").to(DEVICE, DTYPE)
-        with torch.no_grad():
-            ln.weight.copy_(randn(K, seed=4))
-            if ln.bias is not None:
-                ln.bias.copy_(randn(K, seed=5))
+    ln = layer_norm(K, bias=norm != "no bias") if norm else None
     res = randn(rows, N, seed=6) if residual else None
     with torch.no_grad():
-        normed = F.layer_norm(x.float(), (K,), ln.weight.float(), ln.bias.float() if ln.bias is not None else None,
-                              ln.eps) if ln else x.float()
-        expected = F.linear(normed, weight.float(), b.float() if bias else None)
-        if gelu:
-            expected = F.gelu(expected, approximate="tanh")
-        if residual:
-            expected = expected + res.float()
+        expected = composed(x, weight, b, ln, gelu, res)
         got = decode_linear(x, weight, b, norm=ln, gelu=gelu, residual=res)
     assert got.dtype == DTYPE and got.shape == (rows, N)
     torch.testing.assert_close(got.float(), expected, **TOL)
 
 
-@pytest.mark.parametrize("pos", [0, 1, 63, 64, 100])  # empty cache, one position, a loop step's edges, past one
-def test_cached_attention_is_sdpa_over_the_cache_and_writes_the_token(pos):
+@pytest.mark.parametrize("K", [200, 300])  # one K step; two slices, each program normalising the row itself
+@pytest.mark.parametrize("row", ["constant", "variance below eps"])
+def test_decode_linear_layer_norm_prologue_keeps_eps(row, K):
+    """A row of one value (variance 0) and one whose variance is a tenth of eps: LayerNorm's eps decides the
+    scale of both; without it the first divides by zero (NaN out) and the second is scaled 3.3 times too far."""
+    x = torch.full((1, K), 3.0, device=DEVICE, dtype=DTYPE) if row == "constant" else randn(1, K, seed=7) * 1e-3
+    ln, weight = layer_norm(K), randn(90, K, seed=2, scale=0.1)
+    with torch.no_grad():
+        got = decode_linear(x, weight, norm=ln)
+        expected = composed(x, weight, ln=ln)
+    torch.testing.assert_close(got.float(), expected, **TOL)
+
+
+# The kernel reads the cache BLOCK_L = 64 positions at a time, one program per (sequence, head): positions before the
+# token fill none, one, a loop step but one, exactly one, one step and one more, and a second step partly.
+@pytest.mark.parametrize("pos, scale", [(0, 1.0), (1, 1.0), (63, 1.0), (64, 1.0), (65, 1.0), (100, 1.0),
+                                        (100, 40.0)])
+def test_cached_attention_is_sdpa_over_the_cache_and_writes_the_token(pos, scale):
+    """scale 40: scores in the hundreds and thousands, the new token's far above or below the cached ones': exp
+    overflows unless the online softmax subtracts the running max at every step."""
     B, H, L, D = 2, 3, 112, 16
-    k_cache, v_cache = randn(B, H, L, D, seed=1), randn(B, H, L, D, seed=2)
-    qkv = randn(B, 3 * H * D, seed=3)
+    k_cache, v_cache = randn(B, H, L, D, seed=1, scale=scale ** 0.5), randn(B, H, L, D, seed=2)
+    qkv = randn(B, 3 * H * D, seed=3, scale=scale)
     q, k, v = (t.view(B, H, 1, D) for t in qkv.split(H * D, 1))
     k_expected, v_expected = k_cache.clone(), v_cache.clone()
     k_expected[:, :, pos], v_expected[:, :, pos] = k[:, :, 0], v[:, :, 0]

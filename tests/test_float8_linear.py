@@ -4,6 +4,7 @@ against torchao's Float8Linear (the same tensorwise recipe, written independentl
 CPU tests: the Triton kernels run through the interpreter, torch._scaled_mm on the CPU (torch 2.13)."""
 
 import copy
+import importlib
 
 import pytest
 import torch
@@ -12,6 +13,15 @@ from minitrain.ops import Float8Linear, float8_linear
 from minitrain.ops.float8_linear import AMAX_FLOOR, E4M3, E5M2, _cast
 
 pytestmark = pytest.mark.skipif(not hasattr(torch, "_scaled_mm"), reason="needs torch._scaled_mm")
+FLOAT8_LINEAR = importlib.import_module("minitrain.ops.float8_linear")  # the package's name is the function's
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    """The casts' tiles shrunk to 32 x 64: the interpreter's own (256 x 256) hold most test tensors whole, and a
+    tensor that crosses them makes the CPU's float8 GEMMs slow. Read at each cast, so the linear uses them too."""
+    monkeypatch.setattr(FLOAT8_LINEAR, "_BM", 32)
+    monkeypatch.setattr(FLOAT8_LINEAR, "_BN", 64)
 
 
 def torch_cast(x, dtype):
@@ -41,10 +51,17 @@ def test_every_bf16_value_casts_to_the_float8_torch_rounds_it_to(dtype):
     assert torch.equal(bits(out_t), bits(expected.t().contiguous()))
 
 
+@pytest.mark.parametrize("tiles", ["one", "7 x 2"])
 @pytest.mark.parametrize("dtype", [E4M3, E5M2])
-def test_a_cast_scales_by_the_amax_in_both_layouts_and_sums_the_columns(dtype):
+def test_a_cast_scales_by_the_amax_in_both_layouts_and_sums_the_columns(dtype, tiles, request):
+    """200 x 96 in one interpreter tile, or in 32 x 64 tiles (7 x 2 programs, the last of each partial). The
+    largest magnitude is negative, in the last tile: every program's |x| must reach the one amax, and each row of
+    tiles adds its own column sums."""
+    if tiles != "one":
+        request.getfixturevalue("small_tiles")
     torch.manual_seed(0)
     x = (torch.randn(200, 96) * 3).bfloat16()  # rows and columns that do not fill the last tiles
+    x[-1, -1] = -2 * x.float().abs().max()
     out, out_t, inv_scale, col_sums = _cast(x, dtype, col_sums=True)
     expected, expected_inv = torch_cast(x, dtype)
     assert torch.equal(bits(out), bits(expected)) and torch.equal(bits(out_t), bits(expected.t().contiguous()))
@@ -53,16 +70,31 @@ def test_a_cast_scales_by_the_amax_in_both_layouts_and_sums_the_columns(dtype):
     assert _cast(x, dtype)[3] is None
 
 
-def test_nan_or_inf_anywhere_makes_the_whole_cast_nan_and_zeros_get_a_finite_scale():
-    """The step's inf/NaN check reads the gradients: one bad element must reach all of them, not be clamped away."""
-    x = torch.randn(64, 128).bfloat16()
+def test_nan_or_inf_anywhere_makes_the_whole_cast_nan_and_zeros_get_a_finite_scale(small_tiles):
+    """The step's inf/NaN check reads the gradients: one bad element must reach all of them, not be clamped away,
+    from a tile (here the last of 3 x 2) other than theirs."""
+    x = torch.randn(80, 100).bfloat16()
     for bad in (float("nan"), float("inf"), -float("inf")):
         poisoned = x.clone()
-        poisoned[5, 7] = bad
+        poisoned[75, 90] = bad
         out, out_t, inv_scale, _ = _cast(poisoned, E5M2)
         assert out.float().isnan().all() and out_t.float().isnan().all() and inv_scale.isnan()
-    out, _, inv_scale, _ = _cast(torch.zeros(64, 128, dtype=torch.bfloat16), E4M3)
+    out, _, inv_scale, _ = _cast(torch.zeros(80, 100, dtype=torch.bfloat16), E4M3)
     assert (out.float() == 0).all() and inv_scale.item() == pytest.approx(AMAX_FLOOR / 448)
+
+
+@pytest.mark.parametrize("amax", [1e-14, 1e-30, 3e38])
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_a_cast_of_tiny_or_huge_values_is_torchs(dtype, amax, small_tiles):
+    """bf16's extremes: below AMAX_FLOOR the scale stays FP8_MAX / 1e-12 (the values cast small, many to zero, not
+    stretched to the format's max); near bf16's max the scale is tiny and its inverse huge, both still finite."""
+    torch.manual_seed(1)
+    x = torch.randn(80, 100)
+    x = (x * (amax / x.abs().max())).bfloat16()
+    out, out_t, inv_scale, _ = _cast(x, dtype)
+    expected, expected_inv = torch_cast(x, dtype)
+    assert torch.equal(bits(out), bits(expected)) and torch.equal(bits(out_t), bits(expected.t().contiguous()))
+    assert inv_scale.item() == expected_inv.item() and torch.isfinite(inv_scale)
 
 
 def twins(bias, K=96, N=160):
@@ -84,13 +116,14 @@ def run(module, x, grad):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_the_linear_computes_torchaos_tensorwise_float8_linear(bias):
+def test_the_linear_computes_torchaos_tensorwise_float8_linear(bias, small_tiles):
     """Two implementations of one recipe: forward and all gradients bit for bit, except that our forward adds the
-    bias inside the GEMM (its epilogue, one rounding) where torchao adds it to the rounded bf16 product."""
+    bias inside the GEMM (its epilogue, one rounding) where torchao adds it to the rounded bf16 product. 80 tokens,
+    96 inputs, 160 outputs: every cast crosses its 32 x 64 tiles, and the bias gradient sums 3 rows of tiles."""
     pytest.importorskip("torchao")
     _, theirs, ours = twins(bias)
-    x = (torch.randn(2, 64, 96) * 4).bfloat16()
-    grad = torch.randn(2, 64, 160).bfloat16()
+    x = (torch.randn(2, 40, 96) * 4).bfloat16()
+    grad = torch.randn(2, 40, 160).bfloat16()
     (y_theirs, dx_theirs, g_theirs), (y_ours, dx_ours, g_ours) = run(theirs, x, grad), run(ours, x, grad)
     assert torch.equal(dx_ours, dx_theirs)
     assert torch.equal(g_ours["weight"], g_theirs["0.weight"])

@@ -30,7 +30,7 @@ E5M2 = torch.float8_e5m2  # output gradients: more range
 _MANTISSA, _BIAS = {E4M3: 3, E5M2: 2}, {E4M3: 7, E5M2: 15}
 AMAX_FLOOR = 1e-12  # an all-zero tensor gets a finite scale
 # A tile: 8,192 elements, rows of 256 bytes in bf16; the interpreter runs each tile as numpy calls, so there a
-# tile is as large as the test tensors it meets.
+# tile is as large as most test tensors (tests that cross tiles shrink _BM, _BN, which each cast reads).
 _BM, _BN = (256, 256) if interpreted() else (64, 128)
 _NUM_WARPS = 8
 
