@@ -94,7 +94,8 @@ def buckets_by_dtype(param_groups, impl: str, master_weights, grad_dtype, state=
     """One bucket per parameter dtype, in order of first appearance. master_weights: None or True gives
     low-precision params fp32 masters, False none; grad_dtype: None reads gradients in the params' dtype.
     `groups`: the indices of the param groups to take (None: all); a bucket's group indices and positions still
-    count over every group. `order`: a sort key that orders each bucket's params (Muon: by shape)."""
+    count over every group. `order`: a sort key of (param, group index) that orders each bucket's params (Muon: by
+    shape, so that the matrices of one shape sit side by side)."""
     by_dtype, i = {}, 0
     for gi, g in enumerate(param_groups):
         for p in g["params"]:
@@ -102,7 +103,7 @@ def buckets_by_dtype(param_groups, impl: str, master_weights, grad_dtype, state=
                 by_dtype.setdefault(p.dtype, []).append((p, gi, i))
             i += 1
     if order is not None:
-        by_dtype = {dtype: sorted(pg, key=lambda entry: order(entry[0])) for dtype, pg in by_dtype.items()}
+        by_dtype = {dtype: sorted(pg, key=lambda entry: order(entry[0], entry[1])) for dtype, pg in by_dtype.items()}
     return [Bucket([p for p, _, _ in pg], [gi for _, gi, _ in pg], [i for _, _, i in pg], impl,
                    has_master=dtype != torch.float32 and master_weights is not False,
                    grad_dtype=grad_dtype or dtype, state=state)
