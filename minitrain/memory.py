@@ -375,15 +375,15 @@ def _optimizer_transient(groups: list[tuple[list[int], bool]], precision: Precis
                          padded: int, grads: int, muon: list[tuple[tuple, int]], muon_padded: int = 0,
                          world_size: int = 1) -> int:
     """Optimizer step temporaries. The fused step reads the grads in place: none (but Muon's buffers). loop and
-    foreach first gather autograd's grads into the flat buffer (both exist for that copy; not with fp32 main grads,
-    which hooks add into the buffer as they come), then make fp32 grad copies, and for AdamW sqrt(v) and the update
-    per group (groups: AdamW's), for Muon its batches' buffers (`muon`: _muon_batches; `muon_padded` of the padded
-    elements are Muon's), AdamW's side first."""
+    foreach first gather autograd's grads into the flat buffer, a side's bucket at a time (both exist for that copy,
+    the side's autograd grads freed after it; not with fp32 main grads, which hooks add into the buffer as they
+    come), then make fp32 grad copies, and for AdamW sqrt(v) and the update per group (groups: AdamW's), for Muon its
+    batches' buffers (`muon`: _muon_batches; `muon_padded` of the padded elements are Muon's), AdamW's side first."""
     muon_transient = _muon_transient(muon, precision, optimizer_impl, world_size)
     if optimizer_impl == "fused":
         return muon_transient
     p, g = precision.param_dtype.itemsize, precision.grad_dtype.itemsize
-    gathered = grads if optimizer_impl != "torch" and g == p else 0
+    gathered = grads * max(padded - muon_padded, muon_padded) // padded if optimizer_impl != "torch" and g == p else 0
     largest = max([sum(_padded(n) for n in numels) if optimizer_impl == "foreach" else max(numels)
                    for numels, _ in groups if numels] or [0])
     upcast = 4 * padded if g != 4 else 0

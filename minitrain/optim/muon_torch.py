@@ -44,3 +44,4 @@ class MuonUpdate:
             torch._foreach_addcmul_(work, list(o), [step] * batch.count)
             if work[0] is not b.params[batch.first]:
                 torch._foreach_copy_(b.params[j], work)
+            del o, work  # before the next batch's buffers are made

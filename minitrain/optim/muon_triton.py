@@ -167,3 +167,4 @@ class MuonKernels:
                         weight_decay, scalars, batch.first, o.stride(0), float(np.float32(batch.ratio)),
                         HAS_MASTER=state.master is not None, PARAM_ALIGN=align, O_ALIGN=_alignment(o, o.stride(0)),
                         BLOCK=BLOCK, num_warps=NUM_WARPS)
+                del o  # before the next batch's buffers are made
