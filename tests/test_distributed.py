@@ -29,6 +29,9 @@ WORLD = 2
 TIMEOUT_S = 300  # bounds the whole 2-process job; a hang fails the test instead of the suite
 COMMON = ("trainer.batch_size=8", "model.block_size=32", "trainer.max_steps=10", "trainer.log_every=1",
           "trainer.eval_every=10", "trainer.save_every=5", "trainer.sample_tokens=4", "distributed.timeout_s=60")
+# optimizer=muon's runs: a narrower model (Newton-Schulz's bf16 GEMMs are slow on a CPU), whose matrices split into
+# two row blocks of equal size under fsdp (uneven blocks: test_muon.py's Exchange test)
+MUON = ("optimizer=muon", "model.n_layer=2", "model.n_embd=64")
 
 
 def overrides(data_cache, out_dir, *extra):
@@ -74,9 +77,11 @@ def run_job(trainer, job):
         return {"crashed_at": trainer.step}
     stats = trainer.optimizer.stats()
     state_bytes = sum(t.numel() * t.element_size() for b in trainer.optimizer.buckets
-                      for t in (b.state.exp_avg, b.state.exp_avg_sq, b.state.master) if t is not None)
+                      for t in vars(b.state).values() if isinstance(t, torch.Tensor))  # the flat buffers
+    exchange = getattr(trainer.optimizer, "exchange", None)
     return {"skipped": int(stats["skipped_steps"]), "loss_scale": float(stats.get("loss_scale", "nan")),
-            "optimizer_state_bytes": state_bytes, "params": full_params(trainer)}
+            "optimizer_state_bytes": state_bytes, "params": full_params(trainer),
+            "exchange": exchange.mode if exchange is not None else None}
 
 
 def worker(rank, port, jobs, results_dir):
@@ -106,6 +111,8 @@ def runs(data_cache, tmp_path_factory):
     root = tmp_path_factory.mktemp("dist")
     reference = Trainer(compose_config(overrides(data_cache, root / "single")), progress=False)  # builds the cache
     reference.fit()
+    muon = Trainer(compose_config(overrides(data_cache, root / "muon", *MUON)), progress=False)
+    muon.fit()
     crashing = Trainer(compose_config(overrides(data_cache, root / "from_single")), progress=False)
     assert run_job(crashing, {"crash_at": 7}) == {"crashed_at": 7}  # its checkpoint of step 5, for ddp to resume
     fsdp = overrides(data_cache, root / "fsdp", "distributed=fsdp")
@@ -132,6 +139,14 @@ def runs(data_cache, tmp_path_factory):
         "ddp_from_single": {"overrides": overrides(data_cache, root / "from_single", "distributed=ddp",
                                                    "trainer.resume=auto")},
         "fsdp_to_single": {"overrides": overrides(data_cache, root / "to_single", "distributed=fsdp"), "crash_at": 7},
+        # Muon: a share of the Newton-Schulz work per rank under ddp; whole matrices gathered from the shards under
+        # fsdp, on the fused kernels too; fsdp's checkpoint resumed by one process (below)
+        "ddp_muon": {"overrides": overrides(data_cache, root / "ddp_muon", "distributed=ddp", *MUON)},
+        "fsdp_muon": {"overrides": overrides(data_cache, root / "fsdp_muon", "distributed=fsdp", *MUON)},
+        "fsdp_muon_fused": {"overrides": overrides(data_cache, root / "fsdp_muon_fused", "distributed=fsdp",
+                                                   "optimizer.impl=fused", *MUON)},
+        "fsdp_muon_to_single": {"overrides": overrides(data_cache, root / "muon_to_single", "distributed=fsdp", *MUON),
+                                "crash_at": 7},
     }
     ctx = mp.start_processes(worker, args=(free_port(), jobs, str(root)), nprocs=WORLD, join=False,
                              start_method="spawn")
@@ -146,6 +161,11 @@ def runs(data_cache, tmp_path_factory):
     resumed = Trainer(compose_config(overrides(data_cache, root / "to_single", "trainer.resume=auto")), progress=False)
     resumed.fit()
     reports["fsdp_to_single.resumed"] = {"params": full_params(resumed)}
+    resumed = Trainer(compose_config(overrides(data_cache, root / "muon_to_single", "trainer.resume=auto", *MUON)),
+                      progress=False)
+    resumed.fit()
+    reports["fsdp_muon_to_single.resumed"] = {"params": full_params(resumed)}
+    reports["muon"] = {"params": full_params(muon)}
     return root, reference, reports
 
 
@@ -163,6 +183,38 @@ def test_losses_match_the_single_process_run(runs, mode):
         params = reports[f"{mode}.{rank}"]["params"]
         for k in ref:
             torch.testing.assert_close(params[k], ref[k], rtol=1e-4, atol=1e-5, msg=f"rank {rank}: {k}")
+
+
+@pytest.mark.parametrize("mode, exchange", [("ddp_muon", "replicated"), ("fsdp_muon", "sharded"),
+                                            ("fsdp_muon_fused", "sharded")])
+def test_muon_matches_the_single_process_run(runs, mode, exchange):
+    """Muon's Newton-Schulz work shared by the ranks (ddp) or gathered from the shards (fsdp): the losses and the
+    params of one process's run, within the rounding of gradient sums added in another order."""
+    root, _, reports = runs
+    train_ref, val_ref = read_losses(root / "muon")
+    train, val = read_losses(root / mode)
+    assert len(train) == 10
+    torch.testing.assert_close(train, train_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(val, val_ref, rtol=1e-5, atol=1e-5)
+    ref = reports["muon"]["params"]
+    for rank in range(WORLD):
+        report = reports[f"{mode}.{rank}"]
+        assert report["exchange"] == exchange
+        for k in ref:
+            torch.testing.assert_close(report["params"][k], ref[k], rtol=1e-4, atol=1e-5, msg=f"rank {rank}: {k}")
+
+
+def test_a_muon_fsdp_checkpoint_resumes_in_one_process(runs):
+    """fsdp's sharded momentum buffers and moments, resharded into one process's at step 5: steps 6-10 end within
+    rounding of the unbroken run."""
+    root, _, reports = runs
+    assert "checkpoints/latest was saved by 2 processes, this run has 1" in (root / "muon_to_single" / "train.log").read_text()
+    torch.testing.assert_close(read_losses(root / "muon_to_single")[0], read_losses(root / "muon")[0], rtol=1e-5,
+                               atol=1e-5)
+    ref = reports["muon"]["params"]
+    for k in ref:
+        torch.testing.assert_close(reports["fsdp_muon_to_single.resumed"]["params"][k], ref[k], rtol=1e-4, atol=1e-5,
+                                   msg=k)
 
 
 def test_fsdp_ranks_each_hold_half_the_optimizer_state(runs):
