@@ -7,7 +7,7 @@ rest through AdamW) against torch.optim.Muon + our fused AdamW, in alternating r
 
     python scripts/bench_optimizer.py --out bench_optimizer.json
     python scripts/bench_optimizer.py --cases muon-gpt2-124m muon-gpt2-1.5b --out bench_muon.json
-    python scripts/bench_optimizer.py --quality runs/muon-quality/* --out muon_quality.json
+    python scripts/bench_optimizer.py --quality runs/multirun/adamw-sweep runs/multirun/muon-sweep --out q.json
 """
 
 import argparse
@@ -29,11 +29,12 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=8, help="Muon's cases: alternating rounds")
     ap.add_argument("--calls", type=int, default=5, help="Muon's cases: steps per row and round")
     ap.add_argument("--quality", nargs="+", metavar="RUN_DIR",
-                    help="compare these runs' validation losses instead of timing anything")
+                    help="compare these runs' validation losses (run dirs, or sweep dirs: their cells) instead of "
+                         "timing anything")
     ap.add_argument("--out", default="bench_optimizer.json")
     args = ap.parse_args(argv)
     if args.quality:
-        runs = [optimizer.read_quality_run(d) for d in args.quality]
+        runs = [optimizer.read_quality_run(d) for d in optimizer.quality_run_dirs(args.quality)]
         try:
             result = optimizer.quality(runs)
         except ValueError as e:

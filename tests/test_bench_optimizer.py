@@ -106,14 +106,16 @@ def write_run(root, name, optimizer, lr, val, muon_lr=0.02):
 
 
 def test_quality_finds_the_steps_muon_needs_to_reach_adamws_best(tmp_path):
-    """AdamW's best lr ends at 3.0 by step 300; Muon's best (not its diverged one) is at or below 3.0 from step 200:
-    two thirds of the steps. Only one optimizer's runs: exit 2, one line."""
-    runs = [write_run(tmp_path, "a1", "adamw", 6e-4, {100: 4.0, 200: 3.5, 300: 3.1}),
-            write_run(tmp_path, "a2", "adamw", 1.2e-3, {100: 3.8, 200: 3.3, 300: 3.0}),
+    """AdamW's best lr (of a sweep's dir) ends at 3.0 by step 300; Muon's best (not its diverged one; run dirs given
+    alone) is at or below 3.0 from step 200: two thirds of the steps. Only one optimizer's runs: exit 2, one line."""
+    runs = [write_run(tmp_path / "adamw-sweep", "0", "adamw", 6e-4, {100: 4.0, 200: 3.5, 300: 3.1}),
+            write_run(tmp_path / "adamw-sweep", "1", "adamw", 1.2e-3, {100: 3.8, 200: 3.3, 300: 3.0}),
             write_run(tmp_path, "m1", "muon", 6e-4, {100: 3.5, 200: 2.99, 300: 2.8}, muon_lr=0.02),
             write_run(tmp_path, "m2", "muon", 6e-4, {100: 3.4, 200: None, 300: 2.0}, muon_lr=0.08)]
-    out = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_optimizer.py"), "--quality", *map(str, runs),
-                          "--out", str(tmp_path / "q.json")], capture_output=True, text=True, timeout=120)
+    (tmp_path / "adamw-sweep" / "multirun.yaml").write_text("")  # a sweep's dir: its cells are the runs
+    out = subprocess.run([sys.executable, str(REPO / "scripts" / "bench_optimizer.py"), "--quality",
+                          str(tmp_path / "adamw-sweep"), *map(str, runs[2:]), "--out", str(tmp_path / "q.json")],
+                         capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "best AdamW: trainer.lr 0.0012, final validation loss 3.0000 at step 300" in out.stdout
     assert "best Muon: trainer.lr 0.0006 optimizer.muon.lr 0.02" in out.stdout

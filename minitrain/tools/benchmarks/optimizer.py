@@ -396,6 +396,14 @@ def muon_report(results: dict, targets: dict) -> list[str]:
 
 
 # -- Muon's quality at a fixed architecture ---------------------------------------------------------------------------
+def quality_run_dirs(paths) -> list[Path]:
+    """The runs `paths` name: a run dir itself, a sweep's dir its cells (each dir beneath with a metrics.jsonl)."""
+    from minitrain.tools import report
+
+    return [run for p in map(Path, paths)
+            for run in ([p] if report.is_run_dir(p) else sorted(m.parent for m in p.glob("*/metrics.jsonl")))]
+
+
 def read_quality_run(run_dir) -> dict:
     """A run's optimizer, its lrs (trainer.lr; Muon's), its validation loss by step, whether every logged loss was
     finite, its last logged step."""
