@@ -111,8 +111,6 @@ def runs(data_cache, tmp_path_factory):
     root = tmp_path_factory.mktemp("dist")
     reference = Trainer(compose_config(overrides(data_cache, root / "single")), progress=False)  # builds the cache
     reference.fit()
-    muon = Trainer(compose_config(overrides(data_cache, root / "muon", *MUON)), progress=False)
-    muon.fit()
     crashing = Trainer(compose_config(overrides(data_cache, root / "from_single")), progress=False)
     assert run_job(crashing, {"crash_at": 7}) == {"crashed_at": 7}  # its checkpoint of step 5, for ddp to resume
     fsdp = overrides(data_cache, root / "fsdp", "distributed=fsdp")
@@ -139,15 +137,16 @@ def runs(data_cache, tmp_path_factory):
         "ddp_from_single": {"overrides": overrides(data_cache, root / "from_single", "distributed=ddp",
                                                    "trainer.resume=auto")},
         "fsdp_to_single": {"overrides": overrides(data_cache, root / "to_single", "distributed=fsdp"), "crash_at": 7},
-        # Muon: a share of the Newton-Schulz work per rank under ddp; whole matrices gathered from the shards under
-        # fsdp, on the fused kernels too; fsdp's checkpoint resumed by one process (below)
-        "ddp_muon": {"overrides": overrides(data_cache, root / "ddp_muon", "distributed=ddp", *MUON)},
-        "fsdp_muon": {"overrides": overrides(data_cache, root / "fsdp_muon", "distributed=fsdp", *MUON)},
-        "fsdp_muon_fused": {"overrides": overrides(data_cache, root / "fsdp_muon_fused", "distributed=fsdp",
-                                                   "optimizer.impl=fused", *MUON)},
-        "fsdp_muon_to_single": {"overrides": overrides(data_cache, root / "muon_to_single", "distributed=fsdp", *MUON),
-                                "crash_at": 7},
     }
+    reports = run_jobs(root, jobs)
+    resumed = Trainer(compose_config(overrides(data_cache, root / "to_single", "trainer.resume=auto")), progress=False)
+    resumed.fit()
+    reports["fsdp_to_single.resumed"] = {"params": full_params(resumed)}
+    return root, reference, reports
+
+
+def run_jobs(root, jobs: dict) -> dict:
+    """Every job in one 2-process group, one after another; each rank's report by `job.rank`."""
     ctx = mp.start_processes(worker, args=(free_port(), jobs, str(root)), nprocs=WORLD, join=False,
                              start_method="spawn")
     for _ in range(TIMEOUT_S):
@@ -157,16 +156,30 @@ def runs(data_cache, tmp_path_factory):
         for p in ctx.processes:
             p.kill()
         pytest.fail(f"the 2-process job did not finish in {TIMEOUT_S} s")
-    reports = {f"{name}.{r}": torch.load(root / f"{name}.rank{r}.pt") for name in jobs for r in range(WORLD)}
-    resumed = Trainer(compose_config(overrides(data_cache, root / "to_single", "trainer.resume=auto")), progress=False)
-    resumed.fit()
-    reports["fsdp_to_single.resumed"] = {"params": full_params(resumed)}
+    return {f"{name}.{r}": torch.load(root / f"{name}.rank{r}.pt") for name in jobs for r in range(WORLD)}
+
+
+@pytest.fixture(scope="module")
+def muon_runs(data_cache, tmp_path_factory):
+    """optimizer=muon: one process's run, and a 2-process job of its own: a share of the Newton-Schulz work per rank
+    under ddp; whole matrices gathered from the shards under fsdp, on the fused kernels too; fsdp's checkpoint of step
+    5 resumed by one process."""
+    root = tmp_path_factory.mktemp("dist-muon")
+    single = Trainer(compose_config(overrides(data_cache, root / "muon", *MUON)), progress=False)
+    single.fit()
+    reports = run_jobs(root, {
+        "ddp_muon": {"overrides": overrides(data_cache, root / "ddp_muon", "distributed=ddp", *MUON)},
+        "fsdp_muon": {"overrides": overrides(data_cache, root / "fsdp_muon", "distributed=fsdp", *MUON)},
+        "fsdp_muon_fused": {"overrides": overrides(data_cache, root / "fsdp_muon_fused", "distributed=fsdp",
+                                                   "optimizer.impl=fused", *MUON)},
+        "fsdp_muon_to_single": {"overrides": overrides(data_cache, root / "muon_to_single", "distributed=fsdp", *MUON),
+                                "crash_at": 7}})
     resumed = Trainer(compose_config(overrides(data_cache, root / "muon_to_single", "trainer.resume=auto", *MUON)),
                       progress=False)
     resumed.fit()
     reports["fsdp_muon_to_single.resumed"] = {"params": full_params(resumed)}
-    reports["muon"] = {"params": full_params(muon)}
-    return root, reference, reports
+    reports["muon"] = {"params": full_params(single)}
+    return root, reports
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp", "fsdp_fused", "fsdp_units", "fsdp_recompute"])
@@ -187,10 +200,10 @@ def test_losses_match_the_single_process_run(runs, mode):
 
 @pytest.mark.parametrize("mode, exchange", [("ddp_muon", "replicated"), ("fsdp_muon", "sharded"),
                                             ("fsdp_muon_fused", "sharded")])
-def test_muon_matches_the_single_process_run(runs, mode, exchange):
+def test_muon_matches_the_single_process_run(muon_runs, mode, exchange):
     """Muon's Newton-Schulz work shared by the ranks (ddp) or gathered from the shards (fsdp): the losses and the
     params of one process's run, within the rounding of gradient sums added in another order."""
-    root, _, reports = runs
+    root, reports = muon_runs
     train_ref, val_ref = read_losses(root / "muon")
     train, val = read_losses(root / mode)
     assert len(train) == 10
@@ -204,10 +217,10 @@ def test_muon_matches_the_single_process_run(runs, mode, exchange):
             torch.testing.assert_close(report["params"][k], ref[k], rtol=1e-4, atol=1e-5, msg=f"rank {rank}: {k}")
 
 
-def test_a_muon_fsdp_checkpoint_resumes_in_one_process(runs):
+def test_a_muon_fsdp_checkpoint_resumes_in_one_process(muon_runs):
     """fsdp's sharded momentum buffers and moments, resharded into one process's at step 5: steps 6-10 end within
     rounding of the unbroken run."""
-    root, _, reports = runs
+    root, reports = muon_runs
     assert "checkpoints/latest was saved by 2 processes, this run has 1" in (root / "muon_to_single" / "train.log").read_text()
     torch.testing.assert_close(read_losses(root / "muon_to_single")[0], read_losses(root / "muon")[0], rtol=1e-5,
                                atol=1e-5)
