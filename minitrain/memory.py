@@ -344,42 +344,48 @@ def _backward_transient(micro: _MicroBatch, last_kind: str) -> int:
     return N * C * p + mlp_grads + recompute + V * C * p
 
 
-def _muon_batches(shapes: list[tuple[int, int]], optimizer_impl: str, world_size: int) -> list[tuple[tuple, int]]:
+def _muon_batches(shapes: list[tuple[int, int]], optimizer_impl: str) -> list[tuple[tuple, int]]:
     """(shape, matrices) of each batch Muon orthogonalizes together (newton_schulz.batches): the matrices of one
-    shape, or one each under loop; under ddp (`world_size` replicas) each batch padded to a whole share per rank."""
+    shape, or one each under loop."""
     if optimizer_impl == "loop":
         return [(shape, 1) for shape in shapes]
-    counts = {shape: shapes.count(shape) for shape in dict.fromkeys(shapes)}
-    return [(shape, -(-count // world_size) * world_size) for shape, count in counts.items()]
+    return [(shape, shapes.count(shape)) for shape in dict.fromkeys(shapes)]
 
 
 def _muon_transient(batches: list[tuple[tuple, int]], precision: Precision, optimizer_impl: str,
-                    world_size: int) -> int:
-    """The largest batch's Muon buffers, one batch at a time: its bf16 Newton–Schulz input X (the momentum pass's
-    output), what Newton–Schulz works in beside it (newton_schulz.workspace_bytes); under ddp the rank's share is
-    orthogonalized and all-gathered into a second X. The torch path first holds its fp32 Nesterov mix (4 B an element)
-    beside X, and without masters an fp32 copy of the batch's params beside the result for the update."""
+                    world_size: int = 1, sharded: bool = False) -> int:
+    """The largest batch's Muon buffers, one batch at a time (newton_schulz.Exchange): its bf16 Newton–Schulz input X
+    (the momentum pass's output), what Newton–Schulz works in beside it (newton_schulz.workspace_bytes). Under ddp X is
+    padded to a whole share per rank, the rank orthogonalizes its share and the results are all-gathered into a
+    second X; under fsdp (approximately) X is the rank's row blocks, the owner's whole matrices are gathered into
+    a copy that Newton–Schulz works in, and the results go back through two X-sized buffers. The torch path first
+    holds its fp32 Nesterov mix (4 B an element) beside X, and without masters an fp32 copy of the batch's params
+    beside the result for the update."""
     peaks = [0]
     for (rows, cols), count in batches:
-        x = 2 * count * rows * cols
-        share = count // world_size
-        ns = newton_schulz.workspace_bytes((rows, cols), share) + (x if world_size > 1 else 0)
+        share = -(-count // world_size)
+        elements = share * world_size * (-(-rows // world_size) if sharded else rows) * cols
+        x = 2 * elements
+        ns = newton_schulz.workspace_bytes((rows, cols), share)
+        if sharded:
+            ns += 2 * share * rows * cols + x
+        elif world_size > 1:
+            ns += x
         torch_path = optimizer_impl != "fused"
-        peaks.append(x + max(ns, 2 * x if torch_path else 0,
-                             2 * x if torch_path and precision.param_dtype.itemsize != 4 and not
-                             precision.master_weights else 0))
+        no_master = torch_path and precision.param_dtype.itemsize != 4 and not precision.master_weights
+        peaks.append(x + max(ns, 2 * x if torch_path else 0, 2 * x if no_master else 0))
     return max(peaks)
 
 
 def _optimizer_transient(groups: list[tuple[list[int], bool]], precision: Precision, optimizer_impl: str,
                          padded: int, grads: int, muon: list[tuple[tuple, int]], muon_padded: int = 0,
-                         world_size: int = 1) -> int:
+                         world_size: int = 1, sharded: bool = False) -> int:
     """Optimizer step temporaries. The fused step reads the grads in place: none (but Muon's buffers). loop and
     foreach first gather autograd's grads into the flat buffer, a side's bucket at a time (both exist for that copy,
     the side's autograd grads freed after it; not with fp32 main grads, which hooks add into the buffer as they
     come), then make fp32 grad copies, and for AdamW sqrt(v) and the update per group (groups: AdamW's), for Muon its
     batches' buffers (`muon`: _muon_batches; `muon_padded` of the padded elements are Muon's), AdamW's side first."""
-    muon_transient = _muon_transient(muon, precision, optimizer_impl, world_size)
+    muon_transient = _muon_transient(muon, precision, optimizer_impl, world_size, sharded)
     if optimizer_impl == "fused":
         return muon_transient
     p, g = precision.param_dtype.itemsize, precision.grad_dtype.itemsize
@@ -406,7 +412,7 @@ def predict(model_cfg: ModelConfig, precision: Precision, ckpt_cfg: Checkpointin
     `float8_linears`: each block's linears that multiply in float8 (the plan's), `float8_all_gather`: their weights
     gathered in float8 under FSDP; `compiled`: the step runs under torch.compile (it changes only what float8
     blocks save). `optimizer`: muon keeps one momentum buffer for the hidden matrices in place of Adam's two, and
-    orthogonalizes them a batch of one shape at a time (under ddp a share per rank; under fsdp, whole)."""
+    orthogonalizes them a batch of one shape at a time (under ddp and fsdp each rank a share of it)."""
     p, g = precision.param_dtype.itemsize, precision.grad_dtype.itemsize
     autocast = precision.autocast_dtype is not None
     micro = _MicroBatch(model_cfg, micro_batch * seq_len, seq_len, p, precision.compute_dtype,
@@ -434,10 +440,9 @@ def predict(model_cfg: ModelConfig, precision: Precision, ckpt_cfg: Checkpointin
     activations = sum(per_layer) + other
     loss_workspace = _loss_workspace(micro, loss_impl, chunk_bytes, loss_low_memory)
     backward_transient = _backward_transient(micro, kinds[-1]) + unit_grads
-    replicas = world_size if not sharded else 1
     optimizer_transient = _optimizer_transient(adamw_groups, precision, optimizer_impl, padded, grads,
-                                               _muon_batches(muon_shapes, optimizer_impl, replicas), muon_padded,
-                                               replicas)
+                                               _muon_batches(muon_shapes, optimizer_impl), muon_padded, world_size,
+                                               sharded)
 
     # Gradients appear as backward reaches each parameter and all exist only once the activations are
     # gone, except when they were there before: later micro-batches (through the whole step), or fp32 main

@@ -198,23 +198,36 @@ def test_losses_match_the_single_process_run(runs, mode):
             torch.testing.assert_close(params[k], ref[k], rtol=1e-4, atol=1e-5, msg=f"rank {rank}: {k}")
 
 
+# How far apart two runs of one process and one global batch end when only the order of their gradient sums
+# differs (micro-batches of 2 against 8): 1-2.3% relative distance in the attention matrices after 10 steps, since
+# Newton-Schulz in bf16 amplifies a flipped rounding of its input (AdamW's runs end 1e-4 apart). A wrong update
+# (another matrix's, a rank's rows misplaced) moves them by their whole 10 steps' movement, tens of percent.
+MUON_RUNS_APART = 0.05
+
+
+def assert_muon_params_close(params, ref, msg=""):
+    for k in ref:
+        distance = (torch.linalg.vector_norm(params[k] - ref[k]) / torch.linalg.vector_norm(ref[k])).item()
+        assert distance <= MUON_RUNS_APART, f"{msg}{k}: {distance:.3g} apart (relative Frobenius distance)"
+
+
 @pytest.mark.parametrize("mode, exchange", [("ddp_muon", "replicated"), ("fsdp_muon", "sharded"),
                                             ("fsdp_muon_fused", "sharded")])
 def test_muon_matches_the_single_process_run(muon_runs, mode, exchange):
-    """Muon's Newton-Schulz work shared by the ranks (ddp) or gathered from the shards (fsdp): the losses and the
-    params of one process's run, within the rounding of gradient sums added in another order."""
+    """Muon's Newton-Schulz work shared by the ranks (ddp) or gathered from the shards (fsdp): the losses of one
+    process's run, within the rounding of gradient sums added in another order, and its params as near as the same
+    process's with another summation order (MUON_RUNS_APART); the ranks' params the same bits."""
     root, reports = muon_runs
     train_ref, val_ref = read_losses(root / "muon")
     train, val = read_losses(root / mode)
     assert len(train) == 10
     torch.testing.assert_close(train, train_ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(val, val_ref, rtol=1e-5, atol=1e-5)
-    ref = reports["muon"]["params"]
     for rank in range(WORLD):
-        report = reports[f"{mode}.{rank}"]
-        assert report["exchange"] == exchange
-        for k in ref:
-            torch.testing.assert_close(report["params"][k], ref[k], rtol=1e-4, atol=1e-5, msg=f"rank {rank}: {k}")
+        assert reports[f"{mode}.{rank}"]["exchange"] == exchange
+        assert_muon_params_close(reports[f"{mode}.{rank}"]["params"], reports["muon"]["params"], f"rank {rank}: ")
+    a, b = (reports[f"{mode}.{r}"]["params"] for r in range(WORLD))
+    assert all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_a_muon_fsdp_checkpoint_resumes_in_one_process(muon_runs):
@@ -224,10 +237,7 @@ def test_a_muon_fsdp_checkpoint_resumes_in_one_process(muon_runs):
     assert "checkpoints/latest was saved by 2 processes, this run has 1" in (root / "muon_to_single" / "train.log").read_text()
     torch.testing.assert_close(read_losses(root / "muon_to_single")[0], read_losses(root / "muon")[0], rtol=1e-5,
                                atol=1e-5)
-    ref = reports["muon"]["params"]
-    for k in ref:
-        torch.testing.assert_close(reports["fsdp_muon_to_single.resumed"]["params"][k], ref[k], rtol=1e-4, atol=1e-5,
-                                   msg=k)
+    assert_muon_params_close(reports["fsdp_muon_to_single.resumed"]["params"], reports["muon"]["params"])
 
 
 def test_fsdp_ranks_each_hold_half_the_optimizer_state(runs):

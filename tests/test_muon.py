@@ -337,8 +337,14 @@ def _exchange_worker(rank, port, path):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
     torch.manual_seed(0)
-    mats = torch.randn(3, 10, 6).bfloat16()  # 3 matrices: rank 0 orthogonalizes two, rank 1 one and a zero pad
-    out = {}
+    mats = torch.randn(3, 10, 6).bfloat16()
+    out, orthogonalize = {"counts": []}, ns.orthogonalize
+
+    def counted(x, *args):  # how many matrices this rank orthogonalizes
+        out["counts"].append(x.size(0))
+        return orthogonalize(x, *args)
+
+    ns.orthogonalize = counted
     replicated = ns.Exchange("replicated", rank, 2)
     x = replicated.inputs(3, (10, 6), (10, 6), "cpu")
     x[:3] = mats
@@ -347,16 +353,17 @@ def _exchange_worker(rank, port, path):
     for whole in (mats, mats[:, :9]):  # FSDP2's chunks of 5 rows: of 9, rank 1 holds 4
         mine = whole[:, rank * 5:rank * 5 + 5]
         x = sharded.inputs(3, tuple(mine.shape[1:]), tuple(whole.shape[1:]), "cpu")
-        x[:, :mine.shape[1]] = mine
+        x[:3, :mine.shape[1]] = mine
         out[f"sharded{whole.shape[1]}"] = sharded(x, 3, mine.shape[1], tuple(whole.shape[1:])).clone()
     torch.save(out, f"{path}/rank{rank}.pt")
     dist.destroy_process_group()
 
 
 def test_exchange_splits_the_work_and_gathers_the_whole(tmp_path):
-    """Two gloo processes: replicated (ddp) gives every rank every matrix's result, computed a share on each; sharded
-    (fsdp) gives each rank its rows of each whole matrix's result, row blocks of 5 and 5, then of 5 and 4: the same
-    bits as one process orthogonalizing the whole batch."""
+    """Two gloo processes, 3 matrices: rank 0 owns two, rank 1 one and a zero pad. replicated (ddp) gives every rank
+    every matrix's result, all-gathered from the owners; sharded (fsdp) sends each owner the row blocks of its
+    matrices and each rank its rows of every result back, row blocks of 5 and 5, then of 5 and 4: the same bits as
+    one process orthogonalizing the whole batch."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -366,6 +373,7 @@ def test_exchange_splits_the_work_and_gathers_the_whole(tmp_path):
     whole = {10: ns.orthogonalize(mats.clone()), 9: ns.orthogonalize(mats[:, :9].clone())}
     for rank in range(2):
         got = torch.load(tmp_path / f"rank{rank}.pt")
+        assert got["counts"] == [2, 2, 2]  # its share of each batch (one and a zero pad on rank 1), not all three
         assert torch.equal(got["replicated"], whole[10])
         for rows in (10, 9):
             assert torch.equal(got[f"sharded{rows}"], whole[rows][:, rank * 5:(rank + 1) * 5])

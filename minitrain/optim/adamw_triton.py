@@ -1,4 +1,6 @@
-"""Triton kernels of the fused AdamW step: three launches for any number of tensors.
+"""Triton kernels of the fused AdamW step: three launches for any number of tensors. The first two (the norm pass
+and the decision, NormPass and finalize) are the fused step's whatever updates follow: Muon's (muon_triton.py)
+runs after AdamW's from the same scalars (FusedStep).
 
   _sumsq_kernel     reads every gradient once, one program per row of the work table (below),
                     writing one partial sum of squares per row (no atomics: the norm is

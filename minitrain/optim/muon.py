@@ -11,8 +11,8 @@ The step runs in AdamW's three phases (adamw_triton.FusedStep, adamw_torch.Torch
 gradient; the decision; then AdamW's update of its buckets and Muon's of its own, which per batch of matrices of
 one shape is a momentum pass (gradient and buffer in, buffer and bf16 input out), Newton–Schulz as batched bf16
 GEMMs on tensor cores, and an update pass over the fp32 masters (muon_triton.py; muon_torch.py is the torch
-twin). Under ddp each rank orthogonalizes a share of each batch and the shares are all-gathered; under fsdp the
-row shards of each matrix are gathered, orthogonalized and each rank keeps its rows (newton_schulz.Exchange).
+twin). Under ddp and fsdp each rank orthogonalizes its share of each batch: under ddp the results are all-gathered;
+under fsdp the owner gathers its matrices' row shards and scatters the results' rows back (newton_schulz.Exchange).
 
 Per-group lr and weight decay, as AdamW's; each group keeps its lr's ratio to the schedule's (`set_lr`), so the
 schedule (warmup, cosine) scales Muon's lr by the same factor as AdamW's.

@@ -104,18 +104,20 @@ def batches(bucket, per_matrix: bool, adjust_lr: str, block: int) -> list[Batch]
 
 
 class Exchange:
-    """Where each matrix of a batch is orthogonalized when several processes train:
+    """Where each matrix of a batch is orthogonalized when several processes train: each rank owns a contiguous
+    share of ceil(count / world) of the batch's matrices (the last shares padded with zero matrices, which
+    orthogonalize to zero) and orthogonalizes those only.
 
       local       one process: every matrix here;
-      replicated  ddp: every rank holds every matrix (and the same gradients), orthogonalizes a contiguous share
-                  of ceil(count / world) of the batch, and the shares are all-gathered (bf16);
+      replicated  ddp: every rank holds every matrix (and the same gradients); the owners' results are
+                  all-gathered (bf16);
       sharded     fsdp: each rank holds a block of rows of each matrix (FSDP2's dim-0 chunks of ceil(rows / world)
-                  rows, the last ranks' shorter or empty); the row blocks are all-gathered into whole matrices,
-                  every rank orthogonalizes the whole batch and keeps its own rows.
+                  rows, the last ranks' shorter or empty); an all-to-all sends each owner the row blocks of its
+                  matrices, and after Newton–Schulz a second one sends each rank its rows of every result.
 
-    `inputs` makes the buffer a batch's momentum pass writes its bf16 inputs into, padded with zeros to what the
-    exchange gathers (a zero matrix orthogonalizes to zero); `__call__` returns this rank's rows of each
-    orthogonalized matrix, (count, local rows, cols), contiguous within each matrix."""
+    `inputs` makes the buffer a batch's momentum pass writes its bf16 inputs into, zero-padded to what the exchange
+    sends; `__call__` returns this rank's rows of each orthogonalized matrix, (count, local rows, cols), contiguous
+    within each matrix."""
 
     def __init__(self, mode: str = "local", rank: int = 0, world: int = 1, coefficients=NS_COEFFICIENTS,
                  steps: int = NS_STEPS, eps: float = NS_EPS):
@@ -125,38 +127,44 @@ class Exchange:
         self.coefficients, self.steps, self.eps = tuple(coefficients), steps, eps
 
     def _share(self, count: int) -> int:
-        """replicated: the matrices of a batch each rank orthogonalizes."""
+        """The matrices of a batch each rank owns."""
         return -(-count // self.world)
 
     def inputs(self, count: int, local_shape, shape, device) -> Tensor:
         """The zero-padded bf16 buffer for `count` matrices whose local part is `local_shape` (of `shape` whole);
         matrix i's local rows are its [i, :local rows]."""
         rows, cols = shape[:2]
-        if self.mode == "replicated":
-            x = torch.empty(self._share(count) * self.world, rows, cols, dtype=torch.bfloat16, device=device)
-            x[count:].zero_()
-        elif self.mode == "sharded":
-            x = torch.empty(count, -(-rows // self.world), cols, dtype=torch.bfloat16, device=device)
-            x[:, local_shape[0]:].zero_()
-        else:
-            x = torch.empty(count, rows, cols, dtype=torch.bfloat16, device=device)
+        if self.mode == "local":
+            return torch.empty(count, rows, cols, dtype=torch.bfloat16, device=device)
+        block = -(-rows // self.world) if self.mode == "sharded" else rows
+        x = torch.empty(self._share(count) * self.world, block, cols, dtype=torch.bfloat16, device=device)
+        x[count:].zero_()
+        x[:count, local_shape[0]:].zero_()
         return x
 
     def __call__(self, x: Tensor, count: int, local_rows: int, shape) -> Tensor:
+        if self.mode == "local":
+            return self._orthogonalize(x)
+        k = self._share(count)
         if self.mode == "replicated":
-            k = self._share(count)
             out = torch.empty_like(x)
             dist.all_gather_single(out, self._orthogonalize(x[self.rank * k:(self.rank + 1) * k]))
             return out[:count]
-        if self.mode == "sharded":
-            c = x.size(1)
-            gathered = torch.empty((self.world * count, *x.shape[1:]), dtype=x.dtype, device=x.device)
-            dist.all_gather_single(gathered, x)
-            whole = gathered.view(self.world, *x.shape).transpose(0, 1).reshape(count, self.world * c, x.size(2))
-            whole = whole[:, :shape[0]]
-            del gathered, x
-            return self._orthogonalize(whole.contiguous())[:, self.rank * c:self.rank * c + local_rows]
-        return self._orthogonalize(x)
+        block, cols = x.shape[1:]
+        owned = torch.empty_like(x)  # from each rank its row block of each matrix this rank owns
+        dist.all_to_all_single(owned, x)
+        whole = owned.view(self.world, k, block, cols).transpose(0, 1).reshape(k, self.world * block, cols)
+        del owned  # the reshape of the transposed view is a copy
+        o = self._orthogonalize(whole[:, :shape[0]].contiguous())
+        del whole
+        blocks = torch.zeros_like(x).view(self.world, k, block, cols)  # to each rank its rows of every result
+        for r in range(self.world):
+            mine = o[:, r * block:(r + 1) * block]
+            blocks[r, :, :mine.size(1)] = mine
+        del o
+        back = torch.empty_like(x)  # from each owner this rank's rows of each of its results, in matrix order
+        dist.all_to_all_single(back, blocks.view_as(x))
+        return back[:count, :local_rows]
 
     def _orthogonalize(self, x: Tensor) -> Tensor:
         return orthogonalize(x, self.coefficients, self.steps, self.eps)
