@@ -153,7 +153,13 @@ for what in "$@"; do
       timeout 280 python3 scripts/train.py model=gpt2-124m optimizer=muon trainer.max_steps=100 trainer.log_every=20 \
         trainer.eval_every=100 trainer.save_every=1000 trainer.sample_tokens=0 hydra.run.dir=/tmp/muon-124m 2>&1 \
         | grep -v "it/s\]\|step/s\]" | grep -aE "^(plan|  |step|memory|error|finished)" | tail -24
-      cp /tmp/muon-124m/metrics.jsonl "$out/muon_124m_metrics.jsonl" ;;
+      cp /tmp/muon-124m/metrics.jsonl "$out/muon_124m_metrics.jsonl"
+      for precision in fp16 fp8; do  # loss scaling on both sides' gradients; float8 linears whose weights are Muon's
+        rm -rf /tmp/muon-124m-$precision
+        timeout 200 python3 scripts/train.py model=gpt2-124m optimizer=muon precision=$precision trainer.max_steps=30 \
+          trainer.log_every=10 trainer.eval_every=30 trainer.save_every=1000 trainer.sample_tokens=0 \
+          hydra.run.dir=/tmp/muon-124m-$precision 2>&1 | grep -aE "^(step|error|finished)" | tail -5
+      done ;;
     muon_bench)  # Muon's step against torch.optim.Muon + our fused AdamW at gpt2-124m and gpt2-1.5b shapes (each
       # first update checked, alternating rounds), beside the floor: Newton-Schulz at the bf16 GEMM rate of this run
       timeout 500 python3 scripts/bench_optimizer.py --cases muon-gpt2-124m muon-gpt2-1.5b \

@@ -412,15 +412,15 @@ def test_fused_step_replays_as_a_cuda_graph():
         opt = Muon([{"params": ps[:len(MATRICES)], "use_muon": True}, {"params": ps[len(MATRICES):]}],
                    impl="fused", **MUON, **ADAMW)
         static = [g.clone() for g in grads[0]]
-        set_grads(ps, static)
         for p, g in zip(ps, static):
-            p.grad = g
+            p.grad = g  # read in place, at the addresses the graph records
         step = opt.step
         if graphed:
+            fresh = opt.state_dict()  # (views: cloned below, before the warm-up step moves them)
+            fresh = {**fresh, "state": {i: {k: v.clone() for k, v in s.items()} for i, s in fresh["state"].items()},
+                     "step": fresh["step"].clone(), "skipped_steps": fresh["skipped_steps"].clone()}
             opt.step()  # warm up: compiles the kernels, uploads the hyperparameters
-            opt.load_state_dict(Muon([{"params": params_like(init, torch.bfloat16)[:len(MATRICES)], "use_muon": True},
-                                      {"params": params_like(init, torch.bfloat16)[len(MATRICES):]}],
-                                     impl="fused", **MUON, **ADAMW).state_dict())
+            opt.load_state_dict(fresh)  # back to the start
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph):
                 opt.step()
