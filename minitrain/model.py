@@ -228,5 +228,6 @@ class GPT(nn.Module):
         them (an empty group dropped)."""
         hidden = self.hidden_matrices()
         taken = set(map(id, hidden))
-        adamw = [{**g, "params": [p for p in g["params"] if id(p) not in taken]} for g in self.param_groups(weight_decay)]
+        adamw = [{**g, "params": [p for p in g["params"] if id(p) not in taken]}
+                 for g in self.param_groups(weight_decay)]
         return [{"params": hidden, "use_muon": True}] + [g for g in adamw if g["params"]]

@@ -118,7 +118,8 @@ class Plan:
             + (", gathered in float8" if self.float8_all_gather else ""),
             f"  compile        {compiled}{self._tag('compile')}",
             f"  kernels        loss={self.loss_impl} optimizer={self.optimizer_impl}"
-            f"{' muon' if self.optimizer == OptimizerName.muon else ''} gelu={self.model.gelu.value}{self._tag('kernels')}",
+            f"{' muon' if self.optimizer == OptimizerName.muon else ''} "
+            f"gelu={self.model.gelu.value}{self._tag('kernels')}",
             f"  batch          {self.batch_size} x {T} = {self.batch_size * T:,} tokens/step: micro-batch "
             f"{self.micro_batch} x {self.grad_accum} accumulation{ranks}{self._tag('micro_batch')}",
             f"  checkpointing  {policy}{self._tag('checkpointing')}",

@@ -141,7 +141,8 @@ def test_every_setting_and_every_option_s_key_passes_the_command_line_check():
             elif default != "???":
                 yield f"{prefix}{f.name}={command_line_value(default)}"
 
-    settings = [s for group in dataclasses.fields(Config) for s in settings_of(group.default_factory(), f"{group.name}.")]
+    settings = [s for group in dataclasses.fields(Config)
+                for s in settings_of(group.default_factory(), f"{group.name}.")]
     keys = _schema_keys()
     leaves = [k for k in keys if "." in k and not any(other.startswith(k + ".") for other in keys)]
     assert "model.bias=true" in settings and "distributed.fsdp_unit_blocks=4" in settings and \

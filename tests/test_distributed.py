@@ -162,8 +162,8 @@ def run_jobs(root, jobs: dict) -> dict:
 @pytest.fixture(scope="module")
 def muon_runs(data_cache, tmp_path_factory):
     """optimizer=muon: one process's run, and a 2-process job of its own: a share of the Newton-Schulz work per rank
-    under ddp; whole matrices gathered from the shards under fsdp, on the fused kernels too; fsdp's checkpoint of step
-    5 resumed by one process."""
+    under ddp and under fsdp, on the fused kernels too; fsdp's checkpoint of step 5 resumed by two processes and by
+    one."""
     root = tmp_path_factory.mktemp("dist-muon")
     single = Trainer(compose_config(overrides(data_cache, root / "muon", *MUON)), progress=False)
     single.fit()
@@ -173,7 +173,11 @@ def muon_runs(data_cache, tmp_path_factory):
         "fsdp_muon_fused": {"overrides": overrides(data_cache, root / "fsdp_muon_fused", "distributed=fsdp",
                                                    "optimizer.impl=fused", *MUON)},
         "fsdp_muon_to_single": {"overrides": overrides(data_cache, root / "muon_to_single", "distributed=fsdp", *MUON),
-                                "crash_at": 7}})
+                                "crash_at": 7},
+        "fsdp_muon_crash": {"overrides": overrides(data_cache, root / "muon_resumed", "distributed=fsdp", *MUON),
+                            "crash_at": 7},
+        "fsdp_muon_resumed": {"overrides": overrides(data_cache, root / "muon_resumed", "distributed=fsdp",
+                                                     "trainer.resume=auto", *MUON)}})
     resumed = Trainer(compose_config(overrides(data_cache, root / "muon_to_single", "trainer.resume=auto", *MUON)),
                       progress=False)
     resumed.fit()
@@ -230,11 +234,22 @@ def test_muon_matches_the_single_process_run(muon_runs, mode, exchange):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_a_muon_fsdp_resume_reproduces_the_uninterrupted_run(muon_runs):
+    """Killed at step 7, resumed from step 5's sharded momentum and moments: the same bits as the run never stopped."""
+    root, reports = muon_runs
+    straight, resumed = read_losses(root / "fsdp_muon"), read_losses(root / "muon_resumed")
+    assert resumed[0][-3:] == straight[0][-3:] and resumed[1] == straight[1]
+    for rank in range(WORLD):
+        a, b = reports[f"fsdp_muon.{rank}"]["params"], reports[f"fsdp_muon_resumed.{rank}"]["params"]
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_a_muon_fsdp_checkpoint_resumes_in_one_process(muon_runs):
     """fsdp's sharded momentum buffers and moments, resharded into one process's at step 5: steps 6-10 end within
     rounding of the unbroken run."""
     root, reports = muon_runs
-    assert "checkpoints/latest was saved by 2 processes, this run has 1" in (root / "muon_to_single" / "train.log").read_text()
+    said = (root / "muon_to_single" / "train.log").read_text()
+    assert "checkpoints/latest was saved by 2 processes, this run has 1" in said
     torch.testing.assert_close(read_losses(root / "muon_to_single")[0], read_losses(root / "muon")[0], rtol=1e-5,
                                atol=1e-5)
     assert_muon_params_close(reports["fsdp_muon_to_single.resumed"]["params"], reports["muon"]["params"])

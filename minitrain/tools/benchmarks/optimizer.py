@@ -445,8 +445,9 @@ def quality(runs: list[dict]) -> dict:
         raise ValueError("the runs differ in length: " + ", ".join(f"{r['dir']}: {r['last_step']}" for r in runs))
     target = _final(best["adamw"])
     reached = steps_to_reach(best["muon"], target)
+    steps = best["adamw"]["last_step"]
     return {"best": best, "adamw_final": target, "muon_final": _final(best["muon"]), "muon_steps": reached,
-            "steps": best["adamw"]["last_step"], "muon_share": None if reached is None else reached / best["adamw"]["last_step"]}
+            "steps": steps, "muon_share": None if reached is None else reached / steps}
 
 
 def quality_report(runs: list[dict], result: dict) -> list[str]:
@@ -456,7 +457,8 @@ def quality_report(runs: list[dict], result: dict) -> list[str]:
     lines = [f"{r['optimizer']} {lrs(r)}: {'finite' if r['finite'] else 'NON-FINITE LOSS'} | val "
              + " ".join(f"{s}:{v:.4f}" for s, v in sorted(r["val"].items())) for r in runs]
     adamw, muon = result["best"]["adamw"], result["best"]["muon"]
-    lines.append(f"best AdamW: {lrs(adamw)}, final validation loss {result['adamw_final']:.4f} at step {result['steps']}")
+    lines.append(f"best AdamW: {lrs(adamw)}, final validation loss {result['adamw_final']:.4f} "
+                 f"at step {result['steps']}")
     lines.append(f"best Muon: {lrs(muon)}, final validation loss {result['muon_final']:.4f}")
     if result["muon_steps"] is None:
         lines.append("Muon's best never reaches AdamW's best final loss")
