@@ -286,11 +286,16 @@ def test_the_schedule_scales_both_sides_alike():
     assert opt.param_groups[0]["lr"] == pytest.approx(0.02 / 4)
 
 
-def test_muon_refuses_what_it_cannot_orthogonalize():
+def test_muon_refuses_what_it_cannot_orthogonalize(monkeypatch):
+    from minitrain import triton_runtime
+
     with pytest.raises(ValueError, match=r"shape \(7,\) takes AdamW"):
         Muon([torch.nn.Parameter(torch.randn(7))], impl="foreach")
     with pytest.raises(ValueError, match="adjust_lr"):
         Muon([torch.nn.Parameter(torch.randn(3, 4))], impl="foreach", adjust_lr="none")
+    monkeypatch.setattr(triton_runtime, "interpreted", lambda: False)  # as if TRITON_INTERPRET was unset at import
+    with pytest.raises(RuntimeError, match=r"Muon\(impl='fused'\).*optimizer.impl=foreach"):
+        Muon([torch.nn.Parameter(torch.randn(3, 4, device="cpu"))], impl="fused")
 
 
 # -- Newton–Schulz ------------------------------------------------------------------------------------------------
