@@ -1,19 +1,20 @@
 """Peak memory, predicted before step 0: persistent state + activations + the largest transient.
 
-    peak = weights + fp32 masters + Adam m, v          with grads, the 16-18 B/param floor
+    peak = weights + fp32 masters + Adam m, v          with grads, the 16-18 B/param floor (Muon's matrices:
+                                                       one momentum buffer in place of m and v, 12-14 B/param)
          + max(activations saved for backward by the policy   the term checkpointing controls
                + max(loss workspace, block-backward transient)
                + FSDP's gathered units                    (fsdp: the state above is 1/N)
-               grads + optimizer transient)
+               grads + optimizer transient)          (Muon: + a batch's Newton–Schulz buffers)
 
 Gradients exist whole only at the optimizer step: backward makes them as it frees the activations
 (with grad_accum > 1 or fp32 main grads they are there from the start, and join the first term).
 
 It is a model of eager PyTorch as this repo runs it, op by op; every byte count below names the op that
 holds it. Assumptions, checked by tests/test_memory.py on CPU and by the GPU sweep on the H200:
-  - the optimizer is minitrain.optim.AdamW: grads are autograd's tensors from backward to
+  - the optimizer is minitrain.optim.AdamW or Muon: grads are autograd's tensors from backward to
     zero_grad; the fused step reads them in place, loop and foreach gather them into a flat buffer
-    (every tensor padded to ALIGN elements, one bucket per dtype); fp32 main grads live in that
+    (every tensor padded to ALIGN elements, one bucket per dtype and side); fp32 main grads live in that
     buffer from the first backward;
   - no torch.compile: Inductor's partitioner chooses its own saved set (for bf16 blocks the same bytes), except
     with torchao's float8 linears (precision.float8_kernels=torchao, `compiled`): there the partitioner keeps
@@ -35,9 +36,11 @@ from dataclasses import asdict, astuple, dataclass, field
 import torch
 
 from .recompute import recomputed_blocks
-from .config import CheckpointingConfig, CheckpointPolicy, DistributedConfig, Float8Kernels, KernelImpl, ModelConfig
+from .config import (CheckpointingConfig, CheckpointPolicy, DistributedConfig, Float8Kernels, KernelImpl, ModelConfig,
+                     OptimizerName)
 from .model import GPT
 from .ops.cross_entropy import DEFAULT_CHUNK_BYTES, fitting
+from .optim import newton_schulz
 from .optim.layout import padded as _padded
 from .precision import Precision
 
@@ -62,11 +65,12 @@ class MemoryEstimate:
     optimizer_transient: int
     peak: int
     gathered: int = 0  # FSDP: compute copies of the units gathered at the peak
+    muon_momentum: int = 0  # optimizer=muon: the hidden matrices' one buffer (adam_m and adam_v: the rest's)
     notes: list[str] = field(default_factory=list)
 
     @property
     def state(self) -> int:
-        return self.weights + self.grads + self.masters + self.adam_m + self.adam_v
+        return self.weights + self.grads + self.masters + self.adam_m + self.adam_v + self.muon_momentum
 
     @property
     def transient(self) -> int:
@@ -80,6 +84,7 @@ class MemoryEstimate:
         per_kind = [(f"  {blocks.count(b)} block(s) x {b / GB:.3f} GB", blocks.count(b) * b) for b in kinds]
         return [("weights (compute copy)", self.weights), ("gradients", self.grads),
                 ("fp32 master weights", self.masters), ("Adam m", self.adam_m), ("Adam v", self.adam_v),
+                *([("Muon momentum", self.muon_momentum)] if self.muon_momentum else []),
                 ("= persistent state", self.state), *([("FSDP gathered params", self.gathered)] if self.gathered else []),
                 *per_kind,
                 ("  embedding + final norm", self.activations_other), ("= activations", self.activations_total),
@@ -127,13 +132,19 @@ def _block_params(model_cfg: ModelConfig) -> dict[str, int]:
     return _model_numels(astuple(model_cfg))[1]
 
 
+def hidden_shapes(model_cfg: ModelConfig) -> list[tuple[int, int]]:
+    """The shape of each matrix Muon orthogonalizes (GPT.hidden_matrices), in the model's order."""
+    return _model_numels(astuple(model_cfg))[2]
+
+
 @functools.lru_cache(maxsize=8)
-def _model_numels(key: tuple) -> tuple[list[tuple[list[int], bool]], dict[str, int]]:
+def _model_numels(key: tuple) -> tuple[list[tuple[list[int], bool]], dict[str, int], list[tuple[int, int]]]:
     """Built once per shape: the plan predicts many (micro-batch, policy) candidates of one model."""
     with torch.device("meta"):
         model = GPT(ModelConfig(*key))
     groups = [([p.numel() for p in g["params"]], g["weight_decay"] > 0) for g in model.param_groups(1.0)]
-    return groups, {name: p.numel() for name, p in model.blocks[0].named_parameters()}
+    return (groups, {name: p.numel() for name, p in model.blocks[0].named_parameters()},
+            [tuple(p.shape) for p in model.hidden_matrices()])
 
 
 def _float8_saved_delta(cfg: ModelConfig, float8_linears: tuple[str, ...], tokens: int, a: int) -> int:
@@ -253,16 +264,18 @@ class _MicroBatch:
 
 
 def _persistent_state(precision: Precision, n_params: int, padded: int, world_size: int,
-                      sharded: bool) -> tuple[int, int, int, int, int]:
-    """weights, grads, fp32 masters, Adam m and v: the model's params + AdamW's flat, ALIGN-padded buffers (`padded`
-    elements). FSDP2 divides each by `world_size`; with masters the fp32 shards ARE the params (no separate compute
-    copy: _fsdp_gathered's, while gathered) and receive the fp32 reduce-scatter."""
+                      sharded: bool, muon_padded: int = 0) -> tuple[int, int, int, int, int, int]:
+    """weights, grads, fp32 masters, Adam m and v, Muon's momentum: the model's params + the optimizer's flat,
+    ALIGN-padded buffers (`padded` elements, `muon_padded` of them Muon's matrices, which keep one fp32 buffer in
+    place of m and v). FSDP2 divides each by `world_size`; with masters the fp32 shards ARE the params (no separate
+    compute copy: _fsdp_gathered's, while gathered) and receive the fp32 reduce-scatter."""
     masters = 4 * padded if precision.master_weights else 0
     weights, grads = n_params * precision.param_dtype.itemsize, padded * precision.grad_dtype.itemsize
     if sharded and precision.master_weights:
         weights, grads = 0, 4 * padded
     shard = world_size if sharded else 1
-    return tuple(x // shard for x in (weights, grads, masters, 4 * padded, 4 * padded))
+    adam = 4 * (padded - muon_padded)
+    return tuple(x // shard for x in (weights, grads, masters, adam, adam, 4 * muon_padded))
 
 
 def _fsdp_gathered(cfg: ModelConfig, p: int, n_params: int, unit_blocks: int, reshard_after_forward: bool,
@@ -331,21 +344,57 @@ def _backward_transient(micro: _MicroBatch, last_kind: str) -> int:
     return N * C * p + mlp_grads + recompute + V * C * p
 
 
+def _muon_batches(shapes: list[tuple[int, int]], optimizer_impl: str) -> list[tuple[tuple, int]]:
+    """(shape, matrices) of each batch Muon orthogonalizes together (newton_schulz.batches): the matrices of one
+    shape, or one each under loop."""
+    if optimizer_impl == "loop":
+        return [(shape, 1) for shape in shapes]
+    return [(shape, shapes.count(shape)) for shape in dict.fromkeys(shapes)]
+
+
+def _muon_transient(batches: list[tuple[tuple, int]], precision: Precision, optimizer_impl: str,
+                    world_size: int = 1, sharded: bool = False) -> int:
+    """The largest batch's Muon buffers, one batch at a time (newton_schulz.Exchange): its bf16 Newton–Schulz input X
+    (the momentum pass's output), what Newton–Schulz works in beside it (newton_schulz.workspace_bytes). Under ddp X is
+    padded to a whole share per rank, the rank orthogonalizes its share and the results are all-gathered into a
+    second X; under fsdp (approximately) X is the rank's row blocks, the owner's whole matrices are gathered into
+    a copy that Newton–Schulz works in, and the results go back through two X-sized buffers. The torch path first
+    holds its fp32 Nesterov mix (4 B an element) beside X, and without masters an fp32 copy of the batch's params
+    beside the result for the update."""
+    peaks = [0]
+    for (rows, cols), count in batches:
+        share = -(-count // world_size)
+        elements = share * world_size * (-(-rows // world_size) if sharded else rows) * cols
+        x = 2 * elements
+        ns = newton_schulz.workspace_bytes((rows, cols), share)
+        if sharded:
+            ns += 2 * share * rows * cols + x
+        elif world_size > 1:
+            ns += x
+        torch_path = optimizer_impl != "fused"
+        no_master = torch_path and precision.param_dtype.itemsize != 4 and not precision.master_weights
+        peaks.append(x + max(ns, 2 * x if torch_path else 0, 2 * x if no_master else 0))
+    return max(peaks)
+
+
 def _optimizer_transient(groups: list[tuple[list[int], bool]], precision: Precision, optimizer_impl: str,
-                         padded: int, grads: int) -> int:
-    """Optimizer step temporaries. The fused step reads the grads in place: none. loop and foreach first
-    gather autograd's grads into the flat buffer (both exist for that copy; not with fp32 main grads,
-    which hooks add into the buffer as they come), then make fp32 grad copies, sqrt(v) and the update
-    per group."""
+                         padded: int, grads: int, muon: list[tuple[tuple, int]], muon_padded: int = 0,
+                         world_size: int = 1, sharded: bool = False) -> int:
+    """Optimizer step temporaries. The fused step reads the grads in place: none (but Muon's buffers). loop and
+    foreach first gather autograd's grads into the flat buffer, a side's bucket at a time (both exist for that copy,
+    the side's autograd grads freed after it; not with fp32 main grads, which hooks add into the buffer as they
+    come), then make fp32 grad copies, and for AdamW sqrt(v) and the update per group (groups: AdamW's), for Muon its
+    batches' buffers (`muon`: _muon_batches; `muon_padded` of the padded elements are Muon's), AdamW's side first."""
+    muon_transient = _muon_transient(muon, precision, optimizer_impl, world_size, sharded)
     if optimizer_impl == "fused":
-        return 0
+        return muon_transient
     p, g = precision.param_dtype.itemsize, precision.grad_dtype.itemsize
-    gathered = grads if optimizer_impl != "torch" and g == p else 0
-    largest = max(sum(_padded(n) for n in numels) if optimizer_impl == "foreach" else max(numels)
-                  for numels, _ in groups)
+    gathered = grads * max(padded - muon_padded, muon_padded) // padded if optimizer_impl != "torch" and g == p else 0
+    largest = max([sum(_padded(n) for n in numels) if optimizer_impl == "foreach" else max(numels)
+                   for numels, _ in groups if numels] or [0])
     upcast = 4 * padded if g != 4 else 0
-    low_no_master = 4 * padded if p != 4 and not precision.master_weights else 0
-    return max(gathered, upcast + low_no_master + 8 * largest)
+    low_no_master = 4 * (padded - muon_padded) if p != 4 and not precision.master_weights else 0
+    return max(gathered, upcast + max(low_no_master + 8 * largest, muon_transient))
 
 
 def predict(model_cfg: ModelConfig, precision: Precision, ckpt_cfg: CheckpointingConfig,
@@ -355,14 +404,15 @@ def predict(model_cfg: ModelConfig, precision: Precision, ckpt_cfg: Checkpointin
             optimizer_impl: str = "fused", fsdp_unit_blocks: int = DistributedConfig.fsdp_unit_blocks,
             reshard_after_forward: bool = DistributedConfig.reshard_after_forward,
             float8_linears: tuple[str, ...] = (), float8_all_gather: bool = False,
-            compiled: bool = False) -> MemoryEstimate:
+            compiled: bool = False, optimizer: OptimizerName = OptimizerName.adamw) -> MemoryEstimate:
     """Predicted memory of one training step. `loss_impl`, `optimizer_impl` as resolved for the device
     (fused | torch; fused | foreach | loop). `sharded`: FSDP, the persistent state divided by `world_size`
     plus the gathered units (`fsdp_unit_blocks`, `reshard_after_forward`: distributed's config).
     grad_accum > 1 adds the grads to the forward and backward moments (micro-batches after the first).
     `float8_linears`: each block's linears that multiply in float8 (the plan's), `float8_all_gather`: their weights
     gathered in float8 under FSDP; `compiled`: the step runs under torch.compile (it changes only what float8
-    blocks save)."""
+    blocks save). `optimizer`: muon keeps one momentum buffer for the hidden matrices in place of Adam's two, and
+    orthogonalizes them a batch of one shape at a time (under ddp and fsdp each rank a share of it)."""
     p, g = precision.param_dtype.itemsize, precision.grad_dtype.itemsize
     autocast = precision.autocast_dtype is not None
     micro = _MicroBatch(model_cfg, micro_batch * seq_len, seq_len, p, precision.compute_dtype,
@@ -371,7 +421,13 @@ def predict(model_cfg: ModelConfig, precision: Precision, ckpt_cfg: Checkpointin
     groups = param_numels(model_cfg)
     n_params = sum(sum(numels) for numels, _ in groups)
     padded = sum(_padded(n) for numels, _ in groups for n in numels)
-    weights, grads, masters, adam_m, adam_v = _persistent_state(precision, n_params, padded, world_size, sharded)
+    muon_shapes = hidden_shapes(model_cfg) if optimizer == OptimizerName.muon else []
+    muon_padded = sum(_padded(rows * cols) for rows, cols in muon_shapes)
+    adamw_groups = groups
+    if muon_shapes:  # the hidden matrices are AdamW's decayed group: Muon's now
+        adamw_groups = [(numels, decayed) for numels, decayed in groups if not decayed]
+    weights, grads, masters, adam_m, adam_v, muon_momentum = _persistent_state(precision, n_params, padded,
+                                                                              world_size, sharded, muon_padded)
     fsdp_gathered = unit_grads = 0
     notes = []
     if sharded:
@@ -384,16 +440,19 @@ def predict(model_cfg: ModelConfig, precision: Precision, ckpt_cfg: Checkpointin
     activations = sum(per_layer) + other
     loss_workspace = _loss_workspace(micro, loss_impl, chunk_bytes, loss_low_memory)
     backward_transient = _backward_transient(micro, kinds[-1]) + unit_grads
-    optimizer_transient = _optimizer_transient(groups, precision, optimizer_impl, padded, grads)
+    optimizer_transient = _optimizer_transient(adamw_groups, precision, optimizer_impl, padded, grads,
+                                               _muon_batches(muon_shapes, optimizer_impl), muon_padded, world_size,
+                                               sharded)
 
     # Gradients appear as backward reaches each parameter and all exist only once the activations are
     # gone, except when they were there before: later micro-batches (through the whole step), or fp32 main
     # grads (allocated whole at the first gradient: after the loss's peak, before the blocks' backward).
     accumulated = grads if grad_accum > 1 else 0
     main_grads = grads if optimizer_impl != "torch" and g != p else 0
-    peak = weights + masters + adam_m + adam_v + max(
+    peak = weights + masters + adam_m + adam_v + muon_momentum + max(
         fsdp_gathered + activations + max(loss_workspace + accumulated,
                                           backward_transient + max(accumulated, main_grads)),
         grads + optimizer_transient)
     return MemoryEstimate(n_params, weights, grads, masters, adam_m, adam_v, per_layer, other, activations,
-                          loss_workspace, backward_transient, optimizer_transient, peak, fsdp_gathered, notes)
+                          loss_workspace, backward_transient, optimizer_transient, peak, fsdp_gathered, muon_momentum,
+                          notes)

@@ -217,3 +217,17 @@ class GPT(nn.Module):
             (decay if is_matrix else no_decay).append(p)
         return [{"params": decay, "weight_decay": weight_decay},
                 {"params": no_decay, "weight_decay": 0.0}]
+
+    def hidden_matrices(self) -> list[nn.Parameter]:
+        """The 2-D weights inside the blocks (each block's four linears'): what Muon orthogonalizes. The embeddings
+        (the tied head too) are lookups of single tokens, not hidden layers, and keep AdamW with the vectors."""
+        return [p for p in self.blocks.parameters() if p.dim() == 2]
+
+    def muon_param_groups(self, weight_decay: float) -> list[dict]:
+        """param_groups for optimizer=muon: the hidden matrices first (`use_muon`), then AdamW's groups without
+        them (an empty group dropped)."""
+        hidden = self.hidden_matrices()
+        taken = set(map(id, hidden))
+        adamw = [{**g, "params": [p for p in g["params"] if id(p) not in taken]}
+                 for g in self.param_groups(weight_decay)]
+        return [{"params": hidden, "use_muon": True}] + [g for g in adamw if g["params"]]

@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from . import distributed, fp8, hf, recompute
-from .config import SCRATCH, Config
+from .config import SCRATCH, Config, DistributedMode, OptimizerName
 from .data import DeviceBatches, TokenData
 from .distributed import Dist
 from .evaluate import HellaSwagExample, load_hellaswag
@@ -68,7 +68,7 @@ class RandomState:
 class Parts:
     model: GPT
     loss_module: nn.Module  # forward(x, y) -> loss; DDP around it, or over the FSDP-sharded model
-    optimizer: Any  # minitrain.optim's AdamW or TorchAdamW
+    optimizer: Any  # minitrain.optim's AdamW, Muon or TorchAdamW
     train_batches: DeviceBatches
     val_batches: DeviceBatches
     hellaswag: Optional[list[HellaSwagExample]]  # trainer.eval_hellaswag's examples, scored at each eval step
@@ -100,16 +100,24 @@ def build_loss(plan: Plan, cfg: Config):
     return lambda h, w, y: fused_linear_cross_entropy(h, w, y, chunk_bytes=chunk_bytes, low_memory=low_memory)
 
 
-def build_optimizer(plan: Plan, cfg: Config, model: GPT, sharded: bool = False):
-    """AdamW (fused / foreach / loop, or torch's own) with the loss scaler the precision asks for.
-    sharded: the params are FSDP2 shards; the grad norm and overflow flag are agreed across ranks."""
-    from .optim import build_adamw
+def build_optimizer(plan: Plan, cfg: Config, model: GPT, dist: Dist = Dist()):
+    """AdamW (fused / foreach / loop, or torch's own), or Muon on the hidden matrices with AdamW on the rest, with the
+    loss scaler the precision asks for. Under fsdp the params are shards: the grad norm and overflow flag are agreed
+    across ranks; under ddp Muon's ranks share the Newton–Schulz work."""
+    from .optim import build_adamw, build_muon
 
     o = cfg.optimizer
-    return build_adamw(model.param_groups(o.weight_decay), impl=plan.optimizer_impl, precision=plan.precision,
-                       lr=plan.schedule.lr, betas=tuple(o.betas), eps=o.eps, weight_decay=o.weight_decay,
-                       max_grad_norm=o.max_grad_norm or None,
-                       reduce_sumsq=distributed.all_reduce_sum_ if sharded else None)
+    reduce_sumsq = distributed.all_reduce_sum_ if dist.sharded else None
+    common = dict(impl=plan.optimizer_impl, precision=plan.precision, betas=tuple(o.betas), eps=o.eps,
+                  max_grad_norm=o.max_grad_norm or None, reduce_sumsq=reduce_sumsq)
+    if o.name == OptimizerName.muon:
+        m = o.muon
+        replicas = (dist.rank, dist.world_size) if dist.mode == DistributedMode.ddp else None
+        return build_muon(model.muon_param_groups(o.weight_decay), adamw_lr=plan.schedule.lr, lr=m.lr,
+                          momentum=m.momentum, nesterov=m.nesterov, ns_coefficients=tuple(m.ns_coefficients),
+                          ns_steps=m.ns_steps, ns_eps=m.ns_eps, adjust_lr=m.adjust_lr.value,
+                          weight_decay=m.weight_decay, replicas=replicas, **common)
+    return build_adamw(model.param_groups(o.weight_decay), lr=plan.schedule.lr, weight_decay=o.weight_decay, **common)
 
 
 def build_model(plan: Plan, cfg: Config, dist: Dist) -> tuple[GPT, Optional[Path]]:
@@ -141,7 +149,7 @@ def build(plan: Plan, cfg: Config, data: TokenData, dist: Dist, phase: Phase = r
     benchmarks pass timers)."""
     model, weights = build_model(plan, cfg, dist)
     loss_module = distributed.wrap(model, build_loss(plan, cfg), plan.precision, cfg.distributed, dist)
-    optimizer = build_optimizer(plan, cfg, model, sharded=dist.sharded)
+    optimizer = build_optimizer(plan, cfg, model, dist)
     t, T, device = cfg.trainer, plan.model.block_size, plan.device
     checked = dict(vocab_size=data.vocab_size, cache_path=data.path)
     train_batches = DeviceBatches(data.train, T, t.batch_size, t.seed, device, grad_accum=plan.grad_accum, **checked)

@@ -23,7 +23,8 @@ import torch
 from . import fp8, memory
 from .recompute import recomputed_blocks
 from .config import BLOCK_LINEARS, SCRATCH, CheckpointingConfig, CheckpointPolicy, Config, ConfigError, \
-    DistributedMode, Float8Kernels, Float8Recipe, KernelImpl, ModelConfig, OptimizerImpl, TrainerConfig, padded_vocab
+    DistributedMode, Float8Kernels, Float8Recipe, KernelImpl, ModelConfig, OptimizerImpl, OptimizerName, \
+    TrainerConfig, padded_vocab
 from .memory import GB, MemoryEstimate
 from .model import GPT
 from .precision import Precision, resolve_precision
@@ -82,6 +83,8 @@ class Plan:
     notes: tuple[str, ...] = field(default=())
     float8_linears: tuple[str, ...] = ()  # precision.float8: each block's linears that multiply in float8
     float8_all_gather: bool = False  # fsdp: those linears' weights are all-gathered in float8
+    optimizer: OptimizerName = OptimizerName.adamw
+    muon_lr: Optional[float] = None  # optimizer=muon: its lr at the schedule's peak (trainer.lr)
 
     @property
     def compiled(self) -> bool:
@@ -115,13 +118,16 @@ class Plan:
             + (f" in each block's {', '.join(self.float8_linears)}" if self.float8_linears else "")
             + (", gathered in float8" if self.float8_all_gather else ""),
             f"  compile        {compiled}{self._tag('compile')}",
-            f"  kernels        loss={self.loss_impl} optimizer={self.optimizer_impl} "
+            f"  kernels        loss={self.loss_impl} optimizer={self.optimizer_impl}"
+            f"{' muon' if self.optimizer == OptimizerName.muon else ''} "
             f"gelu={self.model.gelu.value}{self._tag('kernels')}",
             f"  batch          {self.batch_size} x {T} = {self.batch_size * T:,} tokens/step: micro-batch "
             f"{self.micro_batch} x {self.grad_accum} accumulation{ranks}{self._tag('micro_batch')}",
             f"  checkpointing  {policy}{self._tag('checkpointing')}",
-            f"  schedule       lr {self.schedule.lr:g} -> {self.schedule.min_lr:g}, warmup "
-            f"{self.schedule.warmup_steps} of {self.schedule.max_steps} steps{self._tag('warmup')}",
+            f"  schedule       lr {self.schedule.lr:g} -> {self.schedule.min_lr:g}"
+            + (f" (Muon's {self.muon_lr:g} -> {self.muon_lr * self.schedule.min_lr / self.schedule.lr:g})"
+               if self.muon_lr is not None else "")
+            + f", warmup {self.schedule.warmup_steps} of {self.schedule.max_steps} steps{self._tag('warmup')}",
             f"  memory         predicted peak {self.memory.peak / GB:.2f} GB of a {self.memory_budget / GB:.1f} GB "
             f"budget ({self.memory_budget / self.device_memory:.0%} of {self.device_memory / GB:.1f} GB"
             f"{' available' if self.device.type == 'cpu' else ''})",
@@ -137,6 +143,7 @@ class Plan:
                 "float8_all_gather": self.float8_all_gather,
                 "tf32": self.precision.tf32, "compile_mode": self.compile_mode or "eager",
                 "cuda_graphs": self.cuda_graphs, "loss": self.loss_impl, "optimizer": self.optimizer_impl,
+                "optimizer_name": self.optimizer.value, "muon_lr": self.muon_lr,
                 "gelu": self.model.gelu.value, "batch_size": self.batch_size, "micro_batch": self.micro_batch,
                 "grad_accum": self.grad_accum, "checkpointing": self.checkpointing.policy.value,
                 "every_k": self.checkpointing.every_k, "warmup_steps": self.schedule.warmup_steps,
@@ -287,7 +294,7 @@ def make_plan(cfg: Config, tokenizer_vocab: int, device: torch.device, world_siz
                               optimizer_impl=optimizer_impl, fsdp_unit_blocks=cfg.distributed.fsdp_unit_blocks,
                               reshard_after_forward=cfg.distributed.reshard_after_forward,
                               float8_linears=float8_linears, float8_all_gather=float8_all_gather,
-                              compiled=compile_mode is not None)
+                              compiled=compile_mode is not None, optimizer=cfg.optimizer.name)
 
     candidates = _candidates(cfg.checkpointing, model, _micro_batches(t, per_rank, world_size))
     micro, policy, estimate = _fit(candidates, predict, cfg, precision, budget, total, device)
@@ -303,7 +310,8 @@ def make_plan(cfg: Config, tokenizer_vocab: int, device: torch.device, world_siz
                 schedule=LRSchedule(t.lr, t.min_lr, warmup, t.max_steps), max_skipped_steps=max_skipped,
                 memory=estimate, memory_budget=budget, device_memory=total, deterministic=t.deterministic,
                 placement=placement(device), auto=auto, notes=tuple(notes), float8_linears=float8_linears,
-                float8_all_gather=float8_all_gather)
+                float8_all_gather=float8_all_gather, optimizer=cfg.optimizer.name,
+                muon_lr=cfg.optimizer.muon.lr if cfg.optimizer.name == OptimizerName.muon else None)
 
 
 def _kernels(cfg: Config, device: torch.device) -> tuple[str, str]:

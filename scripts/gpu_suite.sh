@@ -4,7 +4,8 @@
 #        [step] [step_ablate] [step15b] [step_sizes] [curve] [sweep] [sweep_alone] [defaults] [defaults15b] [plan]
 #        [attention] [diverge15b] [compile15b] [compile_check] [determinism] [determinism_cost]
 #        [determinism_cost15b] [allocator] [sample] [sample_run] [prepare_corpus] [prepare_many] [prepare_one]
-#        [fp8_tests] [fp8_speed] [fp8_sizes] [fp8_defaults15b] [fp8_quality] [smoke]
+#        [fp8_tests] [fp8_speed] [fp8_sizes] [fp8_defaults15b] [fp8_quality] [muon] [muon_bench] [muon_step]
+#        [muon_quality] [smoke]
 # smoke: every benchmark script once in its quickest mode (the tiny model, one small shape), a few minutes: each
 #   still runs end to end on this GPU; its figures are not results
 # plan: PLAN_MODELS and PLAN_BATCHES (space-separated) pick the grid, default gpt2-124m at 16 64 512; it starts no
@@ -142,6 +143,50 @@ for what in "$@"; do
       python3 scripts/bench_fp8.py quality $sw/* --out "$out/fp8_quality/$name.json"  # the figures before the plots
       python3 scripts/report.py $sw --out "$out/fp8_quality/$name" 2>&1 | sed -n 1,8p
       rm -rf $sw/*/checkpoints ;;
+    muon)  # Muon's GPU tests (compiled kernels: the step never syncs, the fused step replayed as a CUDA graph, a skipped
+      # step and a resume bit for bit; the exact parity with torch.optim.Muon is the CPU's: cuBLAS's batched and
+      # per-matrix GEMMs round apart), then optimizer=muon through the trainer: gpt2-124m, compiled with CUDA graphs
+      MINITRAIN_TEST_DEVICE=cuda timeout 300 python3 -m pytest -q tests/test_muon.py \
+        -k "never_syncs or cuda_graph or overflow or resume_is_bit or schedule or refuses" 2>&1 \
+        | grep -E "^(E  |FAILED|[0-9]+ (passed|failed))" | tail -20
+      rm -rf /tmp/muon-124m
+      timeout 280 python3 scripts/train.py model=gpt2-124m optimizer=muon trainer.max_steps=100 trainer.log_every=20 \
+        trainer.eval_every=100 trainer.save_every=1000 trainer.sample_tokens=0 hydra.run.dir=/tmp/muon-124m 2>&1 \
+        | grep -v "it/s\]\|step/s\]" | grep -aE "^(plan|  |step|memory|error|finished)" | tail -24
+      cp /tmp/muon-124m/metrics.jsonl "$out/muon_124m_metrics.jsonl"
+      for precision in fp16 fp8; do  # loss scaling on both sides' gradients; float8 linears whose weights are Muon's
+        rm -rf /tmp/muon-124m-$precision
+        timeout 200 python3 scripts/train.py model=gpt2-124m optimizer=muon precision=$precision trainer.max_steps=30 \
+          trainer.log_every=10 trainer.eval_every=30 trainer.save_every=1000 trainer.sample_tokens=0 \
+          hydra.run.dir=/tmp/muon-124m-$precision 2>&1 | grep -aE "^(step|error|finished)" | tail -5
+      done ;;
+    muon_bench)  # Muon's step against torch.optim.Muon + our fused AdamW at gpt2-124m and gpt2-1.5b shapes (each
+      # first update checked, alternating rounds), beside the floor: Newton-Schulz at the bf16 GEMM rate of this run
+      timeout 500 python3 scripts/bench_optimizer.py --cases muon-gpt2-124m muon-gpt2-1.5b \
+        --out "$out/bench_muon.json" 2>&1 | tail -20 ;;
+    muon_step)  # Muon's share of the gpt2-124m step: minitrain's recipe with optimizer=muon against the reference, with
+      # minitrain on AdamW interleaved (--ablate), and the profile's optimizer phase
+      timeout 500 python3 scripts/bench_step.py --models gpt2-124m --batch 16 --rounds 6 --profile \
+        --minitrain-extra optimizer=muon --ablate optimizer=adamw --out "$out/bench_step_muon.json" 2>&1 \
+        | grep -v "^{" | tail -40 ;;
+    muon_quality)  # AdamW at its best lr against Muon at its best: QUALITY_MODEL (gpt2-124m), QUALITY_STEPS (1000) of
+      # the built-in corpus, deterministic; MUON_SWEEP=adamw runs trainer.lr over ADAMW_LRS, =muon runs
+      # optimizer.muon.lr over MUON_LRS (the AdamW side at GPT-3's lr for the size), each a call of its own; the cells'
+      # records go to OUT/muon_quality/; `bench_optimizer.py --quality OUT*/muon_quality/MODEL-*` compares them all
+      model=${QUALITY_MODEL:-gpt2-124m}; sweep=${MUON_SWEEP:-adamw}; sw=/tmp/muon-quality/$model-$sweep; rm -rf $sw
+      lr=$(python3 -c "from minitrain.tools.benchmarks.step import LR; print(LR.get('$model', 6e-4))")
+      if [ $sweep = adamw ]; then
+        cells="optimizer=adamw trainer.lr=${ADAMW_LRS:-6e-4,1.2e-3,2.4e-3}"
+      else
+        cells="optimizer=muon trainer.lr=$lr optimizer.muon.lr=${MUON_LRS:-0.01,0.02,0.04}"
+      fi
+      timeout 575 python3 scripts/train.py -m model=$model $cells trainer.max_steps=${QUALITY_STEPS:-1000} \
+        trainer.min_lr=0 trainer.eval_every=100 trainer.eval_batches=20 trainer.log_every=50 trainer.save_every=100000 \
+        trainer.deterministic=true trainer.sample_tokens=0 hydra.sweep.dir=$sw 2>&1 | tail -3
+      mkdir -p "$out/muon_quality"
+      tar -C /tmp/muon-quality --exclude=checkpoints -cf - $model-$sweep | tar -C "$out/muon_quality" -xf -
+      python3 scripts/bench_optimizer.py --quality "$out"/muon_quality/$model-* --out "$out/muon_quality/$model.json" \
+        2>&1 | tail -12 ;;
     gelu) timeout 60 python3 scripts/bench_gelu.py --out "$out/bench_gelu.json" 2>&1 | tail -6 ;;
     attention) timeout 120 python3 scripts/bench_attention.py --out "$out/bench_attention.json" 2>&1 | tail -24 ;;
     ce_rows) timeout 200 python3 scripts/tune_cross_entropy_rows.py --out "$out/tune_ce_rows.json" 2>&1 | tail -60 ;;

@@ -1,8 +1,10 @@
-"""Predict an AdamW step: per-tensor vs foreach vs fused, host-bound vs bandwidth-bound, and its memory.
+"""Predict an AdamW step: per-tensor vs foreach vs fused, host-bound vs bandwidth-bound, and its memory; then what
+Muon costs beside AdamW per parameter of a model's hidden matrices (FLOPs, bytes moved, state) and its floor.
 
 `python scripts/optimizer_widget.py [--params N] [--tensors K] [--launch-us U] [--host-us-per-tensor H]
-[--bandwidth-tbs B] [--measured bench_optimizer.json] [--out optimizer_widget.png]`; defaults: GPT-2 124M,
-H200 values. The model is minitrain/tools/optimizer_model.py; the plot needs matplotlib (the `plots` extra).
+[--bandwidth-tbs B] [--gemm-tflops G] [--model gpt2-124m] [--measured bench_optimizer.json]
+[--out optimizer_widget.png]`; defaults: GPT-2 124M, H200 values. The model is minitrain/tools/optimizer_model.py;
+the plot needs matplotlib (the `plots` extra).
 """
 
 import argparse
@@ -11,7 +13,8 @@ import json
 
 from minitrain.tools import optimizer_model as om
 from minitrain.config import ModelConfig
-from minitrain.memory import param_numels
+from minitrain.memory import hidden_shapes, param_numels
+from minitrain.tools.benchmarks.optimizer import MUON_MODELS
 
 
 def gpt2_124m() -> tuple[int, int]:
@@ -29,6 +32,10 @@ def main() -> None:
     ap.add_argument("--host-us-per-tensor", type=float, default=om.FUSED_HOST_S_PER_TENSOR * 1e6,
                     help="the fused step's host time per parameter tensor")
     ap.add_argument("--bandwidth-tbs", type=float, default=om.DEFAULT_BANDWIDTH / 1e12)
+    ap.add_argument("--gemm-tflops", type=float, default=om.DEFAULT_GEMM_FLOPS / 1e12,
+                    help="the bf16 GEMM rate Muon's Newton-Schulz runs at")
+    ap.add_argument("--model", default="gpt2-124m", choices=list(MUON_MODELS),
+                    help="whose hidden matrices Muon's costs are counted over")
     ap.add_argument("--measured", default=None, help="scripts/bench_optimizer.py's JSON, overlaid on the plot")
     ap.add_argument("--out", default="optimizer_widget.png")
     args = ap.parse_args()
@@ -38,6 +45,7 @@ def main() -> None:
         with open(args.measured) as f:
             measured = om.measured_points(json.load(f))
     print(om.table(args.params, args.tensors, launch_s, bandwidth, per_tensor))
+    print(om.cost_table(hidden_shapes(MUON_MODELS[args.model]), args.gemm_tflops * 1e12, bandwidth))
     if importlib.util.find_spec("matplotlib") is None:
         print("plot skipped: matplotlib is not installed (pip install -e '.[plots]')")
         return

@@ -1,6 +1,7 @@
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import REPO
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
@@ -71,6 +72,14 @@ def test_bad_type_fails_naming_key(make_cfg, override, names):
     (["checkpointing.policy=every_k", "checkpointing.every_k=9"], "checkpointing.every_k"),
     (["checkpointing.policy=every_k", "checkpointing.every_k=0"], "checkpointing.every_k"),
     (["precision=bf16", "optimizer.impl=torch"], "optimizer.impl"),
+    (["optimizer=muon", "precision=fp32", "optimizer.impl=torch"], "optimizer.impl: torch is the plain-PyTorch AdamW"),
+    (["optimizer.muon.lr=0"], "optimizer.muon.lr: must be > 0"),
+    (["optimizer.muon.momentum=1.0"], "optimizer.muon.momentum: must be in"),
+    (["optimizer.muon.ns_steps=0"], "optimizer.muon.ns_steps: must be in"),
+    (["optimizer.muon.ns_coefficients=[3.4,-4.7]"], "optimizer.muon.ns_coefficients: needs the quintic's three"),
+    (["optimizer.muon.ns_eps=0"], "optimizer.muon.ns_eps: must be > 0"),
+    (["optimizer.muon.weight_decay=-0.1"], "optimizer.muon.weight_decay: must be >= 0"),
+    (["optimizer.muon.ns_eps=inf"], "optimizer.muon.ns_eps: must be a finite number, got inf"),
     (["precision=fp32", "precision.master_weights=true"], "precision.master_weights"),
     (["data.vocab_size=100"], "data.vocab_size"),
     (["data=files"], "data.paths"),
@@ -88,6 +97,8 @@ def test_bad_value_fails_naming_key(make_cfg, overrides, names):
     ("model.n_layers=4", "model.n_layers is not a setting of model; did you mean model.n_layer?"),
     ("+trainer.foo=1", "trainer.foo is not a setting of trainer; its settings: max_steps, batch_size, micro_batch,"),
     ("optimizer.betas1=0.9", "optimizer.betas1 is not a setting of optimizer; did you mean optimizer.betas?"),
+    ("optimizer.muon.ns_step=3", "optimizer.muon.ns_step is not a setting of optimizer.muon; did you mean "
+                                 "optimizer.muon.ns_steps?"),
     ("model.biass=false", "model.biass is not a setting of model; did you mean model.bias?"),
     ("data.path=x", "data.path is not a setting of data; did you mean data.paths?"),
     ("distributed.fsdp_unit_block=2",
@@ -123,14 +134,21 @@ def test_every_setting_and_every_option_s_key_passes_the_command_line_check():
 
     from minitrain.config import Config
 
-    settings = []
-    for group in dataclasses.fields(Config):
-        for f in dataclasses.fields(group.type if isinstance(group.type, type) else group.default_factory()):
+    def settings_of(node, prefix):  # every leaf setting with its default, nested groups (optimizer.muon) included
+        for f in dataclasses.fields(node):
             default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
-            if default != "???":
-                settings.append(f"{group.name}.{f.name}={command_line_value(default)}")
+            if dataclasses.is_dataclass(default):
+                yield from settings_of(default, f"{prefix}{f.name}.")
+            elif default != "???":
+                yield f"{prefix}{f.name}={command_line_value(default)}"
+
+    settings = [s for group in dataclasses.fields(Config)
+                for s in settings_of(group.default_factory(), f"{group.name}.")]
+    keys = schema_keys()
+    leaves = [k for k in keys if "." in k and not any(other.startswith(k + ".") for other in keys)]
     assert "model.bias=true" in settings and "distributed.fsdp_unit_blocks=4" in settings and \
-        "loss.chunk_bytes=null" in settings and len(settings) == len([k for k in schema_keys() if "." in k]) - 1
+        "loss.chunk_bytes=null" in settings and "optimizer.muon.adjust_lr='original'" in settings and \
+        len(settings) == len(leaves) - 1
     options = [f"{yaml.parent.name}.{key}={command_line_value(value)}" for yaml in (REPO / "configs").glob("*/*.yaml")
                for key, value in (OmegaConf.to_container(OmegaConf.load(yaml)) or {}).items()
                if yaml.parent.name != "hydra" and value != "???"]
@@ -151,6 +169,8 @@ def test_every_setting_and_every_option_s_key_passes_the_command_line_check():
                        "'fp8_rowwise') (configs/precision/), got 'fp64'"),
     ("model=gpt2-125m", "model: one of ('gpt2-1.5b', 'gpt2-124m', 'gpt2-350m', 'gpt2-774m', 'pretrained', 'tiny') "
                         "(configs/model/), got 'gpt2-125m'"),
+    ("optimizer=lion", "optimizer: one of ('adamw', 'muon') (configs/optimizer/), got 'lion'"),
+    ("optimizer.muon.adjust_lr=rms", "optimizer.muon.adjust_lr: one of ('original', 'match_rms_adamw'), got 'rms'"),
 ])
 def test_a_word_that_is_not_one_of_a_setting_s_choices_names_them(override, message):
     """Hydra's own message for it is six lines and exit 1; every other bad value is one line and exit 2."""
@@ -213,10 +233,15 @@ DEFINING = {"name", "source", "policy", "mode", "impl", "param_dtype"}
 
 
 def dataclass_defaults(schema) -> dict:
+    """A group's defaults as the composed config holds them: enums as their values, a nested group as a dict."""
     import dataclasses
 
-    return {f.name: getattr(f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default,
-                            "value", f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
+    def plain(value):
+        if dataclasses.is_dataclass(value):
+            return dataclass_defaults(type(value))
+        return getattr(value, "value", value)
+
+    return {f.name: plain(f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default)
             for f in dataclasses.fields(schema)}
 
 
@@ -253,3 +278,24 @@ def test_the_default_options_are_the_dataclass_defaults():
         option = {"model": {"name": "tiny", "n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 256},
                   "data": {"val_fraction": 0.02}}
         assert differ == option.get(group, {}), group
+
+
+def test_muon_defaults_are_torch_optim_muons():
+    """optimizer.muon's Newton–Schulz settings, momentum and lr adjustment are torch.optim.Muon's defaults (and
+    minitrain.optim.Muon's, the library's own): a default changed in one place only would make the run another
+    optimizer than its comment says."""
+    import inspect
+
+    from minitrain.config import MuonConfig
+    from minitrain.optim import Muon
+
+    muon = MuonConfig()
+    torch_defaults = inspect.signature(torch.optim.Muon).parameters
+    ours = inspect.signature(Muon).parameters
+    assert tuple(muon.ns_coefficients) == torch_defaults["ns_coefficients"].default == ours["ns_coefficients"].default
+    assert muon.ns_steps == torch_defaults["ns_steps"].default == ours["ns_steps"].default
+    assert muon.ns_eps == torch_defaults["eps"].default == ours["ns_eps"].default
+    assert muon.momentum == torch_defaults["momentum"].default == ours["momentum"].default
+    assert muon.nesterov is torch_defaults["nesterov"].default is ours["nesterov"].default
+    assert muon.adjust_lr.value == ours["adjust_lr"].default and torch_defaults["adjust_lr_fn"].default is None
+    assert (muon.lr, muon.weight_decay) == (ours["lr"].default, ours["weight_decay"].default)

@@ -29,6 +29,9 @@ WORLD = 2
 TIMEOUT_S = 300  # bounds the whole 2-process job; a hang fails the test instead of the suite
 COMMON = ("trainer.batch_size=8", "model.block_size=32", "trainer.max_steps=10", "trainer.log_every=1",
           "trainer.eval_every=10", "trainer.save_every=5", "trainer.sample_tokens=4", "distributed.timeout_s=60")
+# optimizer=muon's runs: a narrower model (Newton-Schulz's bf16 GEMMs are slow on a CPU), whose matrices split into
+# two row blocks of equal size under fsdp (uneven blocks: test_muon.py's Exchange test)
+MUON = ("optimizer=muon", "model.n_layer=2", "model.n_embd=64")
 
 
 def overrides(data_cache, out_dir, *extra):
@@ -74,9 +77,11 @@ def run_job(trainer, job):
         return {"crashed_at": trainer.step}
     stats = trainer.optimizer.stats()
     state_bytes = sum(t.numel() * t.element_size() for b in trainer.optimizer.buckets
-                      for t in (b.state.exp_avg, b.state.exp_avg_sq, b.state.master) if t is not None)
+                      for t in vars(b.state).values() if isinstance(t, torch.Tensor))  # the flat buffers
+    exchange = getattr(trainer.optimizer, "exchange", None)
     return {"skipped": int(stats["skipped_steps"]), "loss_scale": float(stats.get("loss_scale", "nan")),
-            "optimizer_state_bytes": state_bytes, "params": full_params(trainer)}
+            "optimizer_state_bytes": state_bytes, "params": full_params(trainer),
+            "exchange": exchange.mode if exchange is not None else None}
 
 
 def worker(rank, port, jobs, results_dir):
@@ -133,6 +138,15 @@ def runs(data_cache, tmp_path_factory):
                                                    "trainer.resume=auto")},
         "fsdp_to_single": {"overrides": overrides(data_cache, root / "to_single", "distributed=fsdp"), "crash_at": 7},
     }
+    reports = run_jobs(root, jobs)
+    resumed = Trainer(compose_config(overrides(data_cache, root / "to_single", "trainer.resume=auto")), progress=False)
+    resumed.fit()
+    reports["fsdp_to_single.resumed"] = {"params": full_params(resumed)}
+    return root, reference, reports
+
+
+def run_jobs(root, jobs: dict) -> dict:
+    """Every job in one 2-process group, one after another; each rank's report by `job.rank`."""
     ctx = mp.start_processes(worker, args=(free_port(), jobs, str(root)), nprocs=WORLD, join=False,
                              start_method="spawn")
     for _ in range(TIMEOUT_S):
@@ -142,11 +156,34 @@ def runs(data_cache, tmp_path_factory):
         for p in ctx.processes:
             p.kill()
         pytest.fail(f"the 2-process job did not finish in {TIMEOUT_S} s")
-    reports = {f"{name}.{r}": torch.load(root / f"{name}.rank{r}.pt") for name in jobs for r in range(WORLD)}
-    resumed = Trainer(compose_config(overrides(data_cache, root / "to_single", "trainer.resume=auto")), progress=False)
+    return {f"{name}.{r}": torch.load(root / f"{name}.rank{r}.pt") for name in jobs for r in range(WORLD)}
+
+
+@pytest.fixture(scope="module")
+def muon_runs(data_cache, tmp_path_factory):
+    """optimizer=muon: one process's run, and a 2-process job of its own: a share of the Newton-Schulz work per rank
+    under ddp and under fsdp, on the fused kernels too; fsdp's checkpoint of step 5 resumed by two processes and by
+    one."""
+    root = tmp_path_factory.mktemp("dist-muon")
+    single = Trainer(compose_config(overrides(data_cache, root / "muon", *MUON)), progress=False)
+    single.fit()
+    reports = run_jobs(root, {
+        "ddp_muon": {"overrides": overrides(data_cache, root / "ddp_muon", "distributed=ddp", *MUON)},
+        "fsdp_muon": {"overrides": overrides(data_cache, root / "fsdp_muon", "distributed=fsdp", *MUON)},
+        "fsdp_muon_fused": {"overrides": overrides(data_cache, root / "fsdp_muon_fused", "distributed=fsdp",
+                                                   "optimizer.impl=fused", *MUON)},
+        "fsdp_muon_to_single": {"overrides": overrides(data_cache, root / "muon_to_single", "distributed=fsdp", *MUON),
+                                "crash_at": 7},
+        "fsdp_muon_crash": {"overrides": overrides(data_cache, root / "muon_resumed", "distributed=fsdp", *MUON),
+                            "crash_at": 7},
+        "fsdp_muon_resumed": {"overrides": overrides(data_cache, root / "muon_resumed", "distributed=fsdp",
+                                                     "trainer.resume=auto", *MUON)}})
+    resumed = Trainer(compose_config(overrides(data_cache, root / "muon_to_single", "trainer.resume=auto", *MUON)),
+                      progress=False)
     resumed.fit()
-    reports["fsdp_to_single.resumed"] = {"params": full_params(resumed)}
-    return root, reference, reports
+    reports["fsdp_muon_to_single.resumed"] = {"params": full_params(resumed)}
+    reports["muon"] = {"params": full_params(single)}
+    return root, reports
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp", "fsdp_fused", "fsdp_units", "fsdp_recompute"])
@@ -163,6 +200,59 @@ def test_losses_match_the_single_process_run(runs, mode):
         params = reports[f"{mode}.{rank}"]["params"]
         for k in ref:
             torch.testing.assert_close(params[k], ref[k], rtol=1e-4, atol=1e-5, msg=f"rank {rank}: {k}")
+
+
+# How far apart two runs of one process and one global batch end when only the order of their gradient sums
+# differs (micro-batches of 2 against 8): 1-2.3% relative distance in the attention matrices after 10 steps, since
+# Newton-Schulz in bf16 amplifies a flipped rounding of its input (AdamW's runs end 1e-4 apart). A wrong update
+# (another matrix's, a rank's rows misplaced) moves them by their whole 10 steps' movement, tens of percent.
+MUON_RUNS_APART = 0.05
+
+
+def assert_muon_params_close(params, ref, msg=""):
+    for k in ref:
+        distance = (torch.linalg.vector_norm(params[k] - ref[k]) / torch.linalg.vector_norm(ref[k])).item()
+        assert distance <= MUON_RUNS_APART, f"{msg}{k}: {distance:.3g} apart (relative Frobenius distance)"
+
+
+@pytest.mark.parametrize("mode, exchange", [("ddp_muon", "replicated"), ("fsdp_muon", "sharded"),
+                                            ("fsdp_muon_fused", "sharded")])
+def test_muon_matches_the_single_process_run(muon_runs, mode, exchange):
+    """Muon's Newton-Schulz work shared by the ranks (ddp) or gathered from the shards (fsdp): the losses of one
+    process's run, within the rounding of gradient sums added in another order, and its params as near as the same
+    process's with another summation order (MUON_RUNS_APART); the ranks' params the same bits."""
+    root, reports = muon_runs
+    train_ref, val_ref = read_losses(root / "muon")
+    train, val = read_losses(root / mode)
+    assert len(train) == 10
+    torch.testing.assert_close(train, train_ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(val, val_ref, rtol=1e-5, atol=1e-5)
+    for rank in range(WORLD):
+        assert reports[f"{mode}.{rank}"]["exchange"] == exchange
+        assert_muon_params_close(reports[f"{mode}.{rank}"]["params"], reports["muon"]["params"], f"rank {rank}: ")
+    a, b = (reports[f"{mode}.{r}"]["params"] for r in range(WORLD))
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_muon_fsdp_resume_reproduces_the_uninterrupted_run(muon_runs):
+    """Killed at step 7, resumed from step 5's sharded momentum and moments: the same bits as the run never stopped."""
+    root, reports = muon_runs
+    straight, resumed = read_losses(root / "fsdp_muon"), read_losses(root / "muon_resumed")
+    assert resumed[0][-3:] == straight[0][-3:] and resumed[1] == straight[1]
+    for rank in range(WORLD):
+        a, b = reports[f"fsdp_muon.{rank}"]["params"], reports[f"fsdp_muon_resumed.{rank}"]["params"]
+        assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_muon_fsdp_checkpoint_resumes_in_one_process(muon_runs):
+    """fsdp's sharded momentum buffers and moments, resharded into one process's at step 5: steps 6-10 end within
+    rounding of the unbroken run."""
+    root, reports = muon_runs
+    said = (root / "muon_to_single" / "train.log").read_text()
+    assert "checkpoints/latest was saved by 2 processes, this run has 1" in said
+    torch.testing.assert_close(read_losses(root / "muon_to_single")[0], read_losses(root / "muon")[0], rtol=1e-5,
+                               atol=1e-5)
+    assert_muon_params_close(reports["fsdp_muon_to_single.resumed"]["params"], reports["muon"]["params"])
 
 
 def test_fsdp_ranks_each_hold_half_the_optimizer_state(runs):

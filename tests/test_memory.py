@@ -188,3 +188,61 @@ def test_live_bytes_counts_new_storages_not_views():
         del y, view
         assert live.current == 1000
     assert live.peak == 5000 and z.nbytes == 1000
+
+
+# -- optimizer=muon --------------------------------------------------------------------------------------------------
+def muon_optimizer(model, precision, impl="foreach"):
+    from minitrain.optim import Muon
+
+    return Muon(model.muon_param_groups(0.1), impl=impl, master_weights=precision.master_weights,
+                grad_dtype=precision.grad_dtype if precision.fp32_main_grads else None)
+
+
+@pytest.mark.parametrize("name", ["fp32", "bf16", "bf16_fp32_grads"])
+def test_muon_state_terms_are_exact(name):
+    """One fp32 momentum buffer per hidden matrix (12·C² a block) in place of Adam's m and v, which the rest keep: each
+    term the bytes the optimizer allocates, padding included (n_embd=40: no vector fills whole ALIGN blocks)."""
+    from minitrain.config import OptimizerName
+
+    precision = PRECISIONS[name]
+    cfg = ModelConfig(n_layer=2, n_head=4, n_embd=40, block_size=30, vocab_size=250)
+    model = GPT(cfg).to(precision.param_dtype)
+    opt = muon_optimizer(model, precision)
+    est = predict(cfg, precision, POLICIES["none"], 2, 30, "torch", None, device="cpu", optimizer_impl="foreach",
+                  optimizer=OptimizerName.muon)
+    nbytes = lambda ts: sum(t.nbytes for t in ts)  # noqa: E731
+    assert est.muon_momentum == nbytes(b.state.momentum for b in opt.muon_buckets) == 4 * 2 * 12 * 40 * 40
+    assert est.adam_m == est.adam_v == nbytes(b.state.exp_avg for b in opt.adamw_buckets)
+    assert est.masters == nbytes(b.state.master for b in opt.buckets if b.state.master is not None)
+    assert est.grads == sum(b.layout.size * b.grads.dtype.itemsize for b in opt.buckets)
+    adamw = predict(cfg, precision, POLICIES["none"], 2, 30, "torch", None, device="cpu", optimizer_impl="foreach")
+    assert adamw.state - est.state == est.muon_momentum  # Muon's matrices keep 4 bytes a param less
+    assert "Muon momentum" in est.table() and "Muon momentum" not in adamw.table()
+
+
+# The optimizer's step is the peak: one sequence of 8 tokens through wide blocks, a small vocabulary.
+WIDE = ModelConfig(n_layer=2, n_head=4, n_embd=128, block_size=8, vocab_size=64)
+
+
+@pytest.mark.parametrize("impl, precision", [("foreach", "fp32"), ("foreach", "bf16"), ("loop", "bf16"),
+                                             ("foreach", "bf16_fp32_grads"), ("fused", "bf16")])
+def test_peak_of_muon_steps_is_its_newton_schulz_batch(impl, precision):
+    """Model, Muon and two steps under LiveBytes, at a shape whose peak is the optimizer step's: the largest batch's
+    Newton–Schulz buffers (two c_fc matrices of 512 x 128 together, or one alone under loop) beside the fp32 grads, or
+    (fp32) the larger side's gradients gathered beside autograd's, within 0.1% of the measured peak (the optimizer's
+    scalars are left out)."""
+    from minitrain.config import OptimizerName
+
+    prec = PRECISIONS[precision]
+    with LiveBytes() as live:
+        model = GPT(WIDE).to(prec.param_dtype)
+        opt = muon_optimizer(model, prec, impl)
+        train_steps(model, opt, linear_cross_entropy_reference, 1, 8)
+    est = predict(WIDE, prec, POLICIES["none"], 1, 8, "torch", None, device="cpu", optimizer_impl=impl,
+                  optimizer=OptimizerName.muon)
+    assert est.peak == est.state + est.optimizer_transient  # the optimizer's moment sets the peak here
+    kernels = 0  # fused: the work tables and zero blocks the kernels read, a few kB the model leaves out
+    if impl == "fused":
+        kernels = sum(t.nbytes for _, t, _, _ in opt._impl_step.norms.plans) + \
+            sum(o.zeros.nbytes for o in opt._impl_step.norms.grad_offsets)
+    assert 0.999 * live.peak <= est.peak + kernels <= 1.001 * live.peak, (est.peak, kernels, live.peak)

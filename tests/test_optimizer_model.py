@@ -41,6 +41,22 @@ def test_fused_bytes_per_param_counts_the_kernels_traffic():
     assert fused_bytes_per_param(torch.float32, torch.float32, master_weights=False) == 32
 
 
+def test_muon_costs_per_parameter_beside_adamw():
+    """gpt2-124m's 48 matrices: 5·(4·m·n + 2·m³/…) GEMM FLOPs, per block 5·768²·(4·2304 + 2·768 + 6·768 + 2·(4·3072 +
+    2·768)) over its 12·768² params, exactly 17,920 a param against AdamW's 15; 32 bytes moved a param (AdamW's
+    30) and 12 kept (AdamW's 16); the floor: the FLOPs at the GEMM rate plus the bytes at the bandwidth."""
+    from minitrain.memory import hidden_shapes
+    from minitrain.tools.benchmarks.optimizer import MUON_MODELS
+
+    shapes = hidden_shapes(MUON_MODELS["gpt2-124m"])
+    muon, adamw = om.muon_costs(shapes), om.adamw_costs()
+    assert (muon.flops, muon.hbm_bytes, muon.state_bytes) == (17920, 32, 12)
+    assert (adamw.flops, adamw.hbm_bytes, adamw.state_bytes) == (15, 30, 16)
+    n = 12 * 12 * 768**2
+    assert muon.step_s(n, gemm_flops=1e15, bandwidth=4e12) == pytest.approx(17920 * n / 1e15 + 32 * n / 4e12)
+    assert adamw.step_s(n, gemm_flops=1e15, bandwidth=4e12) == pytest.approx(30 * n / 4e12)  # no GEMMs
+
+
 def test_optimizer_widget_writes_table_and_plot(tmp_path):
     pytest.importorskip("matplotlib")
     bench = {"cases": {"gpt2-124m": {"tensors": 148, "params": 124_000_000, "rows": [
@@ -51,4 +67,5 @@ def test_optimizer_widget_writes_table_and_plot(tmp_path):
     out = subprocess.run([sys.executable, str(REPO / "scripts" / "optimizer_widget.py"), "--measured", "bench.json",
                           "--out", "w.png"], check=True, cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert "fused" in out.stdout and "148 tensors" in out.stdout and "16 B/param" in out.stdout
+    assert "48 matrices (84.9M params)" in out.stdout and "Muon          17,920         32       12" in out.stdout
     assert (tmp_path / "w.png").read_bytes()[:4] == b"\x89PNG"

@@ -115,6 +115,28 @@ def test_precision_modes_train(make_cfg, precision, tmp_path):
     assert record["amp/skipped_steps"] < 5  # the steps ran (fp16 may skip an overflow or two, not all)
 
 
+def test_muon_trains_the_hidden_matrices_and_the_plan_says_so(make_cfg):
+    """optimizer=muon with bf16 masters: the blocks' 16 matrices take Muon at its own lr, scaled by the schedule as
+    trainer.lr is, the rest AdamW at trainer.lr; the plan names both lrs; five steps reach the bound every AdamW
+    precision meets."""
+    from minitrain.optim import Muon
+
+    t = Trainer(make_cfg("optimizer=muon", "precision=bf16", "trainer.max_steps=5", "trainer.log_every=5",
+                         "trainer.lr=3e-3", "trainer.min_lr=3e-4", "optimizer.muon.lr=0.03"), progress=False)
+    said = t.plan.describe()
+    assert "optimizer=foreach muon" in said and "lr 0.003 -> 0.0003 (Muon's 0.03 -> 0.003)" in said
+    opt = t.optimizer
+    assert isinstance(opt, Muon)
+    assert [p for b in opt.muon_buckets for p in b.owners] and \
+        {id(p) for b in opt.muon_buckets for p in b.owners} == {id(p) for p in t.model.hidden_matrices()}
+    assert len(t.model.hidden_matrices()) == 4 * t.model.cfg.n_layer
+    assert {id(p) for b in opt.adamw_buckets for p in b.owners} == \
+        {id(p) for p in t.model.parameters()} - {id(p) for p in t.model.hidden_matrices()}
+    record = t.fit()
+    assert record["val/loss"] < math.log(t.plan.model.vocab_size) - 0.4
+    assert [g["lr"] for g in opt.param_groups] == pytest.approx([record["opt/lr"] * 10] + [record["opt/lr"]])
+
+
 @pytest.mark.parametrize("overrides, scaled", [
     (["precision=fp32"], False), (["precision=bf16"], False), (["precision=fp32", "optimizer.impl=torch"], False),
     (["precision=fp16"], True),
@@ -417,6 +439,8 @@ def crash_at(trainer, crash_step, monkeypatch):
 @pytest.mark.parametrize("precision, extra", [
     ("fp32", ["model.dropout=0.1"]),  # dropout: the RNG state must come back
     ("fp16", ["model.dropout=0.1", "precision.growth_interval=2"]),  # the scaler's growth tracker is non-zero
+    # Muon's momentum beside AdamW's moments (a narrower model: Newton-Schulz's bf16 GEMMs are slow on a CPU)
+    ("fp16", ["optimizer=muon", "model.n_layer=2", "model.n_embd=64", "precision.growth_interval=2"]),
 ])
 def test_resume_restores_every_part_and_the_logged_metrics(make_cfg, tmp_path, monkeypatch, precision, extra):
     """log_every=4, save_every=6: the crash at step 9 loses steps 7-9 and the running loss of steps 5-6, which the

@@ -1,4 +1,6 @@
-"""Triton kernels of the fused AdamW step: three launches for any number of tensors.
+"""Triton kernels of the fused AdamW step: three launches for any number of tensors. The first two (the norm pass
+and the decision, NormPass and finalize) are the fused step's whatever updates follow: Muon's (muon_triton.py)
+runs after AdamW's from the same scalars (FusedStep).
 
   _sumsq_kernel     reads every gradient once, one program per row of the work table (below),
                     writing one partial sum of squares per row (no atomics: the norm is
@@ -214,7 +216,7 @@ def _work_table(bucket):
     align = 16 // size
     for tensor, (p, off, group) in enumerate(zip(bucket.params, bucket.layout.offsets, bucket.groups)):
         if not p.is_contiguous():
-            raise ValueError("fused AdamW needs contiguous parameters")
+            raise ValueError("the fused optimizer needs contiguous parameters")
         delta = p.data_ptr() - base.data_ptr()
         if delta % 16:
             align = 1
@@ -267,26 +269,23 @@ class _GradOffsets:
         if all(map(torch.Tensor.is_contiguous, grads)):
             return
         p, g = next((p, g) for p, g in zip(self.bucket.params, grads) if not g.is_contiguous())
-        raise ValueError(f"fused AdamW reads gradients in place and needs each p.grad contiguous; got stride "
+        raise ValueError(f"the fused optimizer reads gradients in place and needs each p.grad contiguous; got stride "
                          f"{g.stride()} for a parameter of shape {tuple(p.shape)}")
 
 
-class FusedStep:
-    """The launch plan of one AdamW(impl="fused"): work tables and scratch, built once."""
+class NormPass:
+    """The first phase of a fused step over some buckets: their work tables, built once, and the launches that
+    read every gradient where it lies into one partial sum of squares per table row."""
 
-    def __init__(self, buckets, betas, eps, max_grad_norm, reduce_sumsq):
-        assert ALIGN % 16 == 0  # the kernel promises 16-element-aligned state offsets
-        self.betas, self.eps, self.max_grad_norm, self.reduce_sumsq = betas, eps, max_grad_norm, reduce_sumsq
-        device = buckets[0].params[0].device
+    def __init__(self, buckets):
+        assert ALIGN % 16 == 0  # the kernels promise 16-element-aligned state offsets
         self.plans = [(b, *_work_table(b)) for b in buckets]
         self.base_ptrs = [base.data_ptr() for _, _, base, _ in self.plans]
         self.grad_offsets = [_GradOffsets(b) for b in buckets]
         self.n_partials = [table.shape[0] for _, table, _, _ in self.plans]
-        self.partials = torch.empty(sum(self.n_partials), dtype=torch.float32, device=device)
-        self.scalars = torch.empty(N_SCALARS.value, dtype=torch.float32, device=device)
 
-    def __call__(self, lr, weight_decay, counters, scaler):
-        """One step. lr, weight_decay: [groups] fp32 device tensors; counters, scaler: updated in place."""
+    def __call__(self, partials):
+        """Fill `partials` (fp32, one per table row); returns each bucket's (grad offsets, zero block, alignment)."""
         for (_, _, base, _), ptr in zip(self.plans, self.base_ptrs):
             if base.data_ptr() != ptr:
                 raise RuntimeError("parameters moved since the optimizer was built; "
@@ -294,19 +293,51 @@ class FusedStep:
         grads = [offsets() for offsets in self.grad_offsets]
         start = 0
         for (_, table, _, _), (offsets, zeros, align), n in zip(self.plans, grads, self.n_partials):
-            _sumsq_kernel[(n,)](table, offsets, zeros, self.partials[start:], GRAD_ALIGN=align, BLOCK=BLOCK,
+            _sumsq_kernel[(n,)](table, offsets, zeros, partials[start:], GRAD_ALIGN=align, BLOCK=BLOCK,
                                 num_warps=NUM_WARPS)
             start += n
+        return grads
+
+
+class AdamWKernel:
+    """The update phase of the fused AdamW over some buckets: one _adamw_kernel launch per bucket."""
+
+    def __init__(self, buckets, betas, eps):
+        self.buckets, self.betas, self.eps = buckets, betas, eps
+
+    def __call__(self, plans, grads, lr, weight_decay, scalars):
+        beta1, beta2 = self.betas
+        for (b, table, base, align), (offsets, zeros, grad_align) in zip(plans, grads):
+            state = b.state
+            _adamw_kernel[(table.shape[0],)](
+                table, offsets, zeros, base, state.master if state.master is not None else state.exp_avg,
+                state.exp_avg, state.exp_avg_sq, lr, weight_decay, scalars,
+                beta1, beta2, self.eps, HAS_MASTER=state.master is not None, PARAM_ALIGN=align,
+                GRAD_ALIGN=grad_align, BLOCK=BLOCK, num_warps=NUM_WARPS)
+
+
+class FusedStep:
+    """The launch plan of one fused step over `sides` (updates, each with its `buckets`), built once: the norm
+    pass over every side's gradients, one finalize, then each side's update (3 launches for AdamW alone)."""
+
+    def __init__(self, sides, betas, max_grad_norm, reduce_sumsq):
+        self.sides, self.betas, self.max_grad_norm, self.reduce_sumsq = sides, betas, max_grad_norm, reduce_sumsq
+        buckets = [b for side in sides for b in side.buckets]
+        device = buckets[0].params[0].device
+        self.norms = NormPass(buckets)
+        self.partials = torch.empty(sum(self.norms.n_partials), dtype=torch.float32, device=device)
+        self.scalars = torch.empty(N_SCALARS.value, dtype=torch.float32, device=device)
+        self.n_buckets = [len(side.buckets) for side in sides]
+
+    def __call__(self, lr, weight_decay, counters, scaler):
+        """One step. lr, weight_decay: [groups] fp32 device tensors; counters, scaler: updated in place."""
+        grads = self.norms(self.partials)
         partials = self.partials
         if self.reduce_sumsq is not None:  # agree on one number across ranks, not on a partial per block
             partials = partials.sum(0, keepdim=True)
             self.reduce_sumsq(partials)
         finalize(partials, counters, scaler, self.max_grad_norm, self.betas, self.scalars)
-        beta1, beta2 = self.betas
-        for (b, table, base, align), (offsets, zeros, grad_align) in zip(self.plans, grads):
-            state = b.state
-            _adamw_kernel[(table.shape[0],)](
-                table, offsets, zeros, base, state.master if state.master is not None else state.exp_avg,
-                state.exp_avg, state.exp_avg_sq, lr, weight_decay, self.scalars,
-                beta1, beta2, self.eps, HAS_MASTER=state.master is not None, PARAM_ALIGN=align,
-                GRAD_ALIGN=grad_align, BLOCK=BLOCK, num_warps=NUM_WARPS)
+        start = 0
+        for side, n in zip(self.sides, self.n_buckets):
+            side(self.norms.plans[start:start + n], grads[start:start + n], lr, weight_decay, self.scalars)
+            start += n

@@ -11,6 +11,10 @@ bytes (bytes / bandwidth). The three implementations of minitrain.optim.AdamW si
 
 The memory floor is what AdamW with fp32 state keeps per parameter: weights + grads + m + v
 (+ fp32 masters for low-precision weights): 16 B/param for fp32 or bf16 + masters, 18 with fp32 grads.
+
+Muon (optimizer=muon) costs its matrices FLOPs where AdamW costs bytes: Newton–Schulz's GEMMs, 5·(4·m + 2·m²/n)
+FLOPs a parameter of an m x n matrix (m <= n), thousands where AdamW's update is ~15, at the GEMM rate; its
+memory passes move about what AdamW's do (`muon_costs`), and it keeps one fp32 buffer a parameter instead of two.
 matplotlib is imported by `plot` only.
 """
 
@@ -21,7 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
+from minitrain.optim import newton_schulz
 from minitrain.optim.adamw_triton import fused_bytes_per_param
+from minitrain.optim.muon_triton import fused_bytes_per_param as muon_bytes_per_param
 
 OPS_PER_STEP = 15  # torch ops of one unfused AdamW update with clipping and unscaling (optim/adamw_torch.py)
 FOREACH_TENSORS_PER_LAUNCH = 48  # tensors one CUDA foreach kernel covers (multi_tensor_apply chunking)
@@ -91,6 +97,53 @@ def table(n_params: int, n_tensors: int, launch_s: float = DEFAULT_LAUNCH_S,
                      f"{p.seconds * 1e3:>9.3f}  {p.bound}")
     lines.append(f"memory floor: {memory_floor(n_params) / 1e9:.2f} GB (16 B/param), "
                  f"{memory_floor(n_params, fp32_grads=True) / 1e9:.2f} GB with fp32 grads (18 B/param)")
+    return "\n".join(lines)
+
+
+# What cuBLAS reaches on a large bf16 GEMM, assumed for a prediction: about 70% of an H100's or H200's dense bf16
+# peak (989 TFLOP/s); scripts/bench_optimizer.py's Muon cases measure it (`bf16_gemm_tflops`).
+DEFAULT_GEMM_FLOPS = 700e12
+ADAMW_FLOPS_PER_PARAM = 15  # the fused update's arithmetic: the moments, the sqrt, the division, the decay
+
+
+@dataclass
+class Costs:
+    """Per parameter and step (bf16 params + fp32 masters, bf16 grads), and the state kept per parameter."""
+
+    name: str
+    flops: float
+    hbm_bytes: float  # the memory passes (Muon's GEMMs' own traffic is in their time)
+    state_bytes: float  # weights + grads + masters + optimizer state
+
+    def step_s(self, n_params: int, gemm_flops: float = DEFAULT_GEMM_FLOPS,
+               bandwidth: float = DEFAULT_BANDWIDTH) -> float:
+        """The floor: the GEMM FLOPs at the GEMM rate (Muon's only), the bytes at the copy bandwidth."""
+        gemm = self.flops * n_params / gemm_flops if self.name.startswith("Muon") else 0.0
+        return gemm + self.hbm_bytes * n_params / bandwidth
+
+
+def muon_costs(shapes: list[tuple[int, int]], steps: int = newton_schulz.NS_STEPS) -> Costs:
+    """Muon over the matrices of `shapes`, per parameter of them."""
+    n = sum(rows * cols for rows, cols in shapes)
+    flops = sum(newton_schulz.flops(shape, steps) for shape in shapes)
+    return Costs("Muon", flops / n, muon_bytes_per_param(torch.bfloat16, torch.bfloat16, True), 2 + 2 + 4 + 4)
+
+
+def adamw_costs() -> Costs:
+    return Costs("AdamW", ADAMW_FLOPS_PER_PARAM, BYTES_PER_PARAM["fused"], memory_floor(1))
+
+
+def cost_table(shapes: list[tuple[int, int]], gemm_flops: float = DEFAULT_GEMM_FLOPS,
+               bandwidth: float = DEFAULT_BANDWIDTH) -> str:
+    """AdamW's and Muon's costs per parameter of the matrices `shapes` (a model's hidden matrices), and each one's
+    step over them at `gemm_flops` and `bandwidth`."""
+    n = sum(rows * cols for rows, cols in shapes)
+    lines = [f"per parameter and step, {len(shapes)} matrices ({n / 1e6:.1f}M params), bf16 + fp32 masters; "
+             f"GEMMs at {gemm_flops / 1e12:.0f} TFLOP/s, {bandwidth / 1e12:.2f} TB/s",
+             f"{'optimizer':<10} {'FLOPs':>9} {'HBM bytes':>10} {'state B':>8} {'step ms':>9}"]
+    for c in (adamw_costs(), muon_costs(shapes)):
+        lines.append(f"{c.name:<10} {c.flops:>9,.0f} {c.hbm_bytes:>10.0f} {c.state_bytes:>8.0f} "
+                     f"{c.step_s(n, gemm_flops, bandwidth) * 1e3:>9.3f}")
     return "\n".join(lines)
 
 

@@ -1,5 +1,5 @@
-"""The optimizer step on the GPU: ours (loop / foreach / fused) against torch's best recipes
-(`scripts/bench_optimizer.py` is its command line).
+"""The optimizer step on the GPU: ours (loop / foreach / fused) against torch's best recipes, for AdamW and for Muon
+(below) (`scripts/bench_optimizer.py` is its command line).
 
 Two cases: GPT-2-124M parameter shapes (148 tensors) and 4096 tensors of 4096 elements. Rows:
   loop / foreach / fused   AdamW(impl=...), bf16 params + fp32 masters, bf16 grads,
@@ -17,10 +17,15 @@ loop and foreach the bytes are the recipe's minimum, not what their many passes 
 is "effective".
 """
 
+from pathlib import Path
+
 import torch
 
-from minitrain.optim import AdamW
+from minitrain.config import ModelConfig
+from minitrain.model import GPT
+from minitrain.optim import AdamW, Muon, newton_schulz
 from minitrain.optim.adamw_triton import fused_bytes_per_param
+from minitrain.optim.muon_triton import fused_bytes_per_param as muon_bytes_per_param
 from minitrain.tools import bench
 
 HP = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -194,4 +199,270 @@ def report(results: dict, targets: dict) -> list[str]:
     for case, res in results.items():
         lines += ["", f"{case}: {res['tensors']} tensors, {res['params'] / 1e6:.1f}M params"]
         lines += [f"  {line}" for line in bench.table(res["rows"], TABLE)]
+    return lines
+
+
+# -- Muon -----------------------------------------------------------------------------------------------------------
+# Muon's cases: a model's whole parameter set, its blocks' matrices through Muon, the rest through AdamW. Rows:
+#   muon fused (ours)          Muon(impl="fused"): bf16 params + fp32 masters, bf16 grads, clipping on
+#   muon foreach (ours)        the same, impl="foreach" (gpt2-124m only: at gpt2-1.5b its fp32 copies of every
+#                              gradient would crowd the other rows out of the GPU)
+#   torch Muon + fused AdamW   the best a user assembles from torch: torch.optim.Muon on the matrices, fp32 params and
+#                              grads as it needs, minitrain's fused AdamW on the rest (fp32), no clipping
+# Every row's first update is checked against torch.optim.Muon + torch.optim.AdamW (for-loop) in fp32 before it is
+# timed; the rows then run in alternating rounds, each round `calls` steps between two CUDA events. The floor is the
+# Newton–Schulz GEMM FLOPs at the bf16 rate cuBLAS reaches on a large square GEMM in the same run, plus Muon's and
+# AdamW's memory passes at the copy bandwidth measured in the same run.
+MUON_MODELS = {"gpt2-124m": ModelConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304),
+               "gpt2-1.5b": ModelConfig(n_layer=48, n_head=25, n_embd=1600, block_size=1024, vocab_size=50304)}
+MUON_CASES = {f"muon-{name}": name for name in MUON_MODELS}
+MUON_HP = dict(lr=0.02, momentum=0.95, weight_decay=0.01)  # optimizer.muon's defaults (minitrain/config.py)
+# The relative Frobenius distance of a matrix's first update from the reference's that a row may have: Newton–Schulz
+# in bf16 amplifies the rounding of its GEMMs (one GEMM kernel's accumulation order against another's moves an
+# update by about 1-4%), a wrong update (its lr's shape ratio, its input) by order 1.
+MUON_TOLERANCE = 0.06
+GEMM_SIZE = 8192  # the square bf16 GEMM whose rate is the floor's
+
+
+def model_shapes(cfg: ModelConfig) -> tuple[list[tuple], list[tuple]]:
+    """The shapes of the hidden matrices (Muon's) and of every other parameter (AdamW's), from the model on meta."""
+    with torch.device("meta"):
+        model = GPT(cfg)
+    hidden = {id(p) for p in model.hidden_matrices()}
+    return ([tuple(p.shape) for p in model.hidden_matrices()],
+            [tuple(p.shape) for p in model.parameters() if id(p) not in hidden])
+
+
+def muon_inputs(cfg: ModelConfig, device, seed=0):
+    """(weights, grads, the number of matrices first): bf16, so that every row sees the same values."""
+    matrices, others = model_shapes(cfg)
+    gen = torch.Generator(device).manual_seed(seed)
+    shapes = matrices + others
+    weights = [(0.02 * torch.randn(s, device=device, generator=gen)).bfloat16() for s in shapes]
+    grads = [torch.randn(s, device=device, generator=gen).bfloat16() for s in shapes]
+    return weights, grads, len(matrices)
+
+
+def _split_groups(params, n_matrices, **adamw):
+    return [{"params": params[:n_matrices], "use_muon": True}, {"params": params[n_matrices:], **adamw}]
+
+
+def muon_reference_update(weights, grads, n_matrices, clip):
+    """One fp32 step of torch.optim.Muon on the matrices and torch.optim.AdamW (for-loop) on the rest, clip_grad_norm_
+    over all first when `clip`."""
+    params = [torch.nn.Parameter(w.float()) for w in weights]
+    for p, g in zip(params, grads):
+        p.grad = g.float()
+    if clip:
+        torch.nn.utils.clip_grad_norm_(params, MAX_GRAD_NORM)
+    torch.optim.Muon(params[:n_matrices], **MUON_HP).step()
+    torch.optim.AdamW(params[n_matrices:], foreach=False, fused=False, lr=HP["lr"], betas=HP["betas"], eps=HP["eps"],
+                      weight_decay=0.0).step()
+    return [p.detach() for p in params]
+
+
+def muon_ours(weights, grads, n_matrices, impl):
+    params = [torch.nn.Parameter(w.clone()) for w in weights]
+    opt = Muon(_split_groups(params, n_matrices), impl=impl, max_grad_norm=MAX_GRAD_NORM, adamw_lr=HP["lr"],
+               betas=HP["betas"], eps=HP["eps"], **MUON_HP)
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+
+    def result():
+        state = opt.state_dict()["state"]
+        return [state[i]["master"] for i in range(len(params))], params
+    return opt.step, result
+
+
+def torch_muon_fused_adamw(weights, grads, n_matrices):
+    params = [torch.nn.Parameter(w.float()) for w in weights]
+    for p, g in zip(params, grads):
+        p.grad = g.float()
+    muon = torch.optim.Muon(params[:n_matrices], **MUON_HP)
+    adamw = AdamW(params[n_matrices:], impl="fused", max_grad_norm=None, **{**HP, "weight_decay": 0.0})
+
+    def step():
+        muon.step()
+        adamw.step()
+    return step, lambda: (params, None)
+
+
+MUON_ROWS = {
+    "muon fused (ours)": (lambda w, g, n: muon_ours(w, g, n, "fused"), True),
+    "muon foreach (ours)": (lambda w, g, n: muon_ours(w, g, n, "foreach"), True),
+    "torch Muon + fused AdamW": (torch_muon_fused_adamw, False),
+}  # name: (build(weights, grads, n_matrices) -> (step, result), clips)
+MUON_BASELINE = "torch Muon + fused AdamW"
+
+
+def muon_rows(case: str) -> list[str]:
+    return [r for r in MUON_ROWS if not (r == "muon foreach (ours)" and MUON_CASES[case] == "gpt2-1.5b")]
+
+
+def validate_muon(name, result, weights, reference, n_matrices):
+    """The row's fp32 result against the reference update: each matrix's update (the result less its weight) within
+    MUON_TOLERANCE of the reference's (relative Frobenius distance), every other param as `validate` checks it; a
+    low-precision copy exactly its fp32 result's rounding, made outside autograd."""
+    full, copies = result()
+    for i, (x, w, want) in enumerate(zip(full[:n_matrices], weights, reference)):
+        update, expected = x.detach().float() - w.float(), want - w.float()
+        distance = (torch.linalg.vector_norm(update - expected) / torch.linalg.vector_norm(expected)).item()
+        if not distance <= MUON_TOLERANCE:
+            raise ValidationError(f"{name}: matrix {i} {tuple(x.shape)}: its update is {distance:.3g} of the "
+                                  f"reference's away (relative Frobenius distance)")
+    validate(name, lambda: (full[n_matrices:], copies[n_matrices:] if copies else None), reference[n_matrices:])
+    for i, (x, copy) in enumerate(zip(full[:n_matrices], copies or [])):
+        if copy.grad_fn is not None or not torch.equal(copy.detach(), x.detach().to(copy.dtype)):
+            raise ValidationError(f"{name}: matrix {i}'s {copy.dtype} copy is not its fp32 result's rounding")
+
+
+def checked_muon_rows(case: str, weights, grads, n_matrices) -> dict:
+    """Each of the case's rows built, its first step run and validated: name -> its step function."""
+    references = {clip: muon_reference_update(weights, grads, n_matrices, clip) for clip in (False, True)}
+    steps = {}
+    for name in muon_rows(case):
+        build, clips = MUON_ROWS[name]
+        fn, result = build(weights, grads, n_matrices)
+        fn()
+        validate_muon(name, result, weights, references[clips], n_matrices)
+        steps[name] = fn
+    return steps
+
+
+def muon_floor(cfg: ModelConfig, gemm_flops: float, copy_bw: float) -> dict:
+    """The case's floor: Newton–Schulz's GEMM FLOPs at `gemm_flops` FLOP/s, plus the bytes of Muon's passes over its
+    matrices and AdamW's over the rest (bf16 params + fp32 masters, bf16 grads) at `copy_bw` bytes/s."""
+    matrices, others = model_shapes(cfg)
+    flops = sum(newton_schulz.flops(s) for s in matrices)
+    muon_params = sum(torch.Size(s).numel() for s in matrices)
+    adamw_params = sum(torch.Size(s).numel() for s in others)
+    nbytes = muon_params * muon_bytes_per_param(torch.bfloat16, torch.bfloat16, True) + adamw_params * BYTES_OURS
+    return dict(matrices=len(matrices), muon_params=muon_params, adamw_params=adamw_params, ns_flops=flops,
+                bytes=nbytes, gemm_ms=flops / gemm_flops * 1e3, memory_ms=nbytes / copy_bw * 1e3,
+                floor_ms=(flops / gemm_flops + nbytes / copy_bw) * 1e3)
+
+
+def gemm_flops_per_s(device, n: int = GEMM_SIZE) -> float:
+    """The bf16 rate cuBLAS reaches on an n x n x n GEMM here (the median of do_bench)."""
+    a, b = (torch.randn(n, n, device=device, dtype=torch.bfloat16) for _ in range(2))
+    return 2 * n**3 / (bench.kernel_ms(lambda: a @ b) * 1e-3)
+
+
+def run_muon_case(case: str, copy_bw: float, gemm_flops: float, rounds: int, calls: int) -> dict:
+    """The case's rows checked, then timed in alternating rounds; its floor; each row's launches per step."""
+    cfg = MUON_MODELS[MUON_CASES[case]]
+    weights, grads, n = muon_inputs(cfg, "cuda")
+    steps = checked_muon_rows(case, weights, grads, n)
+    del weights, grads
+    torch.cuda.empty_cache()
+    launches = {name: bench.kernel_count(fn, calls=1).launches for name, fn in steps.items()}
+    measured = bench.alternating_rounds(steps, rounds, calls)
+    floor = muon_floor(cfg, gemm_flops, copy_bw * 1e12)
+    rows = []
+    for name, ms in measured.items():
+        spread = bench.Spread.of(ms)
+        rows.append(dict(row=name, launches=launches[name], ms=spread.median, low=spread.low, high=spread.high,
+                         of_floor=spread.median / floor["floor_ms"]))
+    return dict(**floor, rows=rows)
+
+
+def check_muon_targets(results: dict) -> dict:
+    """≥ 2x the torch baseline at each case measured; within 1.2x of the floor at gpt2-1.5b."""
+    targets = {}
+    for case, res in results.items():
+        ms = {r["row"]: r["ms"] for r in res["rows"]}
+        speedup = ms[MUON_BASELINE] / ms["muon fused (ours)"]
+        targets[f"{case}: >= 2x {MUON_BASELINE}"] = (speedup, speedup >= 2)
+        if MUON_CASES[case] == "gpt2-1.5b":
+            of_floor = ms["muon fused (ours)"] / res["floor_ms"]
+            targets[f"{case}: within 1.2x of the floor"] = (of_floor, of_floor <= 1.2)
+    return targets
+
+
+MUON_TABLE = (bench.Column("row", "row"), bench.Column("launches", "launches", ".0f"),
+              bench.Column("ms", lambda r: f"{r['ms']:.3f} ({r['low']:.3f}-{r['high']:.3f})"),
+              bench.Column("x floor", "of_floor", ".2f"))
+
+
+def muon_report(results: dict, targets: dict) -> list[str]:
+    lines = [f"  target {name:48s} {value:8.2f}  {'met' if ok else 'MISSED'}" for name, (value, ok) in targets.items()]
+    for case, res in results.items():
+        lines += ["", f"{case}: {res['matrices']} matrices ({res['muon_params'] / 1e6:.1f}M params) + "
+                      f"{res['adamw_params'] / 1e6:.1f}M AdamW params; floor {res['floor_ms']:.3f} ms = Newton-Schulz "
+                      f"{res['ns_flops'] / 1e12:.2f} TFLOP in {res['gemm_ms']:.3f} ms + {res['bytes'] / 1e9:.2f} GB "
+                      f"in {res['memory_ms']:.3f} ms"]
+        lines += [f"  {line}" for line in bench.table(res["rows"], MUON_TABLE)]
+    return lines
+
+
+# -- Muon's quality at a fixed architecture ---------------------------------------------------------------------------
+def quality_run_dirs(paths) -> list[Path]:
+    """The runs `paths` name: a run dir itself, a sweep's dir its cells (each dir beneath with a metrics.jsonl)."""
+    from minitrain.tools import report
+
+    return [run for p in map(Path, paths)
+            for run in ([p] if report.is_run_dir(p) else sorted(m.parent for m in p.glob("*/metrics.jsonl")))]
+
+
+def read_quality_run(run_dir) -> dict:
+    """A run's optimizer, its lrs (trainer.lr; Muon's), its validation loss by step, whether every logged loss was
+    finite, its last logged step."""
+    import math
+
+    import yaml
+
+    from minitrain.tools import report
+
+    run_dir = Path(run_dir)
+    steps = report.read_step_records(run_dir / "metrics.jsonl")
+    config = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())
+    optimizer = config["optimizer"]["name"]
+    losses = [r[k] for r in steps for k in ("train/loss", "val/loss") if k in r]
+    return {"dir": str(run_dir), "optimizer": optimizer, "lr": config["trainer"]["lr"],
+            "muon_lr": config["optimizer"]["muon"]["lr"] if optimizer == "muon" else None,
+            "val": {r["step"]: r["val/loss"] for r in steps if r.get("val/loss") is not None},
+            "finite": all(x is not None and math.isfinite(x) for x in losses),
+            "last_step": max((r["step"] for r in steps), default=0)}
+
+
+def _final(run: dict) -> float:
+    return run["val"][max(run["val"])] if run["finite"] and run["val"] else float("inf")
+
+
+def steps_to_reach(run: dict, loss: float) -> int | None:
+    """The first evaluated step at which `run`'s validation loss is at most `loss`; None if none is."""
+    return next((s for s, v in sorted(run["val"].items()) if v <= loss), None)
+
+
+def quality(runs: list[dict]) -> dict:
+    """Each optimizer's best run (the lowest final validation loss of its lr sweep, all of the same length), and the
+    steps Muon's best needs to reach AdamW's best final loss (at the runs' evaluation steps)."""
+    best = {name: min((r for r in runs if r["optimizer"] == name), key=_final, default=None)
+            for name in ("adamw", "muon")}
+    if None in best.values():
+        raise ValueError("the quality comparison needs AdamW runs and Muon runs")
+    if len({r["last_step"] for r in runs}) != 1:
+        raise ValueError("the runs differ in length: " + ", ".join(f"{r['dir']}: {r['last_step']}" for r in runs))
+    target = _final(best["adamw"])
+    reached = steps_to_reach(best["muon"], target)
+    steps = best["adamw"]["last_step"]
+    return {"best": best, "adamw_final": target, "muon_final": _final(best["muon"]), "muon_steps": reached,
+            "steps": steps, "muon_share": None if reached is None else reached / steps}
+
+
+def quality_report(runs: list[dict], result: dict) -> list[str]:
+    def lrs(r):
+        return f"trainer.lr {r['lr']:g}" + (f" optimizer.muon.lr {r['muon_lr']:g}" if r["muon_lr"] is not None else "")
+
+    lines = [f"{r['optimizer']} {lrs(r)}: {'finite' if r['finite'] else 'NON-FINITE LOSS'} | val "
+             + " ".join(f"{s}:{v:.4f}" for s, v in sorted(r["val"].items())) for r in runs]
+    adamw, muon = result["best"]["adamw"], result["best"]["muon"]
+    lines.append(f"best AdamW: {lrs(adamw)}, final validation loss {result['adamw_final']:.4f} "
+                 f"at step {result['steps']}")
+    lines.append(f"best Muon: {lrs(muon)}, final validation loss {result['muon_final']:.4f}")
+    if result["muon_steps"] is None:
+        lines.append("Muon's best never reaches AdamW's best final loss")
+    else:
+        lines.append(f"Muon reaches AdamW's final loss at step {result['muon_steps']} of {result['steps']} "
+                     f"({result['muon_share']:.0%} of the steps)")
     return lines

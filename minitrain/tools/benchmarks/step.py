@@ -76,7 +76,8 @@ def largest_fitting_batch(model: str, recipe: str, extra: Sequence[str], budget_
     for batch in CANDIDATE_BATCHES:
         peak = memory.predict(model_cfg, precision, cfg.checkpointing, batch, model_cfg.block_size,
                               "torch" if cfg.loss.impl.value == "torch" else "fused", cfg.loss.chunk_bytes,
-                              loss_low_memory=cfg.loss.low_memory, optimizer_impl=cfg.optimizer.impl.value).peak
+                              loss_low_memory=cfg.loss.low_memory, optimizer_impl=cfg.optimizer.impl.value,
+                              optimizer=cfg.optimizer.name).peak
         if peak <= budget_bytes:
             return batch
     return 1
