@@ -119,6 +119,7 @@ class KernelImpl(str, Enum):
 
 class DataSource(str, Enum):
     stdlib = "stdlib"
+    packages = "packages"
     files = "files"
     hub = "hub"
 

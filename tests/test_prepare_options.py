@@ -109,6 +109,27 @@ def test_data_paths_and_cache_dir_are_the_corpus_and_where_its_cache_goes(capsys
     assert not touched.prepared and touched.data.path == first.data.path
 
 
+def test_data_packages_is_every_py_file_of_the_interpreters_site_directories_once(capsys, tmp_path, monkeypatch):
+    """data=packages reads the .py files under each site directory (site.getsitepackages, purelib, platlib), each
+    once however many of them name its directory or one above it, and nothing else: not other files there, not
+    PYTHONPATH's."""
+    texts = text_corpus(tmp_path / "site" / "pkg", docs=30)
+    (tmp_path / "site" / "pkg" / "sub").mkdir()
+    for i, f in enumerate(sorted((tmp_path / "site" / "pkg").glob("*.txt"))):  # half of them a directory down
+        f.rename(f.with_suffix(".py") if i % 2 else f.parent / "sub" / f.with_suffix(".py").name)
+    (tmp_path / "site" / "pkg" / "README.txt").write_text("not a source\n" * 40)
+    text_corpus(tmp_path / "pythonpath", docs=3)  # on sys.path only: not the packages'
+    monkeypatch.syspath_prepend(str(tmp_path / "pythonpath"))
+    site_dir = str(tmp_path / "site")
+    monkeypatch.setattr(corpus_mod.site, "getsitepackages", lambda: [site_dir, site_dir + "/", f"{site_dir}/pkg", str(tmp_path / "gone")])
+    paths = dict(corpus_mod.sysconfig.get_paths(), purelib=site_dir, platlib=site_dir)
+    monkeypatch.setattr(corpus_mod.sysconfig, "get_paths", lambda: paths)
+    run = prepare(capsys, "data=packages", f"data.cache_dir={tmp_path / 'cache'}", "data.vocab_size=400",
+                  "data.val_fraction=0.2", "data.shard_tokens=1024", "model.block_size=16")
+    assert run.prepared and run.data.path.name.startswith("packages-")
+    assert sorted(run.documents["train"] + run.documents["val"]) == sorted(texts)
+
+
 def test_a_file_rewritten_in_place_to_the_same_size_and_times_or_renamed_is_prepared_again(capsys, tmp_path, corpus):
     texts, settings = corpus
     first = prepare(capsys, *args(**settings))
