@@ -169,22 +169,29 @@ for what in "$@"; do
       timeout 500 python3 scripts/bench_step.py --models gpt2-124m --batch 16 --rounds 6 --profile \
         --minitrain-extra optimizer=muon --ablate optimizer=adamw --out "$out/bench_step_muon.json" 2>&1 \
         | grep -v "^{" | tail -40 ;;
-    muon_quality)  # AdamW at its best lr against Muon at its best: QUALITY_MODEL (gpt2-124m), QUALITY_STEPS (1000) of
-      # the built-in corpus, deterministic; MUON_SWEEP=adamw runs trainer.lr over ADAMW_LRS, =muon runs
-      # optimizer.muon.lr over MUON_LRS (the AdamW side at GPT-3's lr for the size), each a call of its own; the cells'
-      # records go to OUT/muon_quality/; `bench_optimizer.py --quality OUT*/muon_quality/MODEL-*` compares them all
-      model=${QUALITY_MODEL:-gpt2-124m}; sweep=${MUON_SWEEP:-adamw}; sw=/tmp/muon-quality/$model-$sweep; rm -rf $sw
+    muon_quality)  # AdamW at its best lr against Muon at its best: QUALITY_MODEL (gpt2-124m) for QUALITY_STEPS (1000)
+      # on the installed packages' sources (data=packages, prepared first; the model's vocabulary sized to its BPE),
+      # deterministic; an lr sweep per optimizer in MUON_SWEEPS (adamw muon): trainer.lr over ADAMW_LRS, then
+      # optimizer.muon.lr over MUON_LRS (the AdamW side at GPT-3's lr for the size), QUALITY_AT_A_TIME cells side by
+      # side (3; on one GPU they share it, so their wall times are not the step's: muon_step measures that); the
+      # cells' records go to OUT/muon_quality/, `bench_optimizer.py --quality OUT*/muon_quality/MODEL-*` compares them
+      model=${QUALITY_MODEL:-gpt2-124m}; data="data=packages model.vocab_size=null"
       lr=$(python3 -c "from minitrain.tools.benchmarks.step import LR; print(LR.get('$model', 6e-4))")
-      if [ $sweep = adamw ]; then
-        cells="optimizer=adamw trainer.lr=${ADAMW_LRS:-6e-4,1.2e-3,2.4e-3}"
-      else
-        cells="optimizer=muon trainer.lr=$lr optimizer.muon.lr=${MUON_LRS:-0.01,0.02,0.04}"
-      fi
-      timeout 575 python3 scripts/train.py -m model=$model $cells trainer.max_steps=${QUALITY_STEPS:-1000} \
-        trainer.min_lr=0 trainer.eval_every=100 trainer.eval_batches=20 trainer.log_every=50 trainer.save_every=100000 \
-        trainer.deterministic=true trainer.sample_tokens=0 hydra.sweep.dir=$sw 2>&1 | tail -3
-      mkdir -p "$out/muon_quality"
-      tar -C /tmp/muon-quality --exclude=checkpoints -cf - $model-$sweep | tar -C "$out/muon_quality" -xf -
+      timeout 300 python3 scripts/prepare_data.py $data 2>&1 | tail -1
+      for sweep in ${MUON_SWEEPS:-adamw muon}; do
+        sw=/tmp/muon-quality/$model-$sweep; rm -rf $sw
+        if [ $sweep = adamw ]; then
+          cells="optimizer=adamw trainer.lr=${ADAMW_LRS:-6e-4,1.2e-3,2.4e-3}"
+        else
+          cells="optimizer=muon trainer.lr=$lr optimizer.muon.lr=${MUON_LRS:-0.01,0.02,0.04}"
+        fi
+        timeout 560 python3 scripts/train.py -m model=$model $data $cells trainer.max_steps=${QUALITY_STEPS:-1000} \
+          trainer.min_lr=0 trainer.eval_every=${QUALITY_EVAL_EVERY:-50} trainer.eval_batches=20 trainer.log_every=50 \
+          trainer.save_every=100000 trainer.deterministic=true trainer.sample_tokens=0 \
+          hydra.sweeper.max_batch_size=${QUALITY_AT_A_TIME:-3} hydra.sweep.dir=$sw 2>&1 | tail -3
+        mkdir -p "$out/muon_quality"
+        tar -C /tmp/muon-quality --exclude=checkpoints -cf - $model-$sweep | tar -C "$out/muon_quality" -xf -
+      done
       python3 scripts/bench_optimizer.py --quality "$out"/muon_quality/$model-* --out "$out/muon_quality/$model.json" \
         2>&1 | tail -12 ;;
     gelu) timeout 60 python3 scripts/bench_gelu.py --out "$out/bench_gelu.json" 2>&1 | tail -6 ;;
