@@ -29,7 +29,7 @@ class MuonUpdate:
         for b, start, batch in self.runs:
             j = slice(batch.first, batch.first + batch.count)
             g, buf = grads[start + j.start:start + j.stop], b.state.momentums[j]
-            torch._foreach_lerp_(buf, g, buffer_weight)
+            torch._foreach_lerp_(buf, g, [buffer_weight] * batch.count)  # a tensor weight: no .item(), no sync
             x = self.exchange.inputs(batch.count, batch.local_shape, batch.shape, buf[0].device)
             rows = batch.local_shape[0]
             mixed = torch._foreach_lerp(g, buf, self.momentum) if self.nesterov else buf
