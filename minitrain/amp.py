@@ -1,33 +1,23 @@
-"""Dynamic loss scaling for fp16, with all state on the device: the one home of the loss-scale rule.
+"""Dynamic loss scaling for fp16, with all state on the device.
 
-The scale and growth tracker are 0-d device tensors, so the optimizer can back off or grow them inside
-its step without reading them back to the host. The rule is `DynamicLossScaler.update`, i.e.
-`torch._amp_update_scale_`, exactly `torch.amp.GradScaler.update`; the fused optimizer's finalize kernel
-(optim/adamw_triton.py) is its twin, tested against it.
+The scale and growth tracker are 0-d device tensors, so the optimizer can back off or grow them inside its step
+without reading them back to the host. The rule and its defaults are minitrain/loss_scale.py's; `update` runs it
+with torch's own kernel (torch.amp.GradScaler's), and the fused optimizer's finalize kernel (optim/adamw_triton.py)
+is its twin: tests/test_amp.py holds both to loss_scale.update_rule.
 """
 
-from dataclasses import dataclass
+from dataclasses import replace
 
 import torch
 
-
-@dataclass(frozen=True)
-class LossScaling:
-    """The rule's parameters, as torch.amp.GradScaler names them: an optimizer given these owns its scaler."""
-
-    init_scale: float = 2.0**16
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
+from .compat import amp_update_scale_
+from .loss_scale import LossScaling
 
 
 class DynamicLossScaler:
-    def __init__(self, init_scale=2.0**16, growth_factor=2.0, backoff_factor=0.5,
-                 growth_interval=2000, device=None):
-        self.growth_factor = float(growth_factor)
-        self.backoff_factor = float(backoff_factor)
-        self.growth_interval = int(growth_interval)
-        self._scale = torch.full((), float(init_scale), dtype=torch.float32, device=device)
+    def __init__(self, rule: LossScaling = LossScaling(), device=None):
+        self.rule = rule
+        self._scale = torch.full((), float(rule.init_scale), dtype=torch.float32, device=device)
         self.growth_tracker = torch.zeros((), dtype=torch.int32, device=device)
 
     def to(self, device):
@@ -46,17 +36,18 @@ class DynamicLossScaler:
     def update(self, found_inf):
         """found_inf: 0-d float device tensor (1.0 = this step's grads overflowed). Back off on an overflow;
         grow after growth_interval steps in a row without one (unless the grown scale is not finite)."""
-        torch._amp_update_scale_(self._scale, self.growth_tracker, found_inf,
-                                 self.growth_factor, self.backoff_factor, self.growth_interval)
+        r = self.rule
+        amp_update_scale_(self._scale, self.growth_tracker, found_inf, r.growth_factor, r.backoff_factor,
+                          r.growth_interval)
 
     def state_dict(self):
+        r = self.rule
         return {"scale": self._scale.clone(), "growth_tracker": self.growth_tracker.clone(),
-                "growth_factor": self.growth_factor, "backoff_factor": self.backoff_factor,
-                "growth_interval": self.growth_interval}
+                "growth_factor": r.growth_factor, "backoff_factor": r.backoff_factor,
+                "growth_interval": r.growth_interval}
 
     def load_state_dict(self, sd):
         self._scale.copy_(sd["scale"])
         self.growth_tracker.copy_(sd["growth_tracker"])
-        self.growth_factor = sd["growth_factor"]
-        self.backoff_factor = sd["backoff_factor"]
-        self.growth_interval = sd["growth_interval"]
+        self.rule = replace(self.rule, growth_factor=sd["growth_factor"], backoff_factor=sd["backoff_factor"],
+                            growth_interval=sd["growth_interval"])

@@ -20,6 +20,8 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
+from .loss_scale import LossScaling
+
 
 class ConfigError(ValueError):
     """A config value that cannot work; the message names the key."""
@@ -248,10 +250,11 @@ class PrecisionConfig:
     # null: torchao's shape filter picks the linears wide enough to gain; a list: exactly these of BLOCK_LINEARS
     # (with precision.float8 != none)
     float8_linears: Optional[List[str]] = None
-    init_scale: float = 65536.0
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
+    # the dynamic loss scaler's parameters (with precision.loss_scaling): minitrain/loss_scale.py, torch's defaults
+    init_scale: float = LossScaling.init_scale
+    growth_factor: float = LossScaling.growth_factor
+    backoff_factor: float = LossScaling.backoff_factor
+    growth_interval: int = LossScaling.growth_interval
 
     def __post_init__(self):
         _require(self.init_scale > 0 and self.growth_factor > 1.0 and 0.0 < self.backoff_factor < 1.0,
@@ -513,8 +516,11 @@ CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
 
 def register_configs() -> None:
-    """Make the dataclasses the schema Hydra validates `configs/` against."""
+    """Make the dataclasses the schema Hydra validates `configs/` against (and the launcher's: minitrain/sweep.py)."""
+    from .sweep import register_launcher
+
     ConfigStore.instance().store(name="config_schema", node=Config)
+    register_launcher()
 
 
 def schema_keys(schema: type = Config, prefix: str = "") -> list[str]:

@@ -3,7 +3,7 @@
 Why: fp8 tensor cores run a block's GEMMs up to 1.7x faster than bf16 (docs/benchmarks.md), but every float8
 matmul first casts its operands (an amax, a scale, the cast, a transposed copy: memory passes), which eats the
 gain on narrow layers. torchao's `Float8Linear` casts input, weight and output gradient with a dynamic scale per
-matmul and multiplies with `torch._scaled_mm`. Its weight stays the ordinary parameter it was (bf16 over fp32
+matmul and multiplies with torch's float8 GEMM (compat.scaled_mm). Its weight stays the ordinary parameter it was (bf16 over fp32
 masters in minitrain's AdamW), cast per matmul: the optimizer, the checkpoints and the 16 B/param floor do not
 change.
 
@@ -26,6 +26,7 @@ from typing import Optional
 import torch
 import torch.nn as nn
 
+from .compat import auto_filter_for_recipe
 from .config import Float8Kernels, Float8Recipe, ModelConfig
 
 FP8_COMPUTE_CAPABILITY = (8, 9)  # Ada, Hopper, Blackwell: the first NVIDIA GPUs with fp8 tensor cores
@@ -52,11 +53,9 @@ def float8_linears(model_cfg: ModelConfig, recipe: Float8Recipe) -> tuple[str, .
     H100)."""
     if recipe == Float8Recipe.none:
         return ()
-    from torchao.float8 import _auto_filter_for_recipe
-
     from .model import Block
 
-    gains = _auto_filter_for_recipe(recipe.value, filter_fqns=[])
+    gains = auto_filter_for_recipe(recipe.value, filter_fqns=[])
     with torch.device("meta"):
         block = Block(model_cfg)
     return tuple(name for name, m in block.named_modules() if isinstance(m, nn.Linear) and gains(m, name))

@@ -20,6 +20,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
+from .compat import mark_static_address
 from .model import GPT, KVCache
 from .ops.decode import decode_logits
 
@@ -160,7 +161,7 @@ class Sampler:
             self.step = _decode_graphed if self.graphs else _decode
         if self.graphs and not self.fused:  # written in place by every replay: the graph's inputs at fixed
             for buffer in self.cache.buffers():  # addresses, not copies
-                torch._dynamo.mark_static_address(buffer)
+                mark_static_address(buffer)
 
     @torch.no_grad()
     def generate(self, prompt: torch.Tensor, max_new_tokens: int, seed: Optional[int] = None) -> Generation:

@@ -20,6 +20,7 @@ from omegaconf import OmegaConf
 
 from .config import (CONFIG_DIR, ConfigError, Float8Kernels, Float8Recipe, OptimizerImpl, PrecisionConfig,
                      check_optimizer_precision)
+from .loss_scale import LossScaling
 
 AUTO = "auto"
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
@@ -41,10 +42,7 @@ class Precision:
     float8: Float8Recipe = Float8Recipe.none  # the blocks' linears multiply in float8, params unchanged
     float8_kernels: Float8Kernels = Float8Kernels.minitrain  # whose casts and GEMMs
     float8_linears: Optional[tuple[str, ...]] = None  # None: torchao's shape filter picks them
-    init_scale: float = 65536.0
-    growth_factor: float = 2.0
-    backoff_factor: float = 0.5
-    growth_interval: int = 2000
+    loss_scale: LossScaling = LossScaling()  # the dynamic loss scaler's parameters (with loss_scaling)
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -127,6 +125,6 @@ def resolve_precision(cfg: PrecisionConfig, device: torch.device, tf32: bool = T
         master_weights=cfg.master_weights,
         grad_dtype=(cfg.grad_dtype or cfg.param_dtype).torch,
         loss_scaling=cfg.loss_scaling, tf32=tf32 and device.type == "cuda", float8=cfg.float8,
-        float8_kernels=cfg.float8_kernels, init_scale=cfg.init_scale,
+        float8_kernels=cfg.float8_kernels,
         float8_linears=None if cfg.float8_linears is None else tuple(cfg.float8_linears),
-        growth_factor=cfg.growth_factor, backoff_factor=cfg.backoff_factor, growth_interval=cfg.growth_interval)
+        loss_scale=LossScaling(cfg.init_scale, cfg.growth_factor, cfg.backoff_factor, cfg.growth_interval))

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy as SavePolicy, checkpoint, create_selective_checkpoint_contexts
 
+from .compat import FUSED_ATTENTION_OPS
 from .config import CheckpointingConfig, CheckpointPolicy, ModelConfig
 from .model import GPT, Block, run_block, tanh_gelu
 from .ops import gelu_tanh_backward
@@ -30,10 +31,7 @@ aten = torch.ops.aten
 # path (CPU with dropout), as bmm + softmax, where the bmm outputs are kept and the softmax is recomputed.
 SAVED_OPS = frozenset(op for op in (
     aten.mm.default, aten.addmm.default, aten.bmm.default, torch.ops.minitrain.float8_linear.default,
-    aten._scaled_dot_product_flash_attention.default,
-    aten._scaled_dot_product_efficient_attention.default,
-    aten._scaled_dot_product_cudnn_attention.default,
-    aten._scaled_dot_product_flash_attention_for_cpu.default,
+    *FUSED_ATTENTION_OPS,
 ))
 
 

@@ -22,12 +22,15 @@ import os
 import signal
 import socket
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any, List, Optional
 
+from hydra.core.config_store import ConfigStore
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
+from hydra_plugins.hydra_submitit_launcher.config import LocalQueueConf
 from omegaconf import DictConfig, OmegaConf
 
 FAILED_CELL_EXIT_CODE = 2  # as a single run that cannot run
@@ -108,28 +111,30 @@ class CellDevices(Callback):
         os.environ["CUDA_VISIBLE_DEVICES"] = cell_device(devices, config.hydra.job.num, at_a_time)
 
 
+# Ctrl-C is the cells' to handle, not submitit's. A terminal's Ctrl-C reaches every process of the sweep, and the
+# local launcher's controllers (a process per cell, waiting on it) would each end in a traceback. So they start with
+# it ignored: submitit's local executor runs its `setup` commands in the shell that starts a controller, and an
+# ignored signal is what a started process keeps (POSIX). The cell stops itself, saving a checkpoint, and its
+# controller ends with it; the cell, which inherits the ignored signal, takes Ctrl-C back (CtrlCToCells).
+IGNORE_CTRL_C = "trap '' INT"
+
+
+@dataclass
+class CellsLauncherConf(LocalQueueConf):
+    """The schema of configs/hydra/launcher/cells.yaml: submitit's local launcher, plus its executor's `setup`
+    option (which the plugin's own schema leaves out), by default ignoring Ctrl-C in the cells' controllers."""
+
+    setup: List[str] = field(default_factory=lambda: [IGNORE_CTRL_C])
+
+
+def register_launcher() -> None:
+    ConfigStore.instance().store(group="hydra/launcher", name="cells_schema", node=CellsLauncherConf,
+                                 provider="minitrain")
+
+
 class CtrlCToCells(Callback):
-    """Ctrl-C is the cells' to handle, not submitit's. A terminal's Ctrl-C reaches every process of the sweep, and
-    the local launcher's controllers (a process per cell, waiting on it) would each end in a traceback: they start
-    with Ctrl-C ignored, and the cell stops itself, saving a checkpoint, and its controller ends with it. The cell,
-    which inherits the ignored signal, takes Ctrl-C back before its job starts."""
-
-    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
-        from submitit.local import local
-
-        start = local.start_controller
-        if getattr(start, "ignores_ctrl_c", False):  # a second sweep of this process
-            return
-
-        def start_ignoring_ctrl_c(*args, **kwargs):
-            previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # what a started process keeps (POSIX)
-            try:
-                return start(*args, **kwargs)
-            finally:
-                signal.signal(signal.SIGINT, previous)
-
-        start_ignoring_ctrl_c.ignores_ctrl_c = True
-        local.start_controller = start_ignoring_ctrl_c
+    """A sweep's cell takes back the Ctrl-C its controller started with ignored (IGNORE_CTRL_C), before its job
+    starts."""
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         if signal.getsignal(signal.SIGINT) is signal.SIG_IGN and config.hydra.mode == RunMode.MULTIRUN:

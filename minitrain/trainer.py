@@ -20,6 +20,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 
 from . import checkpoint, determinism, distributed, divergence, files, hf, loop
+from .compat import set_allocator_settings
 from .config import Config, resolve
 from .data import prepare_data
 from .divergence import Kept
@@ -34,7 +35,7 @@ from .step import Phase, record_function
 def set_expandable_segments(on: bool) -> None:
     """trainer.expandable_segments, for the segments the CUDA allocator makes from now on (before the model's first
     tensor, the run's all); PYTORCH_CUDA_ALLOC_CONF's other settings stay."""
-    torch._C._accelerator_setAllocatorSettings(f"expandable_segments:{on}")
+    set_allocator_settings(f"expandable_segments:{on}")
 
 
 class Trainer:

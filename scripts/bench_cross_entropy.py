@@ -43,7 +43,7 @@ def main():
         print(f"note: torch {torch.__version__} has no F.linear_cross_entropy (torch >= 2.13), its rows are skipped")
     results = []
     for n, h, v in args.shapes:
-        torch._dynamo.reset()  # each shape gets its own static graph, not a guard-failure recompile
+        torch.compiler.reset()  # each shape gets its own static graph, not a guard-failure recompile
         inputs = ce.make_inputs(n, h, v, "cuda")
         reference = ce.fp32_reference(*inputs)
         for name, fn in impls.items():

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from minitrain.amp import LossScaling
+from minitrain.loss_scale import LossScaling
 from minitrain.optim import Muon
 from minitrain.optim import newton_schulz as ns
 from minitrain.optim.adamw_triton import BLOCK

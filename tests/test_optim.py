@@ -10,7 +10,8 @@ os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported
 import pytest
 import torch
 
-from minitrain.amp import DynamicLossScaler, LossScaling
+from minitrain.amp import DynamicLossScaler
+from minitrain.loss_scale import LossScaling
 from minitrain.tools.live_bytes import LiveBytes
 from minitrain.optim import AdamW, TorchAdamW
 from minitrain.optim.decision import Counters, decide_step
@@ -480,9 +481,11 @@ def step_case(rng, skipped, clip, scaled):
                         torch.tensor(rng.randint(0, 5), dtype=torch.int32), torch.tensor(0.0))
     scaler = None
     if scaled:
-        scaler = DynamicLossScaler(init_scale=2.0 ** rng.randint(0, 24), growth_factor=rng.choice([2.0, 4.0]),
-                                   backoff_factor=rng.choice([0.5, 0.25]), growth_interval=rng.randint(1, 4))
-        scaler.growth_tracker.fill_(rng.randrange(scaler.growth_interval))
+        scaler = DynamicLossScaler(LossScaling(init_scale=2.0 ** rng.randint(0, 24),
+                                               growth_factor=rng.choice([2.0, 4.0]),
+                                               backoff_factor=rng.choice([0.5, 0.25]),
+                                               growth_interval=rng.randint(1, 4)))
+        scaler.growth_tracker.fill_(rng.randrange(scaler.rule.growth_interval))
     max_grad_norm = 10 ** rng.uniform(-2, 1) if clip else None
     return partials, counters, scaler, max_grad_norm, rng.choice([(0.9, 0.95), (0.8, 0.999)])
 
@@ -572,7 +575,8 @@ def precision(param_dtype, grad_dtype, master_weights, loss_scaling):
 
     return SimpleNamespace(param_dtype=param_dtype, grad_dtype=grad_dtype, master_weights=master_weights,
                            fp32_main_grads=grad_dtype != param_dtype, loss_scaling=loss_scaling,
-                           init_scale=2.0**9, growth_factor=4.0, backoff_factor=0.25, growth_interval=7)
+                           loss_scale=LossScaling(init_scale=2.0**9, growth_factor=4.0, backoff_factor=0.25,
+                                                  growth_interval=7))
 
 
 def test_build_adamw_follows_the_precision():
@@ -584,8 +588,7 @@ def test_build_adamw_follows_the_precision():
     fp16 = build_adamw([torch.nn.Parameter(torch.randn(3).half())], "foreach",
                        precision(torch.float16, torch.float16, True, True))
     scaler = fp16.loss_scaler
-    assert (scaler.get_scale().item(), scaler.growth_factor, scaler.backoff_factor, scaler.growth_interval) == \
-        (2.0**9, 4.0, 0.25, 7)
+    assert (scaler.get_scale().item(), scaler.rule) == (2.0**9, LossScaling(2.0**9, 4.0, 0.25, 7))
     assert fp16.buckets[0].state.master is not None
     sharded_bf16 = build_adamw([torch.nn.Parameter(torch.randn(3))], "foreach",
                                precision(torch.bfloat16, torch.bfloat16, True, False))

@@ -11,6 +11,7 @@ import torch
 from conftest import fake_gpu
 
 from minitrain.config import ConfigError, DType, OptimizerImpl, PrecisionConfig, compose_config, resolve
+from minitrain.loss_scale import LossScaling
 from minitrain.precision import Precision, auto_name, preset, resolve_precision
 
 CPU, CUDA = torch.device("cpu"), torch.device("cuda")
@@ -37,7 +38,7 @@ def test_auto_on_a_gpu_without_bf16_is_fp16_with_masters_and_loss_scaling(monkey
     assert (p.name, p.param_dtype, p.autocast_dtype, p.master_weights, p.loss_scaling) == \
         ("fp16", torch.float16, None, True, True)
     assert (p.compute_dtype, p.mfu_dtype) == (torch.float16, "fp16")
-    assert (p.init_scale, p.growth_factor, p.backoff_factor, p.growth_interval) == (65536.0, 2.0, 0.5, 2000)
+    assert p.loss_scale == LossScaling()  # torch's defaults (tests/test_amp.py)
 
 
 @pytest.mark.parametrize("gpu_bf16", [None, True, False])  # None: no GPU at all
@@ -86,7 +87,8 @@ def test_auto_refuses_each_field_it_would_choose_itself(field, value):
 def test_auto_keeps_the_settings_it_does_not_choose(monkeypatch):
     fake_gpu(monkeypatch, bf16=False)
     p = auto("precision.init_scale=1024", "precision.growth_interval=100", "precision.grad_dtype=fp32", device=CUDA)
-    assert (p.name, p.init_scale, p.growth_interval, p.grad_dtype) == ("fp16", 1024.0, 100, torch.float32)
+    assert (p.name, p.loss_scale, p.grad_dtype) == ("fp16", LossScaling(init_scale=1024.0, growth_interval=100),
+                                                    torch.float32)
 
 
 @pytest.mark.parametrize("name, params, compute, masters, main_grads, scaled, said", [

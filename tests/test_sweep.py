@@ -120,23 +120,35 @@ def test_a_signal_to_the_sweeps_process_alone_stops_its_cells(data_cache, tmp_pa
     assert "interrupted (Ctrl-C)" in (sweep_dir / "0" / "train.log").read_text()  # told, not killed unawares
 
 
-def test_submitits_controllers_start_with_ctrl_c_ignored_and_the_cells_take_it_back(monkeypatch):
-    """Ignored only while a controller starts (the sweep's own process keeps its handler), and only in a sweep's
-    cell is it taken back (a run started with Ctrl-C ignored, as by nohup, keeps it ignored)."""
-    from submitit.local import local
+def test_the_cells_controllers_start_with_ctrl_c_ignored_and_the_cells_take_it_back(tmp_path):
+    """The default launcher's `setup` runs in the shell that starts a cell's controller (submitit's local executor):
+    the controller, and the cell it starts, ignore Ctrl-C, while the sweep's own process keeps its handler. Only in
+    a sweep's cell is it taken back (a run started with Ctrl-C ignored, as by nohup, keeps it ignored)."""
+    import submitit
+    from hydra import compose, initialize_config_dir
 
-    seen = []
-    monkeypatch.setattr(local, "start_controller", lambda *a, **k: seen.append(signal.getsignal(signal.SIGINT)))
+    from minitrain.config import CONFIG_DIR, register_configs
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
+        launcher = compose("config", return_hydra_config=True).hydra.launcher
+    assert launcher._target_ == "hydra_plugins.hydra_submitit_launcher.submitit_launcher.LocalLauncher"
+
+    def ignores_ctrl_c(pid):  # SigIgn: the signals a process ignores, bit n-1 for signal n
+        line = next(line for line in open(f"/proc/{pid}/status") if line.startswith("SigIgn:"))
+        return bool(int(line.split()[1], 16) >> (signal.SIGINT - 1) & 1)
+
+    def controller_and_cell():
+        return ignores_ctrl_c(os.getppid()), ignores_ctrl_c(os.getpid())
+
     # Python's own handler, as under a terminal: a suite started in the background (`make test &`) inherits
-    # Ctrl-C ignored, which the checks below would take for the wrapper's doing
+    # Ctrl-C ignored, which the checks below would take for the setup's doing
     inherited = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
-        sweep.CtrlCToCells().on_multirun_start(cell_config(0, 1))
-        wrapped = local.start_controller
-        sweep.CtrlCToCells().on_multirun_start(cell_config(0, 1))  # a second sweep of the process: wrapped once
-        assert local.start_controller is wrapped
-        local.start_controller()
-        assert seen == [signal.SIG_IGN] and signal.getsignal(signal.SIGINT) is signal.default_int_handler
+        executor = submitit.AutoExecutor(folder=tmp_path, cluster="local")
+        executor.update_parameters(timeout_min=1, local_setup=list(launcher.setup))  # as the launcher passes it on
+        assert executor.submit(controller_and_cell).result() == (True, True)
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
         for mode, expected in ((RunMode.RUN, signal.SIG_IGN), (RunMode.MULTIRUN, signal.default_int_handler)):
             signal.signal(signal.SIGINT, signal.SIG_IGN)
             sweep.CtrlCToCells().on_job_start(cell_config(0, 1, mode))

@@ -2,7 +2,7 @@
 
 Why: a float8 GEMM runs far faster than a bf16 one, but each operand must first be cast: its amax over the whole
 tensor, then every element scaled, clamped and rounded to float8, in the row-major layout one GEMM reads and the
-transposed layout another reads (`torch._scaled_mm` takes its first operand row-major, its second column-major).
+transposed layout another reads (torch's float8 GEMM, compat.scaled_mm, takes its first operand row-major, its second column-major).
 A cast that reads the tensor once for the amax and once more to write both layouts moves 6 bytes per bf16
 element; torchao's casts under torch.compile move much more, which is where its float8 step loses what the GEMMs
 gain (docs/benchmarks.md, fp8). Here each cast is two Triton kernels: `_amax_kernel` (reduces |x|, and sums
@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
+from minitrain.compat import scaled_mm
 from minitrain.triton_runtime import check_runnable, float8_bits, interpreted, rounds_float8
 
 E4M3 = torch.float8_e4m3fn  # inputs and weights: more mantissa
@@ -99,7 +100,7 @@ def _float8_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor]
     x2 = x.reshape(-1, x.shape[-1]).contiguous()
     x8, x8_t, x_inv, _ = _cast(x2, E4M3)
     w8, w8_t, w_inv, _ = _cast(weight.contiguous(), E4M3)
-    y = torch._scaled_mm(x8, w8.t(), x_inv, w_inv, bias=bias, out_dtype=x.dtype)
+    y = scaled_mm(x8, w8.t(), x_inv, w_inv, bias=bias, out_dtype=x.dtype)
     return y.view(*x.shape[:-1], weight.shape[0]), x8_t, x_inv, w8_t, w_inv
 
 
@@ -117,8 +118,8 @@ def _float8_linear_backward(grad_y: Tensor, x8_t: Tensor, x_inv: Tensor, w8_t: T
     """(grad_x (M, K), grad_weight (N, K), grad_bias (N,), empty without a bias), in grad_y's dtype."""
     g = grad_y.reshape(-1, grad_y.shape[-1]).contiguous()
     g8, g8_t, g_inv, g_sums = _cast(g, E5M2, col_sums=has_bias)
-    grad_x = torch._scaled_mm(g8, w8_t.t(), g_inv, w_inv, out_dtype=g.dtype)
-    grad_weight = torch._scaled_mm(g8_t, x8_t.t(), g_inv, x_inv, out_dtype=g.dtype)
+    grad_x = scaled_mm(g8, w8_t.t(), g_inv, w_inv, out_dtype=g.dtype)
+    grad_weight = scaled_mm(g8_t, x8_t.t(), g_inv, x_inv, out_dtype=g.dtype)
     grad_bias = g_sums.to(g.dtype) if has_bias else g.new_empty(0)
     return grad_x, grad_weight, grad_bias
 

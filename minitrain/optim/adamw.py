@@ -22,7 +22,7 @@ p.grad's local shard, and `reduce_sumsq` all-reduces the local sum of squares so
 skip decision are global.
 """
 
-from minitrain.amp import LossScaling
+from minitrain.loss_scale import LossScaling
 from minitrain.triton_runtime import check_runnable
 
 from .adamw_torch import AdamWUpdate, TorchStep

@@ -8,6 +8,9 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from minitrain.compat import (foreach_add_, foreach_addcmul_, foreach_copy_, foreach_div, foreach_mul_, foreach_norm,
+                              foreach_sqrt, foreach_sub_)
+
 from .decision import StepScalars, decide_step
 
 
@@ -54,17 +57,17 @@ def _adamw_(p, g, m, v, c: _Coefficients, group, betas, eps):
     """AdamW on lists of fp32 tensors in torch's op order (decay, then the Adam step).
     The fused kernel computes the same expression per element."""
     beta1, beta2 = betas
-    torch._foreach_mul_(m, c.beta1)
-    torch._foreach_add_(m, g, alpha=1 - beta1)
-    torch._foreach_mul_(v, c.beta2)
-    torch._foreach_addcmul_(v, g, g, value=1 - beta2)
-    denom = torch._foreach_sqrt(v)
-    torch._foreach_mul_(denom, c.inv_bc2_sqrt)
-    torch._foreach_add_(denom, eps)
-    update = torch._foreach_div(m, denom)
-    torch._foreach_mul_(update, c.step_size[group])
-    torch._foreach_mul_(p, c.decay[group])
-    torch._foreach_sub_(p, update)
+    foreach_mul_(m, c.beta1)
+    foreach_add_(m, g, alpha=1 - beta1)
+    foreach_mul_(v, c.beta2)
+    foreach_addcmul_(v, g, g, value=1 - beta2)
+    denom = foreach_sqrt(v)
+    foreach_mul_(denom, c.inv_bc2_sqrt)
+    foreach_add_(denom, eps)
+    update = foreach_div(m, denom)
+    foreach_mul_(update, c.step_size[group])
+    foreach_mul_(p, c.decay[group])
+    foreach_sub_(p, update)
 
 
 class AdamWUpdate:
@@ -94,7 +97,7 @@ class AdamWUpdate:
             _adamw_(_pick(work, idx), _pick(grads, idx), _pick(self.exp_avgs, idx), _pick(self.exp_avg_sqs, idx),
                     c, self.groups[idx[0]], self.betas, self.eps)
             if work[idx[0]] is not self.params[idx[0]]:
-                torch._foreach_copy_(_pick(self.params, idx), _pick(work, idx))
+                foreach_copy_(_pick(self.params, idx), _pick(work, idx))
 
 
 class TorchStep:
@@ -111,7 +114,7 @@ class TorchStep:
     def __call__(self, lr, weight_decay, counters, scaler):
         """One step. lr, weight_decay: [groups] fp32 device tensors; counters, scaler: updated in place."""
         units, grads = fp32_grads(self.buckets, self.impl)
-        norms = [n for idx in self.batches for n in torch._foreach_norm(_pick(grads, idx))]
+        norms = [n for idx in self.batches for n in foreach_norm(_pick(grads, idx))]
         sumsq = torch.stack(norms).square().sum()
         if self.reduce_sumsq is not None:
             self.reduce_sumsq(sumsq)

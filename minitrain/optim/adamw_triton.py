@@ -7,7 +7,7 @@ runs after AdamW's from the same scalars (FusedStep).
                     deterministic).
   _finalize_kernel  one program: global norm, non-finite flag, clip coefficient, 1/scale, bias
                     corrections, step/skip counters and the loss-scaler update. Twin of
-                    decision.decide_step (and of amp.DynamicLossScaler.update).
+                    decision.decide_step (and of amp.DynamicLossScaler.update: loss_scale.update_rule).
   _adamw_kernel     one program per row of a work table, a row being one BLOCK-chunk of one
                     tensor: reads grad, master, m, v; writes master, m, v and the compute copy
                     (bf16/fp16 param) in the same pass. Exits at once on a skipped step.
@@ -92,7 +92,7 @@ def _sumsq_kernel(table_ptr, grad_offsets_ptr, zeros_ptr, partial_ptr, GRAD_ALIG
 @triton.jit
 def _finalize_kernel(partial_ptr, n_partials, scalars_ptr, step_ptr, skipped_ptr, norm_ptr,
                      scale_ptr, tracker_ptr, max_grad_norm, log2_beta1, log2_beta2,
-                     growth_factor, backoff_factor, growth_interval,
+                     growth_factor: tl.float64, backoff_factor: tl.float64, growth_interval,
                      HAS_SCALER: tl.constexpr, CLIP: tl.constexpr, BLOCK: tl.constexpr):
     acc = tl.zeros([BLOCK], tl.float32)
     for start in range(0, n_partials, BLOCK):
@@ -101,14 +101,15 @@ def _finalize_kernel(partial_ptr, n_partials, scalars_ptr, step_ptr, skipped_ptr
     sumsq = tl.sum(acc, axis=0)
     finite = sumsq < float("inf")  # false for inf and nan (sumsq >= 0)
 
-    if HAS_SCALER:  # torch._amp_update_scale_, i.e. DynamicLossScaler.update
+    if HAS_SCALER:  # loss_scale.update_rule: a product in fp64 rounded to the fp32 scale once, as torch's kernel
         scale = tl.load(scale_ptr)
         inv_scale = 1.0 / scale
         successful = tl.load(tracker_ptr) + 1
         grow = successful == growth_interval
-        grown = scale * growth_factor
+        grown = (scale.to(tl.float64) * growth_factor).to(tl.float32)
         grown = tl.where(grow & (grown < float("inf")), grown, scale)
-        tl.store(scale_ptr, tl.where(finite, grown, scale * backoff_factor))
+        backed_off = (scale.to(tl.float64) * backoff_factor).to(tl.float32)
+        tl.store(scale_ptr, tl.where(finite, grown, backed_off))
         tl.store(tracker_ptr, tl.where(finite & ~grow, successful, 0))
     else:
         inv_scale = 1.0
@@ -196,8 +197,9 @@ def finalize(partials, counters, scaler, max_grad_norm, betas, scalars):
     if scaler is None:
         scaling = (scalars, scalars, 1.0, 1.0, 1)  # placeholders, compiled out
     else:
-        scaling = (scaler.get_scale(), scaler.growth_tracker, scaler.growth_factor,
-                   scaler.backoff_factor, scaler.growth_interval)
+        rule = scaler.rule
+        scaling = (scaler.get_scale(), scaler.growth_tracker, rule.growth_factor, rule.backoff_factor,
+                   rule.growth_interval)
     scale, tracker, growth, backoff, interval = scaling
     beta1, beta2 = betas
     _finalize_kernel[(1,)](

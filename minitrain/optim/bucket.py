@@ -3,6 +3,8 @@ state_dict), a gradient source."""
 
 import torch
 
+from minitrain.compat import foreach_copy_
+
 from .dtensor import like, local
 from .grads import GatheredGrads, InPlaceGrads, MainGrads
 from .layout import Layout
@@ -15,7 +17,7 @@ def _masters(layout: Layout, params, has_master: bool):
         return None, None
     master = torch.zeros(layout.size, dtype=torch.float32, device=params[0].device)
     masters = layout.views(master)
-    torch._foreach_copy_(masters, [p.detach() for p in params])
+    foreach_copy_(masters, [p.detach() for p in params])
     return master, masters
 
 

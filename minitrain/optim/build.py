@@ -1,7 +1,7 @@
 """The optimizer a resolved precision asks for: AdamW, TorchAdamW or Muon, each owning its loss scaler."""
 
-from minitrain.amp import LossScaling
 from minitrain.config import ConfigError
+from minitrain.loss_scale import LossScaling
 
 from .adamw import AdamW
 from .muon import Muon
@@ -9,8 +9,7 @@ from .torch_baseline import TorchAdamW
 
 
 def _loss_scaling(precision) -> LossScaling | None:
-    return LossScaling(precision.init_scale, precision.growth_factor, precision.backoff_factor,
-                       precision.growth_interval) if precision.loss_scaling else None
+    return precision.loss_scale if precision.loss_scaling else None
 
 
 def _grad_dtype(precision):

@@ -4,13 +4,15 @@ import sys
 
 from torch.distributed.tensor import DTensor
 
+from minitrain.compat import dtensor_local_tensor, float8_weight_tensor
+
 
 def local(t):
     """This rank's shard of a DTensor (a view: writing it writes the parameter); a tensor itself. A float8
     all-gather weight (torchao's, precision=fp8 under fsdp) is a wrapper that changes only how FSDP gathers it:
     the plain tensor inside holds the shard, which the kernels that take pointers must see."""
-    t = t._local_tensor if isinstance(t, DTensor) else t
-    return t._tensor if _is_float8_all_gather_weight(t) else t
+    t = dtensor_local_tensor(t) if isinstance(t, DTensor) else t
+    return float8_weight_tensor(t) if _is_float8_all_gather_weight(t) else t
 
 
 def _is_float8_all_gather_weight(t) -> bool:

@@ -19,6 +19,8 @@ from operator import attrgetter
 
 import torch
 
+from minitrain.compat import foreach_copy_, foreach_zero_
+
 from .dtensor import any_sharded, local
 from .layout import Layout
 
@@ -87,11 +89,11 @@ class GatheredGrads(_FlatGrads):
         if not made:  # kept since the last step (no zero_grad(set_to_none)): gradients set to None are zeros
             gone = [view for view, p in zip(self.views, self.owners) if p.grad is None]
             if gone:
-                torch._foreach_zero_(gone)
+                foreach_zero_(gone)
         new = [(view, p) for view, p in zip(self.views, self.owners)
                if p.grad is not None and local(p.grad) is not view]
         if new:
-            torch._foreach_copy_([view for view, _ in new], [local(p.grad) for _, p in new])
+            foreach_copy_([view for view, _ in new], [local(p.grad) for _, p in new])
             if not self.sharded:
                 for view, p in new:
                     p.grad = view

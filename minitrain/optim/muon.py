@@ -20,7 +20,7 @@ schedule (warmup, cosine) scales Muon's lr by the same factor as AdamW's.
 
 import torch.distributed as dist
 
-from minitrain.amp import LossScaling
+from minitrain.loss_scale import LossScaling
 from minitrain.triton_runtime import check_runnable
 
 from .adamw_torch import AdamWUpdate, TorchStep

@@ -4,6 +4,8 @@ adamw_torch.TorchStep after the one decision of the step."""
 
 import torch
 
+from minitrain.compat import foreach_addcmul_, foreach_copy_, foreach_lerp, foreach_lerp_, foreach_mul_
+
 from .adamw_triton import BLOCK
 from .decision import StepScalars
 from .newton_schulz import batches
@@ -29,19 +31,19 @@ class MuonUpdate:
         for b, start, batch in self.runs:
             j = slice(batch.first, batch.first + batch.count)
             g, buf = grads[start + j.start:start + j.stop], b.state.momentums[j]
-            torch._foreach_lerp_(buf, g, [buffer_weight] * batch.count)  # a tensor weight: no .item(), no sync
+            foreach_lerp_(buf, g, [buffer_weight] * batch.count)  # a tensor weight: no .item(), no sync
             x = self.exchange.inputs(batch.count, batch.local_shape, batch.shape, buf[0].device)
             rows = batch.local_shape[0]
-            mixed = torch._foreach_lerp(g, buf, self.momentum) if self.nesterov else buf
-            torch._foreach_copy_([m[:rows] for m in x[:batch.count]], mixed)  # rounded to bf16
+            mixed = foreach_lerp(g, buf, self.momentum) if self.nesterov else buf
+            foreach_copy_([m[:rows] for m in x[:batch.count]], mixed)  # rounded to bf16
             del mixed
             o = self.exchange(x, batch.count, rows, batch.shape)
             del x
             work = b.state.masters[j] if b.state.master is not None else \
                 b.params[j] if b.params[0].dtype == torch.float32 else [p.float() for p in b.params[j]]
             step = -batch.ratio * lr[batch.group]
-            torch._foreach_mul_(work, 1 - lr[batch.group] * weight_decay[batch.group])
-            torch._foreach_addcmul_(work, list(o), [step] * batch.count)
+            foreach_mul_(work, 1 - lr[batch.group] * weight_decay[batch.group])
+            foreach_addcmul_(work, list(o), [step] * batch.count)
             if work[0] is not b.params[batch.first]:
-                torch._foreach_copy_(b.params[j], work)
+                foreach_copy_(b.params[j], work)
             del o, work  # before the next batch's buffers are made

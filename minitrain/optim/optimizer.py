@@ -5,12 +5,11 @@ A subclass builds `buckets` (every parameter's state, whatever its update) and `
 `(lr, weight_decay, counters, scaler)` built once: the norm pass over every gradient, one decision, then each
 side's update (adamw_torch.TorchStep, adamw_triton.FusedStep)."""
 
-from dataclasses import asdict
-
 import torch
 from torch import Tensor
 
-from minitrain.amp import DynamicLossScaler, LossScaling
+from minitrain.amp import DynamicLossScaler
+from minitrain.loss_scale import LossScaling
 
 from .decision import Counters
 
@@ -49,7 +48,7 @@ class DeviceOptimizer:
         self._hyper = torch.zeros(len(_HYPER_ROWS), len(self.param_groups), dtype=torch.float32, device=self.device)
         self._lr, self._wd = self._hyper.unbind()  # views of its rows, which each upload refills
         self._hyper_host = None
-        self.loss_scaler = DynamicLossScaler(**asdict(loss_scaling), device=self.device) if loss_scaling else None
+        self.loss_scaler = DynamicLossScaler(loss_scaling, device=self.device) if loss_scaling else None
 
     # -- step ---------------------------------------------------------------------------------
 

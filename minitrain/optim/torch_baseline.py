@@ -6,7 +6,8 @@ from dataclasses import asdict
 
 import torch
 
-from minitrain.amp import LossScaling
+from minitrain.compat import grad_scaler_found_infs
+from minitrain.loss_scale import LossScaling
 
 
 class TorchAdamW:
@@ -42,7 +43,7 @@ class TorchAdamW:
             self.opt.step()
             return
         scaler.step(self.opt)  # fused AdamW consumes found_inf on the device
-        for found_inf in scaler._found_inf_per_device(self.opt).values():
+        for found_inf in grad_scaler_found_infs(scaler, self.opt):
             self._skipped.add_(found_inf.int())
         scaler.update()
 

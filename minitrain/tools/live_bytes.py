@@ -3,8 +3,8 @@
 import weakref
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode, is_traceable_wrapper_subclass
-from torch.utils._pytree import tree_leaves
+
+from minitrain.compat import TorchDispatchMode, is_traceable_wrapper_subclass, tree_leaves
 
 
 def _plain_tensors(tree):

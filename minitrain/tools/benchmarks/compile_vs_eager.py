@@ -32,7 +32,7 @@ def compare(model: str, batch: int, recipe: str, extra: Sequence[str], out_dir: 
         x, y = trainer.train_batches.get(0)
         params = dict(trainer.model.named_parameters())
         eager_loss, eager = loss_and_grads(trainer.eager_forward_loss, params, x, y)
-        torch._dynamo.reset()
+        torch.compiler.reset()
         compiled_loss, compiled = loss_and_grads(torch.compile(trainer.eager_forward_loss), params, x, y)
         errors = sorted(((torch.linalg.vector_norm(compiled[n] - g) / torch.linalg.vector_norm(g)).item(), n)
                         for n, g in eager.items())
@@ -41,7 +41,7 @@ def compare(model: str, batch: int, recipe: str, extra: Sequence[str], out_dir: 
                 "grad_rel_err_worst": [{"param": n, "rel_err": e} for e, n in errors[:-WORST_SHOWN - 1:-1]]}
     finally:
         trainer.close()
-        torch._dynamo.reset()
+        torch.compiler.reset()
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()

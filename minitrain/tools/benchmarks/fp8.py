@@ -94,7 +94,7 @@ def measure(model: str, memory_budget: float, warmup: int, rounds: int, steps: i
             runs.clear()
             gc.collect()
             torch.cuda.empty_cache()
-            torch._dynamo.reset()
+            torch.compiler.reset()
 
 
 def measure_models(models: Sequence[str], time_limit_s: Optional[float], **how) -> Iterator[list[dict]]:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from minitrain.compat import foreach_copy_
 from minitrain.config import ModelConfig
 from minitrain.model import GPT
 from minitrain.optim import AdamW, Muon, newton_schulz
@@ -112,7 +113,7 @@ def torch_master_path(weights, grads):
     @torch.no_grad()  # the masters are Parameters: outside no_grad autograd would record every copy
     def step():
         opt.step()
-        torch._foreach_copy_(params, masters)
+        foreach_copy_(params, masters)
     return step, BYTES_TORCH_MASTER, lambda: (masters, params)
 
 

@@ -28,6 +28,7 @@ import transformers
 from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel, StaticCache
 
 from minitrain import hf
+from minitrain.compat import inductor_counter
 from minitrain.config import KernelImpl, ModelConfig
 from minitrain.generate import Sampler, Sampling
 from minitrain.model import GPT
@@ -203,9 +204,7 @@ def environment(device: torch.device) -> dict:
 
 def cudagraph_skips() -> int:
     """CUDA graphs that inductor skipped in this process (each a decode step that would run ungraphed)."""
-    from torch._dynamo.utils import counters
-
-    return dict(counters["inductor"]).get("cudagraph_skips", 0)
+    return inductor_counter("cudagraph_skips")
 
 
 def run(models: Sequence[str], batches: Sequence[int], prompt_len: int, new_tokens: int, rounds: int,
@@ -225,6 +224,6 @@ def run(models: Sequence[str], batches: Sequence[int], prompt_len: int, new_toke
             rows.append(bench_cell(name, theirs, ours, batch, prompt_len, new_tokens, rounds))
             print(cell_line(rows[-1]), flush=True)
         del theirs, ours
-        torch._dynamo.reset()
+        torch.compiler.reset()
         torch.cuda.empty_cache()
     return rows

@@ -326,7 +326,7 @@ def measure(model: str, batch: str, how: Comparison, probe_command: Sequence[str
         runs.clear()
         gc.collect()
         torch.cuda.empty_cache()
-        torch._dynamo.reset()
+        torch.compiler.reset()
     return list(rows.values())
 
 
