@@ -20,11 +20,11 @@ from .checkpoint import CheckpointError, locate, read_part
 from .config import ModelConfig, error_reason
 from .hf import CONFIG, KEY, load_weights, settle_shape
 from .hub import SourceError, is_hub_name
-from .rundir import CHECKPOINTS, JOB_INFO, METRICS, TOKENIZER
+from .rundir import CHECKPOINTS, JOB_INFO, LATEST, METRICS, PREVIOUS, TOKENIZER
 
 # What tells a run dir or a checkpoint from Hugging Face weights: a checkpoint's own files (DCP's `.metadata`
-# beside the shards), a run dir's checkpoints/ or its metrics.
-RUN_MARKS = (JOB_INFO, ".metadata", CHECKPOINTS, METRICS)
+# beside the shards), a run dir's checkpoints/ (or its metrics, before its first save), a checkpoints/ folder's own.
+RUN_MARKS = (JOB_INFO, ".metadata", CHECKPOINTS, METRICS, LATEST, PREVIOUS)
 
 
 @dataclass(frozen=True)
@@ -95,6 +95,7 @@ def read_checkpoint(path: Path, tokenizer: str | None = None, need_tokenizer: bo
     and vocab as the run settled them), its weights (whole, whatever the world size that saved them), its step, and
     the run's tokenizer (saved beside checkpoints/ by the trainer), else `tokenizer`."""
     from omegaconf import OmegaConf
+    from torch.distributed.checkpoint.api import CheckpointException
 
     from .data.tokenizer import pretrained_tokenizer
 
@@ -105,7 +106,9 @@ def read_checkpoint(path: Path, tokenizer: str | None = None, need_tokenizer: bo
         raise CheckpointError(f"{ckpt / JOB_INFO} is unreadable ({error_reason(e)})") from None
     try:
         state, step = read_part(ckpt, "model"), read_part(ckpt, "progress_rank0")["step"]
-    except Exception as e:  # CheckpointException, a torn shard's OSError or pickle error
+    except (Exception, CheckpointException) as e:  # a torn shard, a missing part (DCP's own is a BaseException)
+        if isinstance(e, CheckpointException):  # it wraps what the reader raised
+            e, _ = next(iter(e.failures.values()))
         raise CheckpointError(f"{ckpt} could not be read ({error_reason(e)})") from None
     try:
         cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), config["model"]))
