@@ -38,10 +38,8 @@ import torch
 
 from . import files
 from .config import error_reason
-from .rundir import RunDirError, checkpoint_dir
+from .rundir import JOB_INFO, LATEST, PREVIOUS, RunDirError, checkpoint_dir
 
-LATEST, PREVIOUS = "latest", "previous"  # torch.distributed.checkpoint directories
-JOB_INFO = "minitrain.json"  # beside the shards: world_size, mode, config
 UNUSABLE_MARK = ".unusable-"  # a checkpoint resume=auto fell back past, kept aside for the user to look at
 # Kept aside at most: the one a resume just fell back past and the one before it, enough to tell a one-off failure
 # from a repeating one; older ones are removed (the note of the fallback names them).

@@ -1,7 +1,8 @@
 """Evaluation beyond the training loss: validation loss and perplexity over a split, and HellaSwag accuracy.
 
 Validation loss here is exact and deterministic: the mean token loss over consecutive windows covering a split
-(or its first tokens), not a sample of random windows as the trainer's periodic `val/loss` is.
+(or its first tokens), not a sample of random windows as the trainer's periodic `val/loss` is. Two estimators, so
+two names: this one is `eval/val_loss` (and `eval/val_ppl`, `eval/val_tokens`), never to be read as the other.
 
 HellaSwag (Zellers et al., 2019): a context and four endings, one of them right. Scored as EleutherAI's
 lm-evaluation-harness scores its `hellaswag` task, zero-shot, so that the numbers compare with the papers that
@@ -16,6 +17,7 @@ longer than the block is scored on its last block_size tokens.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import re
@@ -29,12 +31,13 @@ import torch
 import torch.nn.functional as F
 from omegaconf import OmegaConf
 
-from .checkpoint import JOB_INFO, CheckpointError, locate, read_part
-from .config import DataConfig, ModelConfig, error_reason
+from .config import DataConfig
 from .data import DataError, TokenData, TokenStream, prepare_data
 from .data.corpus import hub_quietly
 from .model import GPT
 from .precision import preset, resolve_precision
+from .rundir import TOKENIZER
+from .weights import Weights, open_weights
 
 # The validation set on the hub: the parquet copy the hub made of the original jsonl (activity_label, ctx_a, ctx_b,
 # endings, label, ...).
@@ -42,6 +45,8 @@ HELLASWAG_REPO, HELLASWAG_REVISION = "Rowan/hellaswag", "refs/convert/parquet"
 HELLASWAG_FILE = "default/validation/0000.parquet"
 
 LogitsFn = Callable[[torch.Tensor], torch.Tensor]  # token ids (B, T) -> logits (B, T, vocab)
+# validation_loss's record: the split's consecutive windows, not the trainer's random ones (`val/loss`)
+VAL_LOSS, VAL_PPL, VAL_TOKENS = "eval/val_loss", "eval/val_ppl", "eval/val_tokens"
 
 
 def perplexity(loss: float) -> float:
@@ -78,7 +83,7 @@ def validation_loss(loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor
         ids = torch.from_numpy(windows).to(device)
         total += float(loss_fn(ids[:, :-1], ids[:, 1:]).double().sum())
     loss = total / (n_windows * block_size)
-    return {"val/loss": loss, "val/ppl": perplexity(loss), "val/tokens": n_windows * block_size}
+    return {VAL_LOSS: loss, VAL_PPL: perplexity(loss), VAL_TOKENS: n_windows * block_size}
 
 
 @dataclass(frozen=True)
@@ -217,17 +222,15 @@ def hellaswag(logits_fn: LogitsFn, tokenizer, examples: Sequence[HellaSwagExampl
             "hellaswag/examples": len(examples)}
 
 
-# -- a saved run, evaluated -------------------------------------------------------------------------------------
+# -- a saved model, evaluated ----------------------------------------------------------------------------------
 
 @dataclass
-class SavedRun:
-    """A checkpoint's model, ready to evaluate, with the config and directory of the run that saved it."""
+class EvalModel:
+    """A model read by minitrain/weights.py (a run's checkpoint, or Hugging Face weights), ready to evaluate."""
 
     model: GPT
     autocast: Callable[[], object]  # the run's precision's autocast context on this device
-    config: dict
-    step: int
-    run_dir: Optional[Path]
+    weights: Weights
 
     def logits(self, ids: torch.Tensor) -> torch.Tensor:
         with self.autocast():
@@ -237,64 +240,53 @@ class SavedRun:
         """Each prediction's loss, (B, T)."""
         return F.cross_entropy(self.logits(inputs).float().transpose(1, 2), targets, reduction="none")
 
-    def data_config(self) -> DataConfig:
-        return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DataConfig), self.config["data"]))
+    def data_config(self) -> Optional[DataConfig]:
+        """The run's data config (None for Hugging Face weights, which name no corpus)."""
+        run = self.weights.run
+        return None if run is None else \
+            OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DataConfig), run.config["data"]))
 
     def tokenizer_source(self) -> Optional[str]:
-        """What data.tokenizer names this run's tokenizer as: its pretrained name, or the run dir it saved its
-        trained one in (None for a run that saved none)."""
-        trained = self.data_config().tokenizer == "train"
-        if not trained:
-            return self.data_config().tokenizer
-        return str(self.run_dir) if self.run_dir and (self.run_dir / "tokenizer.json").is_file() else None
+        """What data.tokenizer names this model's tokenizer as: a run's pretrained name, or the run dir it saved its
+        trained one in (None for a run that saved none); Hugging Face weights' own name or directory."""
+        data = self.data_config()
+        return data.tokenizer if data is not None and data.tokenizer != "train" else self.weights.tokenizer_source
 
 
-def _saved_state(path: Path) -> tuple[dict, dict, int]:
-    """(model state_dict, config, step) of a checkpoint, whatever the world size that saved it, read whole in this
-    one process."""
-    try:
-        config = json.loads((path / JOB_INFO).read_text())["config"]
-        weights, progress = read_part(path, "model"), read_part(path, "progress_rank0")
-    except Exception as e:  # a torn or foreign directory
-        raise CheckpointError(f"{path} could not be read ({error_reason(e)})") from None
-    return weights, config, progress["step"]
+def load_run(checkpoint: str, device: torch.device) -> EvalModel:
+    """The model `checkpoint` names (a run dir, a checkpoint or Hugging Face weights: minitrain/weights.py) on
+    `device`, in eval mode: in its run's precision, Hugging Face weights in their own dtype."""
+    weights = open_weights(checkpoint, need_tokenizer=False)
+    if weights.run is None:
+        return EvalModel(weights.build(device), contextlib.nullcontext, weights)
+    precision = resolve_precision(preset(weights.run.config["plan"]["precision"]), device)
+    return EvalModel(weights.build(device, precision.param_dtype), lambda: precision.autocast(device.type), weights)
 
 
-def load_run(checkpoint: str, device: torch.device) -> SavedRun:
-    """The model a checkpoint holds, in its run's precision on `device`, in eval mode."""
-    path = locate(Path(checkpoint).expanduser())
-    weights, config, step = _saved_state(path)
-    model_cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), config["model"]))
-    model = GPT(replace(model_cfg, vocab_size=config["plan"]["vocab_size"]))
-    model.load_state_dict(weights)
-    precision = resolve_precision(preset(config["plan"]["precision"]), device)
-    model.to(device=device, dtype=precision.param_dtype).eval()
-    return SavedRun(model, lambda: precision.autocast(device.type), config, step, path.parent.parent)
-
-
-def _run_tokenizer(run: SavedRun, data: Optional[TokenData]):
-    from tokenizers import Tokenizer
-
-    if run.run_dir is not None and (run.run_dir / "tokenizer.json").is_file():
-        return Tokenizer.from_file(str(run.run_dir / "tokenizer.json"))
+def _run_tokenizer(run: EvalModel, data: Optional[TokenData]):
+    if run.weights.tokenizer is not None:
+        return run.weights.tokenizer
     if data is None:
-        raise DataError(f"{run.run_dir} holds no tokenizer.json (saved by runs since 2026-12-03); evaluate the run "
-                        "on its own data config, whose cache holds its tokenizer")
+        raise DataError(f"{run.weights.run.run_dir} holds no {TOKENIZER} (saved by runs since 2026-12-03); evaluate "
+                        "the run on its own data config, whose cache holds its tokenizer")
     return data.tokenizer
 
 
-def _eval_data(run: SavedRun, data_cfg: Optional[DataConfig], progress: bool) -> TokenData:
+def _eval_data(run: EvalModel, data_cfg: Optional[DataConfig], progress: bool) -> TokenData:
     """The corpus to evaluate on, tokenized with the run's tokenizer: the run's own data config (its cache, when
     that still holds the run's tokenizer), or `data_cfg` prepared with the run's tokenizer."""
-    block_size, source = run.model.cfg.block_size, run.tokenizer_source()
+    block_size, source, own = run.model.cfg.block_size, run.tokenizer_source(), run.data_config()
+    if data_cfg is None and own is None:
+        raise DataError(f"{run.weights.tokenizer_source} is Hugging Face weights, which name no corpus: give the data "
+                        "to evaluate on (data=NAME data.KEY=VALUE), or leave the validation loss out (--val-tokens 0)")
     if data_cfg is None:
-        data = prepare_data(run.data_config(), block_size, progress)
+        data = prepare_data(own, block_size, progress)
         if source is None or data.tokenizer.to_str() == _run_tokenizer(run, data).to_str():
             return data
-        data_cfg = run.data_config()  # its corpus changed since the run, and with it the trained tokenizer
+        data_cfg = own  # its corpus changed since the run, and with it the trained tokenizer
     if source is None:
-        raise DataError(f"{run.run_dir} holds no tokenizer.json (saved by runs since 2026-12-03): another corpus "
-                        "cannot be tokenized as this run was; evaluate it on its own data config")
+        raise DataError(f"{run.weights.run.run_dir} holds no {TOKENIZER} (saved by runs since 2026-12-03): another "
+                        "corpus cannot be tokenized as this run was; evaluate it on its own data config")
     return prepare_data(replace(data_cfg, tokenizer=source), block_size, progress)
 
 
@@ -302,12 +294,13 @@ def evaluate_checkpoint(checkpoint: str, device: torch.device, data_cfg: Optiona
                         val_tokens: Optional[int] = None, hellaswag_source: Optional[str] = None,
                         hellaswag_examples: Optional[int] = None, batch_size: int = 8,
                         progress: bool = True) -> dict[str, float]:
-    """A checkpoint's validation loss and perplexity on its run's data config or `data_cfg` (the first
-    `val_tokens` of the split, default all; 0: none), and its HellaSwag accuracy with `hellaswag_source` (hub
-    or a local jsonl); `batch_size` windows, or HellaSwag examples, per forward. Deterministic: the same
-    checkpoint gives the same numbers, and the batching adds no rounding of its own."""
+    """A checkpoint's (or Hugging Face weights') validation loss and perplexity on its run's data config or
+    `data_cfg` (the first `val_tokens` of the split, default all; 0: none), and its HellaSwag accuracy with
+    `hellaswag_source` (hub or a local jsonl); `batch_size` windows, or HellaSwag examples, per forward; a
+    checkpoint's step. Deterministic: the same checkpoint gives the same numbers, and the batching adds no rounding
+    of its own."""
     run = load_run(checkpoint, device)
-    record: dict[str, float] = {"step": run.step}
+    record: dict[str, float] = {"step": run.weights.run.step} if run.weights.run is not None else {}
     data = _eval_data(run, data_cfg, progress) if val_tokens != 0 else None
     if data is not None:
         record.update(validation_loss(run.token_losses, data.val, run.model.cfg.block_size, batch_size, device,

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from .compat import mark_static_address
 from .model import GPT, KVCache
-from .ops.decode import decode_logits
+from .ops.decode import cached_attention, decode_linear
 
 
 class GenerationError(ValueError):
@@ -87,8 +87,23 @@ def _decode(model: GPT, cache: KVCache, token: torch.Tensor, pos: torch.Tensor, 
 _decode_graphed = torch.compile(_decode, mode="reduce-overhead", fullgraph=True, dynamic=False)
 
 
+def decode_logits(model: GPT, cache: KVCache, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+    """The LM head's logits (B, head_vocab) of one token per sequence (B, 1) at position `pos` (1,) in the decode
+    kernels of minitrain/ops/decode.py, five launches a block: what head_logits(model, model.forward_hidden(token,
+    cache, pos)) computes, the cache written alike."""
+    x = (model.wte(token[:, 0]) + model.wpe(pos)).contiguous()
+    for i, block in enumerate(model.blocks):
+        attn, mlp = block.attn, block.mlp
+        qkv = decode_linear(x, attn.c_attn.weight, attn.c_attn.bias, norm=block.ln_1)
+        y = cached_attention(qkv, getattr(cache, f"k{i}"), getattr(cache, f"v{i}"), pos)
+        x = decode_linear(y, attn.c_proj.weight, attn.c_proj.bias, residual=x)
+        h = decode_linear(x, mlp.c_fc.weight, mlp.c_fc.bias, norm=block.ln_2, gelu=True)
+        x = decode_linear(h, mlp.c_proj.weight, mlp.c_proj.bias, residual=x)
+    return decode_linear(x, model.lm_head_weight, norm=model.ln_f)
+
+
 def _decode_fused(model: GPT, cache: KVCache, token: torch.Tensor, pos: torch.Tensor, s: Sampling) -> torch.Tensor:
-    """_decode in the decode kernels of minitrain/ops/decode.py: five launches a block."""
+    """_decode through decode_logits: the decode kernels of minitrain/ops/decode.py."""
     return next_token(decode_logits(model, cache, token, pos), s)
 
 

@@ -11,13 +11,14 @@ a multiple of 64, and `model.head_vocab` keeps the head (loss and sampling) on t
 loss is transformers' loss on the same batch. A head not tied to the embedding (`tie_word_embeddings=false`, or an
 `lm_head.weight` of other values) is refused: minitrain's head is the embedding. Out: `export` writes what
 `GPT2LMHeadModel.from_pretrained`, `AutoTokenizer.from_pretrained` and transformers' `pipeline` load as they are;
-a model without biases is written with zero ones, which compute the same function.
+a model without biases is written with zero ones, which compute the same function. Reading these weights (or a
+run's) back as a model and its tokenizer, for sampling, export and evaluation, is minitrain/weights.py's.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Mapping
 
@@ -27,6 +28,7 @@ from .config import SCRATCH, ConfigError, ModelConfig, error_reason, padded_voca
 from .hub import SourceError, source_file
 
 WEIGHTS, CONFIG, GENERATION = "model.safetensors", "config.json", "generation_config.json"
+TOKENIZER, TOKENIZER_CONFIG, SPECIAL_TOKENS = "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"
 # model.safetensors' metadata in an export: transformers' own ("format") and the mark that tells an earlier export,
 # which a new one may replace, from another model's files, which it must not
 EXPORT_METADATA = {"format": "pt", "exported_by": "minitrain"}
@@ -205,78 +207,7 @@ def hf_config(cfg: ModelConfig, eot_id, dtype: torch.dtype) -> dict:
             "bos_token_id": eot_id, "eos_token_id": eot_id, "dtype": str(dtype).removeprefix("torch.")}
 
 
-# -- a trained run's weights, and export --------------------------------------------------------------------
-@dataclass
-class Weights:
-    """A model's settled config, its state dict in minitrain's names (on the CPU) and its tokenizer."""
-
-    cfg: ModelConfig
-    state: dict[str, torch.Tensor]
-    tokenizer: object  # tokenizers.Tokenizer
-    source: Path
-
-    def build(self, device: torch.device, dtype: torch.dtype | None = None, **changes):
-        """The GPT on `device` in `dtype` (the weights' own when None), in eval mode; `changes`: ModelConfig
-        fields that do not change the function (gelu)."""
-        from .model import GPT
-
-        with torch.device(device):
-            model = GPT(replace(self.cfg, **changes))
-        model.load_state_dict(self.state)
-        return model.to(dtype or next(iter(self.state.values())).dtype).eval()
-
-
-def open_weights(source: str, tokenizer: str | None = None) -> Weights:
-    """A run dir, a checkpoint (its checkpoints/latest/ or another), or Hugging Face GPT-2 weights (a directory or
-    a name); `tokenizer` (a name or directory) for a run that kept none beside its checkpoints."""
-    from .checkpoint import JOB_INFO, checkpoint_dir
-
-    path = Path(source).expanduser()
-    if (path / JOB_INFO).is_file() or (path / ".metadata").is_file() or checkpoint_dir(path).is_dir():
-        return read_checkpoint(path, tokenizer)
-    from .model import GPT
-    from .data.tokenizer import pretrained_tokenizer
-
-    cfg = settle_shape(ModelConfig(name=source, init_from=source, n_layer=None, n_head=None, n_embd=None,
-                                   block_size=None))
-    with torch.device("meta"):
-        skeleton = GPT(cfg)
-    model = skeleton.to_empty(device="cpu")
-    weights_path = load_weights(model)
-    return Weights(cfg, model.state_dict(), pretrained_tokenizer(tokenizer or source), weights_path)
-
-
-def read_checkpoint(path: Path, tokenizer: str | None = None) -> Weights:
-    """The model of a minitrain checkpoint: its config (shape and vocab as the run settled them), its weights
-    (whole, whatever the world size that saved them), and the run's tokenizer (saved beside checkpoints/ by the
-    trainer), else `tokenizer`."""
-    from omegaconf import OmegaConf
-
-    from .checkpoint import JOB_INFO, locate, read_part
-    from .data.tokenizer import pretrained_tokenizer
-
-    ckpt = locate(path)
-    try:
-        config = json.loads((ckpt / JOB_INFO).read_text())["config"]
-    except (OSError, ValueError, KeyError) as e:
-        raise WeightsError(f"{ckpt / JOB_INFO} is unreadable ({error_reason(e)})") from None
-    try:
-        state = read_part(ckpt, "model")
-    except Exception as e:  # CheckpointException, a torn shard's OSError or pickle error
-        raise WeightsError(f"{ckpt} could not be read ({error_reason(e)})") from None
-    try:
-        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig), config["model"]))
-        cfg = replace(cfg, vocab_size=config["plan"]["vocab_size"])
-    except Exception as e:  # a config of another version: OmegaConf's validation errors, a missing key
-        raise WeightsError(f"{ckpt}: its config is not one this minitrain reads ({error_reason(e)})") from None
-    run_tokenizer = ckpt.parent.parent / "tokenizer.json"
-    if tokenizer is None and not run_tokenizer.is_file():
-        raise SourceError(f"{ckpt}: its run keeps no tokenizer.json (written by runs since 2026-12-03); name the one "
-                          "it was trained with (--tokenizer gpt2, or the data cache's directory)")
-    tok = pretrained_tokenizer(tokenizer or str(run_tokenizer.parent))
-    return Weights(cfg, {k: v.cpu() for k, v in state.items()}, tok, ckpt)
-
-
+# -- export ---------------------------------------------------------------------------------------------------
 def hf_generation_config(cfg: ModelConfig, eot_id) -> dict:
     """generation_config.json: end at `<|endoftext|>`, and at most the context (max_length counts the prompt).
     Without a max_length transformers' text-generation pipeline asks for 256 new tokens, past the last position
@@ -302,16 +233,17 @@ def _may_export_into(out_dir: Path, names) -> bool:
         return False
 
 
-def export(weights: Weights, out_dir: Path) -> list[Path]:
-    """`out_dir` as transformers' GPT-2: config.json, model.safetensors, generation_config.json and the tokenizer
+def export(weights, out_dir: Path) -> list[Path]:
+    """`weights` (minitrain/weights.py's Weights: a config, a state dict and a tokenizer) in `out_dir` as
+    transformers' GPT-2: config.json, model.safetensors, generation_config.json and the tokenizer
     (tokenizer.json and the files AutoTokenizer reads, `<|endoftext|>` as bos and eos, the context as its
     model_max_length). A directory holding anything but an earlier export is refused."""
     from safetensors.torch import save_file
 
     from .data import EOT
 
-    files = {name: out_dir / name for name in (CONFIG, WEIGHTS, GENERATION, "tokenizer.json",
-                                                "tokenizer_config.json", "special_tokens_map.json")}
+    files = {name: out_dir / name for name in (CONFIG, WEIGHTS, GENERATION, TOKENIZER, TOKENIZER_CONFIG,
+                                                SPECIAL_TOKENS)}
     if not _may_export_into(out_dir, files):
         raise SourceError(f"{out_dir} is neither empty nor an earlier export (its files would mix with this "
                           "model's); export into a new or empty directory")
@@ -322,10 +254,10 @@ def export(weights: Weights, out_dir: Path) -> list[Path]:
     dtype = next(iter(tensors.values())).dtype
     files[CONFIG].write_text(json.dumps(hf_config(cfg, eot, dtype), indent=2) + "\n")
     files[GENERATION].write_text(json.dumps(hf_generation_config(cfg, eot), indent=2) + "\n")
-    weights.tokenizer.save(str(files["tokenizer.json"]))
+    weights.tokenizer.save(str(files[TOKENIZER]))
     special = {"bos_token": EOT, "eos_token": EOT, "unk_token": EOT}
-    files["tokenizer_config.json"].write_text(json.dumps(
+    files[TOKENIZER_CONFIG].write_text(json.dumps(
         {"tokenizer_class": "GPT2Tokenizer", **special, "add_prefix_space": False, "add_bos_token": False,
          "model_max_length": cfg.block_size, "clean_up_tokenization_spaces": False}, indent=2) + "\n")
-    files["special_tokens_map.json"].write_text(json.dumps(special, indent=2) + "\n")
+    files[SPECIAL_TOKENS].write_text(json.dumps(special, indent=2) + "\n")
     return list(files.values())

@@ -20,6 +20,11 @@ def is_local(source: str) -> bool:
     return Path(source).expanduser().is_dir()
 
 
+def is_hub_name(source: str) -> bool:
+    """Whether `source` could name a Hugging Face model (`name` or `owner/name`)."""
+    return _HUB_NAME.fullmatch(source) is not None
+
+
 def source_file(source: str, filename: str, key: str) -> Path:
     """`filename` in the directory `source`, or of the Hugging Face model `source`: from the hub's local cache
     first (no network), downloaded (with a progress bar) when it is not there."""
@@ -28,7 +33,7 @@ def source_file(source: str, filename: str, key: str) -> Path:
         if not path.is_file():
             raise SourceError(f"{key}={source}: there is no {filename} in that directory")
         return path
-    if not _HUB_NAME.fullmatch(source):
+    if not is_hub_name(source):
         raise SourceError(f"{key}={source!r}: no such directory, and not a Hugging Face model name")
     from huggingface_hub import constants, hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError, HfHubHTTPError, LocalEntryNotFoundError, \

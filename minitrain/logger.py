@@ -17,6 +17,7 @@ from typing import Any, Optional
 
 from . import files
 from .config import ConfigError, LoggerConfig, LoggerMode, error_reason
+from .rundir import METRICS, TRAIN_LOG
 
 # Console columns: (key, label, format); a key absent from a record is left out of the line.
 _CONSOLE = [
@@ -67,8 +68,8 @@ class RunLogger:
                  group: Optional[str], name: Optional[str], enabled: bool = True,
                  resume_step: int = 0):
         self.enabled = enabled  # False on ranks other than 0
-        self.jsonl = out_dir / "metrics.jsonl"
-        self.log_file = out_dir / "train.log"
+        self.jsonl = out_dir / METRICS
+        self.log_file = out_dir / TRAIN_LOG
         self.wandb_run = None
         self.dropped_records = 0
         if not enabled:

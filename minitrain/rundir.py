@@ -21,9 +21,20 @@ from omegaconf import OmegaConf
 from . import files
 from .config import unusable_run_dir
 
+# What a run directory holds, by name (every module that writes or reads one of them names it from here).
 LOCK = ".lock"  # the flock (minitrain/files.py)
 HOLDER = ".lock.holder"  # the holder's pid and host, for the message a second run gets
-CHECKPOINTS = "checkpoints"
+CHECKPOINTS = "checkpoints"  # the run's checkpoints, each a torch.distributed.checkpoint directory:
+LATEST, PREVIOUS = "latest", "previous"  # the last two saved (minitrain/checkpoint.py)
+JOB_INFO = "minitrain.json"  # beside a checkpoint's shards: world_size, mode, config
+TOKENIZER = "tokenizer.json"  # the run's tokenizer, which makes the run dir a tokenizer directory too
+METRICS = "metrics.jsonl"  # the plan, then one record per log step (minitrain/logger.py)
+TRAIN_LOG = "train.log"  # the console's lines
+MEMORY = "memory.json"  # the predicted memory terms beside the measured peaks, at the run's end
+SAMPLE = "sample.txt"  # a short text sample from the trained model
+ERROR = "error.txt"  # why a sweep cell did not run or stopped, for the sweep's report
+RECORD = ".hydra"  # the run's record: the resolved config and the command line's overrides
+CONFIG_RECORD, OVERRIDES_RECORD = "config.yaml", "overrides.yaml"
 
 
 class RunDirError(RuntimeError):

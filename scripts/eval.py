@@ -1,7 +1,9 @@
 """Evaluate a checkpoint: `python scripts/eval.py RUN_OR_CHECKPOINT [options] [data=... data.key=value ...]`.
 
 Validation loss and perplexity over the validation split of the run's own data config, or of the data config the
-overrides give (tokenized with the run's tokenizer), and with --hellaswag the HellaSwag accuracy.
+overrides give (tokenized with the run's tokenizer), and with --hellaswag the HellaSwag accuracy. The loss is
+eval/val_loss: the split's consecutive windows, not the trainer's val/loss over random ones. Hugging Face GPT-2
+weights (a directory or a name) are evaluated too, on the data the overrides give, with their own tokenizer.
 """
 
 import argparse
@@ -14,19 +16,20 @@ import torch
 
 from minitrain.config import ConfigError, resolve_data
 from minitrain.data import DataError
-from minitrain.evaluate import evaluate_checkpoint
+from minitrain.evaluate import VAL_LOSS, VAL_PPL, VAL_TOKENS, evaluate_checkpoint
 from minitrain.rundir import RunDirError
 
 USAGE_EXIT_CODE = 2
 # What the line printed shows of a record, in this order; --json writes the whole record.
-SHOWN = {"val/loss": "{:.4f}", "val/ppl": "{:.2f}", "val/tokens": "{:,}", "hellaswag/acc_norm": "{:.4f}",
+SHOWN = {VAL_LOSS: "{:.4f}", VAL_PPL: "{:.2f}", VAL_TOKENS: "{:,}", "hellaswag/acc_norm": "{:.4f}",
          "hellaswag/acc": "{:.4f}", "hellaswag/examples": "{:,}"}
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], epilog=__doc__.split("\n\n", 1)[1].strip())
     ap.add_argument("checkpoint", help="a run dir (its latest checkpoint) or a checkpoint directory "
-                                       "(checkpoints/latest/ or another), whatever the world size that saved it")
+                                       "(checkpoints/latest/ or another), whatever the world size that saved it, "
+                                       "or Hugging Face GPT-2 weights (a directory or a name)")
     ap.add_argument("overrides", nargs="*", help="data settings to evaluate on another corpus, as train.py takes "
                                                  "them (data=files data.paths='corpus/**/*.txt')")
     ap.add_argument("--val-tokens", type=int, default=None,
@@ -79,7 +82,8 @@ def main(argv: list[str]) -> int:
     except (ConfigError, DataError, RunDirError) as e:
         print(f"error: {e}", file=sys.stderr)
         return USAGE_EXIT_CODE
-    print(f"{args.checkpoint} at step {record['step']}: " + ", ".join(
+    where = f"{args.checkpoint} at step {record['step']}" if "step" in record else args.checkpoint
+    print(f"{where}: " + ", ".join(
         f"{key} {fmt.format(record[key])}" for key, fmt in SHOWN.items() if key in record))
     if args.json:
         try:

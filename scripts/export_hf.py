@@ -1,6 +1,7 @@
 """Export a run to Hugging Face's GPT-2 layout: `python scripts/export_hf.py CHECKPOINT OUT_DIR`.
 
-CHECKPOINT: a run dir or a checkpoint directory (its checkpoints/latest/, whatever the world size that saved it).
+CHECKPOINT: a run dir or a checkpoint directory (its checkpoints/latest/, whatever the world size that saved it), or
+Hugging Face GPT-2 weights (a directory or a name), read as scripts/sample.py and scripts/eval.py read them.
 OUT_DIR (new, empty, or an earlier export, which it replaces) gets config.json, model.safetensors,
 generation_config.json and the run's tokenizer, which transformers loads as they are:
 GPT2LMHeadModel.from_pretrained(OUT_DIR), AutoTokenizer.from_pretrained(OUT_DIR), pipeline("text-generation", OUT_DIR).
@@ -12,15 +13,16 @@ from pathlib import Path
 
 from minitrain.config import ConfigError
 from minitrain.data import DataError
-from minitrain.hf import export, open_weights
-from minitrain.rundir import RunDirError
+from minitrain.hf import export
+from minitrain.rundir import TOKENIZER, RunDirError
+from minitrain.weights import open_weights
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("checkpoint", help="run dir or checkpoint dir")
+    p.add_argument("checkpoint", help="run dir, checkpoint dir, or Hugging Face directory or name")
     p.add_argument("out_dir", type=Path)
-    p.add_argument("--tokenizer", help="for a run that kept no tokenizer.json: the name or directory it trained with")
+    p.add_argument("--tokenizer", help=f"for a run that kept no {TOKENIZER}: the name or directory it trained with")
     args = p.parse_args()
     try:
         weights = open_weights(args.checkpoint, args.tokenizer)

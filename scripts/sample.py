@@ -14,8 +14,8 @@ import torch
 from minitrain.config import ConfigError, KernelImpl
 from minitrain.data import DataError
 from minitrain.generate import DEFAULT_NEW_TOKENS, GenerationError, Sampling, sample_texts
-from minitrain.hf import open_weights
-from minitrain.rundir import RunDirError
+from minitrain.rundir import TOKENIZER, RunDirError
+from minitrain.weights import open_weights
 
 USAGE_EXIT_CODE = 2
 
@@ -39,7 +39,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--no-compile", action="store_true",
                    help="on a GPU: decode eagerly through the model's own forward, without the decode kernels' CUDA "
                         "graph (for comparing, or where Triton cannot compile)")
-    p.add_argument("--tokenizer", help="for a run that kept no tokenizer.json: the name or directory it trained with")
+    p.add_argument("--tokenizer", help=f"for a run that kept no {TOKENIZER}: the name or directory it trained with")
     return p.parse_args(argv)
 
 

@@ -1,15 +1,15 @@
 """The decode kernels (minitrain/ops/decode.py) against their references: each linear's prologue and epilogues
 against torch, the cached attention against SDPA over the cache (and the cache it writes), the whole decode step
-against the model's own cached forward, and fused sampling against the unfused sampler's tokens."""
+(minitrain/generate.py's decode_logits) against the model's own cached forward, and fused sampling against the unfused sampler's tokens."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from minitrain.config import ModelConfig
-from minitrain.generate import Sampler, Sampling, generate
+from minitrain.generate import Sampler, Sampling, decode_logits, generate
 from minitrain.model import GPT, KVCache
-from minitrain.ops.decode import cached_attention, decode_linear, decode_logits
+from minitrain.ops.decode import cached_attention, decode_linear
 
 from conftest import TEST_DEVICE
 

@@ -282,9 +282,9 @@ def test_validation_loss_is_the_mean_over_consecutive_windows():
                    for batch_size in (1, 4, 100)]  # 4: a last partial batch
         assert results[0] == results[1] == results[2]  # the same numbers in every batching
         expected = float(nats[tokens[1:predicted + 1].astype(np.int64)].mean())
-        assert results[0]["val/tokens"] == predicted
-        assert results[0]["val/loss"] == pytest.approx(expected, rel=1e-6)
-        assert results[0]["val/ppl"] == pytest.approx(math.exp(expected), rel=1e-6)
+        assert results[0]["eval/val_tokens"] == predicted
+        assert results[0]["eval/val_loss"] == pytest.approx(expected, rel=1e-6)
+        assert results[0]["eval/val_ppl"] == pytest.approx(math.exp(expected), rel=1e-6)
     with pytest.raises(DataError, match="9 validation tokens asked for, fewer than one window of "
                                         "model.block_size=10: ask for at least 10"):
         validation_loss(loss_fn, stream, 10, 1, CPU, 9)  # one token fewer
@@ -298,8 +298,8 @@ def test_a_split_of_exactly_one_window_is_scored_and_one_token_less_is_refused()
         return F.cross_entropy(unigram_logits(x).transpose(1, 2), y, reduction="none")
 
     result = validation_loss(loss_fn, TokenStream([tokens[:6], tokens[6:]]), 10, 8, CPU)
-    assert result["val/tokens"] == 10
-    assert result["val/loss"] == pytest.approx(float(nats[tokens[1:].astype(np.int64)].mean()), rel=1e-6)
+    assert result["eval/val_tokens"] == 10
+    assert result["eval/val_loss"] == pytest.approx(float(nats[tokens[1:].astype(np.int64)].mean()), rel=1e-6)
     with pytest.raises(DataError, match="the validation split holds 10 tokens, fewer than one window of "
                                         r"model.block_size=10 \+ 1"):
         validation_loss(loss_fn, TokenStream([tokens[:10]]), 10, 1, CPU)
@@ -389,8 +389,9 @@ def test_eval_script_output_is_what_a_user_sees(saved_run, tmp_path, hellaswag_f
     out = run("--val-tokens", 128, "--hellaswag", hellaswag_file, "--json", tmp_path / "r.json")
     r = json.loads((tmp_path / "r.json").read_text())
     assert out.returncode == 0, out.stderr
-    assert out.stdout == (f"{saved_run} at step 2: val/loss {r['val/loss']:.4f}, val/ppl {r['val/ppl']:.2f}, "
-                          f"val/tokens 128, hellaswag/acc_norm {r['hellaswag/acc_norm']:.4f}, "
+    assert out.stdout == (f"{saved_run} at step 2: eval/val_loss {r['eval/val_loss']:.4f}, "
+                          f"eval/val_ppl {r['eval/val_ppl']:.2f}, eval/val_tokens 128, "
+                          f"hellaswag/acc_norm {r['hellaswag/acc_norm']:.4f}, "
                           f"hellaswag/acc {r['hellaswag/acc']:.4f}, hellaswag/examples 5\n")
     out = run("--val-tokens", 0, "--hellaswag", hellaswag_file)
     assert out.returncode == 0
@@ -410,8 +411,9 @@ def test_val_tokens_of_one_window_one_more_and_one_less(saved_run, tmp_path, cap
     assert len(losses) > 5
     for val_tokens, windows in [(64, 1), (65, 1), (128, 2), (320, 5), (None, len(losses))]:
         r = eval_json(capsys, tmp_path, saved_run, *(("--val-tokens", val_tokens) if val_tokens else ()))
-        assert r["val/tokens"] == 64 * windows and set(r) == {"step", "val/loss", "val/ppl", "val/tokens"}
-        assert r["val/loss"] == pytest.approx(np.mean(losses[:windows]), rel=1e-5)
+        assert r["eval/val_tokens"] == 64 * windows
+        assert set(r) == {"step", "eval/val_loss", "eval/val_ppl", "eval/val_tokens"}
+        assert r["eval/val_loss"] == pytest.approx(np.mean(losses[:windows]), rel=1e-5)
     code, out, err = eval_main(capsys, saved_run, "--val-tokens", 63)
     assert (code, out) == (2, "")
     assert err == "error: 63 validation tokens asked for, fewer than one window of model.block_size=64: ask for at " \
@@ -502,10 +504,10 @@ def test_a_checkpoint_evaluated_twice_gives_identical_numbers(saved_run, hellasw
     results = [evaluate_checkpoint(str(saved_run), CPU, val_tokens=1000, hellaswag_source=hellaswag_file,
                                    progress=False) for _ in range(2)]
     assert results[0] == results[1]
-    assert results[0]["step"] == 2 and results[0]["val/tokens"] == 1000 - 1000 % 64
+    assert results[0]["step"] == 2 and results[0]["eval/val_tokens"] == 1000 - 1000 % 64
     assert results[0]["hellaswag/examples"] == 5
     same = evaluate_checkpoint(str(saved_run / "checkpoints" / "latest"), CPU, val_tokens=1000, progress=False)
-    assert same["val/loss"] == results[0]["val/loss"]
+    assert same["eval/val_loss"] == results[0]["eval/val_loss"]
 
 
 def test_a_torchrun_jobs_checkpoint_is_evaluated_as_the_single_process_run(data_cache, tmp_path):
@@ -525,7 +527,7 @@ def test_a_torchrun_jobs_checkpoint_is_evaluated_as_the_single_process_run(data_
                        for run in ("single", mode))
     assert (tmp_path / mode / "checkpoints" / "latest" / ".metadata").exists()
     assert sharded["step"] == single["step"] == 2
-    assert sharded["val/loss"] == pytest.approx(single["val/loss"], rel=1e-4)
+    assert sharded["eval/val_loss"] == pytest.approx(single["eval/val_loss"], rel=1e-4)
 
 
 def test_another_corpus_is_evaluated_with_the_runs_tokenizer(saved_run, tmp_path, data_cache, capsys):
@@ -541,7 +543,7 @@ def test_another_corpus_is_evaluated_with_the_runs_tokenizer(saved_run, tmp_path
     r = eval_json(capsys, tmp_path, saved_run, *overrides, "--val-tokens", 640)
     assert r == evaluate_checkpoint(str(saved_run), CPU, data_cfg=other, val_tokens=640, progress=False)
     own = eval_json(capsys, tmp_path, saved_run, "--val-tokens", 640)
-    assert r["val/tokens"] == own["val/tokens"] == 640 and r["val/loss"] != own["val/loss"]
+    assert r["eval/val_tokens"] == own["eval/val_tokens"] == 640 and r["eval/val_loss"] != own["eval/val_loss"]
     prepared = cache_path(replace(other, tokenizer=str(saved_run)))
     assert (prepared / "tokenizer.json").read_text() == (saved_run / "tokenizer.json").read_text()
     assert not cache_path(other).exists()  # no tokenizer of its own was trained

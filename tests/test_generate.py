@@ -8,7 +8,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from minitrain import hf
+from minitrain.weights import open_weights
 from minitrain.config import ModelConfig
 from minitrain.generate import GenerationError, Sampler, Sampling, filtered_logits, generate, next_token
 from minitrain.model import GPT
@@ -21,7 +21,7 @@ def gpt2(hf_gpt2):
     """Our import of the fixture and transformers' own model of it."""
     from transformers import GPT2LMHeadModel
 
-    return hf.open_weights(str(hf_gpt2)).build("cpu"), GPT2LMHeadModel.from_pretrained(hf_gpt2).eval()
+    return open_weights(str(hf_gpt2)).build("cpu"), GPT2LMHeadModel.from_pretrained(hf_gpt2).eval()
 
 
 def prompts(n=2, length=6, seed=0):

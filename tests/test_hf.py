@@ -14,6 +14,7 @@ from minitrain.data import EOT
 from minitrain.ops import fused_linear_cross_entropy, linear_cross_entropy_reference
 from minitrain.data.tokenizer import TokenizerError, pretrained_tokenizer
 from minitrain.trainer import Trainer
+from minitrain.weights import Weights, open_weights
 
 from conftest import GPT2_VOCAB
 from test_trainer import crash_at
@@ -35,7 +36,7 @@ def finetune(make_cfg, hf_gpt2, gpt2_corpus, *extra):
 
 
 def test_imported_gpt2_computes_transformers_logits_and_loss(hf_gpt2):
-    weights = hf.open_weights(str(hf_gpt2))
+    weights = open_weights(str(hf_gpt2))
     model, theirs = weights.build("cpu"), transformers_model(hf_gpt2)
     assert (model.cfg.n_layer, model.cfg.n_head, model.cfg.n_embd, model.cfg.block_size) == (2, 4, 64, 128)
     assert model.cfg.vocab_size == 320 and model.cfg.head_vocab == GPT2_VOCAB  # 320 is already a multiple of 64
@@ -64,7 +65,7 @@ def test_padding_rows_are_zero_and_outside_the_head(hf_gpt2, tmp_path):
     though zero rows would score 0 where real tokens score less."""
     folder = resized(hf_gpt2, tmp_path / "gpt2-300", 300)
     theirs = transformers_model(folder)
-    model = hf.open_weights(str(folder)).build("cpu")
+    model = open_weights(str(folder)).build("cpu")
     assert model.cfg.vocab_size == 320 and model.cfg.head_vocab == 300
     assert model.wte.weight[300:].abs().sum() == 0 and model.lm_head_weight.shape == (300, 64)
     idx = windows(n=2) % 300
@@ -78,7 +79,7 @@ def test_padding_rows_are_zero_and_outside_the_head(hf_gpt2, tmp_path):
 def test_export_loads_in_transformers_with_our_logits_and_tokenizer(hf_gpt2, tmp_path):
     from transformers import AutoTokenizer
 
-    weights = hf.open_weights(str(hf_gpt2))
+    weights = open_weights(str(hf_gpt2))
     weights.state = {k: v + 0.01 * torch.randn_like(v) for k, v in weights.state.items()}  # not the files' weights
     hf.export(weights, tmp_path / "out")
     theirs = transformers_model(tmp_path / "out")
@@ -99,11 +100,11 @@ def test_a_model_without_biases_is_exported_with_zero_ones(hf_gpt2, tmp_path):
 
     from minitrain.model import GPT
 
-    weights = hf.open_weights(str(hf_gpt2))
+    weights = open_weights(str(hf_gpt2))
     torch.manual_seed(1)
     unbiased = GPT(replace(weights.cfg, bias=False))
     assert not any(name.endswith("bias") for name in unbiased.state_dict())
-    weights = hf.Weights(unbiased.cfg, unbiased.state_dict(), weights.tokenizer, hf_gpt2)
+    weights = Weights(unbiased.cfg, unbiased.state_dict(), weights.tokenizer, hf_gpt2)
     hf.export(weights, tmp_path / "out")
     idx = windows()
     with torch.no_grad():
@@ -151,7 +152,7 @@ def test_import_and_export_compute_transformers_logits_and_loss_on_each_variant(
         for loss in ours:
             torch.testing.assert_close(loss, expected, rtol=0, atol=1e-5)
 
-    weights = hf.Weights(model.cfg, model.state_dict(), pretrained_tokenizer(str(hf_gpt2)), folder)
+    weights = Weights(model.cfg, model.state_dict(), pretrained_tokenizer(str(hf_gpt2)), folder)
     hf.export(weights, tmp_path / "out")
     config = json.loads((tmp_path / "out" / hf.CONFIG).read_text())
     assert (config["vocab_size"], config["n_positions"]) == (rows, context)
@@ -162,7 +163,7 @@ def test_import_and_export_compute_transformers_logits_and_loss_on_each_variant(
     with torch.no_grad():
         torch.testing.assert_close(exported(idx).logits, theirs(idx).logits, rtol=0, atol=1e-5)
         torch.testing.assert_close(exported(idx, labels=idx).loss, expected, rtol=0, atol=1e-5)
-    again = hf.open_weights(str(tmp_path / "out"))
+    again = open_weights(str(tmp_path / "out"))
     shape = ("n_layer", "n_head", "n_embd", "block_size", "vocab_size", "head_vocab")
     assert [getattr(again.cfg, k) for k in shape] == [getattr(model.cfg, k) for k in shape]
     assert all(torch.equal(again.state[k], v) for k, v in model.state_dict().items())
@@ -183,7 +184,7 @@ def test_the_readmes_pipeline_one_liner_runs_on_a_short_context_without_a_warnin
                    if line.startswith("python -c") and "pipeline('text-generation'" in line)
     argv = shlex.split(command)
     model = imported(hf_gpt2, block_size=64)
-    hf.export(hf.Weights(model.cfg, model.state_dict(), pretrained_tokenizer(str(hf_gpt2)), hf_gpt2),
+    hf.export(Weights(model.cfg, model.state_dict(), pretrained_tokenizer(str(hf_gpt2)), hf_gpt2),
               tmp_path / "exported" / "gpt2-notes")
     out = subprocess.run([sys.executable, *argv[1:]], cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
@@ -199,13 +200,13 @@ def test_a_trained_checkpoint_round_trips_through_the_export(make_cfg, gpt2_corp
                    "trainer.max_steps=3", "model.n_layer=2", "model.bias=false")
     trainer = Trainer(cfg, progress=False)
     trainer.fit()
-    trained = hf.open_weights(str(tmp_path / "run"))
+    trained = open_weights(str(tmp_path / "run"))
     assert trained.cfg.vocab_size == 320 and trained.cfg.head_vocab is None
     assert trained.source == tmp_path / "run" / "checkpoints" / "latest"
-    assert hf.open_weights(str(trained.source)).state.keys() == trained.state.keys()  # the file itself
+    assert open_weights(str(trained.source)).state.keys() == trained.state.keys()  # the file itself
     hf.export(trained, tmp_path / "out")
     assert json.loads((tmp_path / "out" / "config.json").read_text())["vocab_size"] == 320
-    again = hf.open_weights(str(tmp_path / "out"))
+    again = open_weights(str(tmp_path / "out"))
     idx = windows()
     with torch.no_grad():
         ours = trainer.model(idx)
@@ -253,7 +254,7 @@ def test_export_hf_py_as_a_user_runs_it(make_cfg, hf_gpt2, gpt2_corpus, tmp_path
                       "tokenizer_config.json, special_tokens_map.json\n")
     config = json.loads((out / hf.CONFIG).read_text())
     assert config["resid_pdrop"] == config["embd_pdrop"] == config["attn_pdrop"] == 0.1
-    built, idx = hf.open_weights(str(run)).build("cpu"), windows() % 300
+    built, idx = open_weights(str(run)).build("cpu"), windows() % 300
     assert not built.training
     with torch.no_grad():
         expected = trainer.model.eval()(idx)
@@ -287,7 +288,7 @@ def test_export_hf_py_as_a_user_runs_it(make_cfg, hf_gpt2, gpt2_corpus, tmp_path
     exported_tokenizer = AutoTokenizer.from_pretrained(tmp_path / "again")
     assert exported_tokenizer(text)["input_ids"] == trainer.data.tokenizer.encode(text).ids
     # and for Hugging Face weights, the tokenizer named instead of theirs
-    assert hf.open_weights(str(hf_gpt2), str(tmp_path / "tokenizer")).tokenizer.to_str() == \
+    assert open_weights(str(hf_gpt2), str(tmp_path / "tokenizer")).tokenizer.to_str() == \
         trainer.data.tokenizer.to_str()
 
 
@@ -340,7 +341,7 @@ def test_fine_tuning_runs_in_each_precision_and_policy(make_cfg, hf_gpt2, gpt2_c
     assert not torch.equal(trainer.model.wte.weight.detach().float(), before)
 
     dtype = trainer.model.wte.weight.dtype
-    hf.export(hf.open_weights(str(tmp_path / "run")), tmp_path / "out")
+    hf.export(open_weights(str(tmp_path / "run")), tmp_path / "out")
     assert {t.dtype for t in load_file(tmp_path / "out" / hf.WEIGHTS).values()} == {dtype}
     assert json.loads((tmp_path / "out" / hf.CONFIG).read_text())["dtype"] == str(dtype).removeprefix("torch.")
     theirs = GPT2LMHeadModel.from_pretrained(tmp_path / "out", dtype=torch.float32).eval()
@@ -391,7 +392,7 @@ def test_ddp_and_fsdp_fine_tunes_match_one_process_and_export_from_their_sharded
         torch.testing.assert_close([r["train/loss"] for r in losses], [r["train/loss"] for r in reference],
                                    rtol=0, atol=1e-5)
         assert (tmp_path / mode / "checkpoints" / "latest" / ".metadata").is_file()
-        hf.export(hf.open_weights(str(tmp_path / mode / "checkpoints" / "latest")), tmp_path / f"{mode}-hf")
+        hf.export(open_weights(str(tmp_path / mode / "checkpoints" / "latest")), tmp_path / f"{mode}-hf")
         with torch.no_grad():
             torch.testing.assert_close(transformers_model(tmp_path / f"{mode}-hf")(idx).logits, expected,
                                        rtol=0, atol=1e-4)
@@ -545,7 +546,7 @@ def with_head(folder, offset):
 def test_unusable_weights_are_refused_in_one_line_naming_the_file(hf_gpt2, tmp_path, edit, message):
     folder = broken_copy(hf_gpt2, tmp_path, edit)
     with pytest.raises(ConfigError) as refused:
-        hf.open_weights(str(folder))
+        open_weights(str(folder))
     assert "\n" not in str(refused.value)
     assert refused.match(message)
 
@@ -556,7 +557,7 @@ def test_a_head_saved_equal_to_the_embedding_is_read_as_the_tied_head(hf_gpt2, t
     folder = broken_copy(hf_gpt2, tmp_path, lambda f: with_head(f, 0.0))
     idx = windows()
     with torch.no_grad():
-        ours = hf.open_weights(str(folder)).build("cpu")(idx)
+        ours = open_weights(str(folder)).build("cpu")(idx)
         torch.testing.assert_close(ours, transformers_model(folder)(idx).logits, rtol=0, atol=1e-5)
 
 
@@ -572,15 +573,15 @@ def test_a_name_is_read_from_the_hub_cache_offline_and_an_unknown_one_is_refused
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     monkeypatch.chdir(tmp_path)  # where no directory is called gpt2
-    weights = hf.open_weights("gpt2")
+    weights = open_weights("gpt2")
     assert weights.cfg.n_layer == 2 and weights.tokenizer.get_vocab_size() == GPT2_VOCAB
     with pytest.raises(ConfigError, match=r"^model.init_from=gpt2-nowhere: not a local directory, not in the Hugging "
                                           r"Face cache \(.*hub\), and the hub cannot be reached"):
-        hf.open_weights("gpt2-nowhere")
+        open_weights("gpt2-nowhere")
     with pytest.raises(TokenizerError, match=r"^data.tokenizer=gpt2-nowhere: not a local directory"):
         pretrained_tokenizer("gpt2-nowhere")
     with pytest.raises(ConfigError, match=r"model.init_from='./no/such/dir': no such directory, and not a Hugging"):
-        hf.open_weights("./no/such/dir")
+        open_weights("./no/such/dir")
 
 
 def test_train_py_refuses_an_unknown_name_offline_in_one_line(tmp_path):

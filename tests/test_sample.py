@@ -14,7 +14,7 @@ import torch
 
 from minitrain import generate
 from minitrain.generate import Sampling, sample_texts
-from minitrain.hf import open_weights
+from minitrain.weights import open_weights
 from minitrain.model import KVCache
 
 from conftest import REPO, fake_gpu

@@ -9,9 +9,9 @@ and the attention writes the token's key and value into the cache as it reads th
     ln_1 + c_attn + bias -> attention (+ the cache write) -> c_proj + bias + residual
     ln_2 + c_fc + bias + GELU -> mlp.c_proj + bias + residual          ... then ln_f + the LM head
 
-`decode_logits` is that forward; minitrain/generate.py captures it, with the draw, as one CUDA graph. Its
-reference is the model's own cached forward (GPT.forward_hidden with a KVCache): tests/test_decode.py holds
-them equal.
+minitrain/generate.py's `decode_logits` is the model's decode step in these kernels, captured with the draw as one
+CUDA graph. Their references: torch's LayerNorm, linear, GELU and attention over the cache, and for the whole step
+the model's own cached forward (GPT.forward_hidden with a KVCache); tests/test_decode.py holds them equal.
 """
 
 from __future__ import annotations
@@ -228,16 +228,3 @@ def cached_attention(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor)
                                           D=D, BLOCK_L=BLOCK_L, num_warps=4, **_dependent_launch(qkv.device))
     return out
 
-
-def decode_logits(model, cache, token: Tensor, pos: Tensor) -> Tensor:
-    """The LM head's logits (B, head_vocab) of one token per sequence (B, 1) at position `pos` (1,): what
-    F.linear(GPT.forward_hidden(token, cache, pos)[:, -1], GPT.lm_head_weight) computes, the cache written alike."""
-    x = (model.wte(token[:, 0]) + model.wpe(pos)).contiguous()
-    for i, block in enumerate(model.blocks):
-        attn, mlp = block.attn, block.mlp
-        qkv = decode_linear(x, attn.c_attn.weight, attn.c_attn.bias, norm=block.ln_1)
-        y = cached_attention(qkv, getattr(cache, f"k{i}"), getattr(cache, f"v{i}"), pos)
-        x = decode_linear(y, attn.c_proj.weight, attn.c_proj.bias, residual=x)
-        h = decode_linear(x, mlp.c_fc.weight, mlp.c_fc.bias, norm=block.ln_2, gelu=True)
-        x = decode_linear(h, mlp.c_proj.weight, mlp.c_proj.bias, residual=x)
-    return decode_linear(x, model.lm_head_weight, norm=model.ln_f)

@@ -19,6 +19,8 @@ from typing import Optional
 
 import yaml
 
+from minitrain.rundir import ERROR, MEMORY, METRICS, OVERRIDES_RECORD, RECORD
+
 # The stacked bar's segments: `mem_pred/<key>_gb` keys of memory.MemoryEstimate.as_dict().
 BREAKDOWN = ("weights", "grads", "masters", "adam_m", "adam_v", "activations_total", "transient")
 PLOTS_SKIPPED = "plots skipped: matplotlib is not installed (pip install -e '.[plots]')"
@@ -112,7 +114,7 @@ class Cell:
 
 def is_run_dir(path: Path) -> bool:
     """A single run's dir (its own metrics.jsonl), not a sweep of job dirs."""
-    return (Path(path) / "metrics.jsonl").is_file()
+    return (Path(path) / METRICS).is_file()
 
 
 def load_sweep(sweep_dir: Path) -> tuple[list[Cell], list[tuple[str, str]]]:
@@ -124,18 +126,17 @@ def load_sweep(sweep_dir: Path) -> tuple[list[Cell], list[tuple[str, str]]]:
         jobs = [Path(sweep_dir)]
         names = [jobs[0].name]
     else:
-        jobs = sorted({p.parent for pattern in ("*/metrics.jsonl", "*/error.txt")
+        jobs = sorted({p.parent for pattern in (f"*/{METRICS}", f"*/{ERROR}")
                        for p in Path(sweep_dir).glob(pattern)}, key=_job_order)
         overrides = [_overrides(job) for job in jobs]
         shared = set.intersection(*map(set, overrides)) if len(jobs) > 1 else set()
         names = [",".join(o for o in ov if o not in shared) or job.name for job, ov in zip(jobs, overrides)]
         names = [f"{name} #{job.name}" if names.count(name) > 1 else name for job, name in zip(jobs, names)]
-    cells = [Cell(name=name, records=read_step_records(job / "metrics.jsonl"),
-                  memory=json.loads((job / "memory.json").read_text()) if (job / "memory.json").exists() else {},
-                  plan=read_plan(job / "metrics.jsonl"))
-             for job, name in zip(jobs, names) if (job / "metrics.jsonl").exists()]
-    failed = [(name, (job / "error.txt").read_text().strip()) for job, name in zip(jobs, names)
-              if (job / "error.txt").exists()]
+    cells = [Cell(name=name, records=read_step_records(job / METRICS),
+                  memory=json.loads((job / MEMORY).read_text()) if (job / MEMORY).exists() else {},
+                  plan=read_plan(job / METRICS))
+             for job, name in zip(jobs, names) if (job / METRICS).exists()]
+    failed = [(name, (job / ERROR).read_text().strip()) for job, name in zip(jobs, names) if (job / ERROR).exists()]
     return cells, failed
 
 
@@ -153,7 +154,7 @@ def read_plan(path: Path) -> dict:
 
 
 def _overrides(job: Path) -> list[str]:
-    path = job / ".hydra" / "overrides.yaml"
+    path = job / RECORD / OVERRIDES_RECORD
     return (yaml.safe_load(path.read_text()) or []) if path.exists() else []
 
 

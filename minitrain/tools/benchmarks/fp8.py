@@ -31,6 +31,7 @@ import yaml
 
 from minitrain.config import compose_config, resolve
 from minitrain.plan import make_plan
+from minitrain.rundir import CONFIG_RECORD, METRICS, OVERRIDES_RECORD, RECORD
 from minitrain.tools import bench, report
 from minitrain.tools.benchmarks import step
 from minitrain.trainer import Trainer
@@ -167,12 +168,12 @@ def read_run(run_dir: Path) -> dict:
     skipped, whether every logged loss was finite (the logger writes a non-finite one as null) and its last logged
     step."""
     run_dir = Path(run_dir)
-    steps = report.read_step_records(run_dir / "metrics.jsonl")
-    config = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())
+    steps = report.read_step_records(run_dir / METRICS)
+    config = yaml.safe_load((run_dir / RECORD / CONFIG_RECORD).read_text())
     losses = [r[k] for r in steps for k in ("train/loss", "val/loss") if k in r]
-    return {"dir": str(run_dir), "precision": report.read_plan(run_dir / "metrics.jsonl")["precision"],
+    return {"dir": str(run_dir), "precision": report.read_plan(run_dir / METRICS)["precision"],
             "seed": config["trainer"]["seed"],
-            "overrides": yaml.safe_load((run_dir / ".hydra" / "overrides.yaml").read_text()) or [],
+            "overrides": yaml.safe_load((run_dir / RECORD / OVERRIDES_RECORD).read_text()) or [],
             "val": {r["step"]: r["val/loss"] for r in steps if r.get("val/loss") is not None},
             "skipped": max((r.get("amp/skipped_steps", 0) for r in steps), default=0),
             "finite": all(x is not None and math.isfinite(x) for x in losses),

@@ -27,6 +27,7 @@ from minitrain.model import GPT
 from minitrain.optim import AdamW, Muon, newton_schulz
 from minitrain.optim.adamw_triton import fused_bytes_per_param
 from minitrain.optim.muon_triton import fused_bytes_per_param as muon_bytes_per_param
+from minitrain.rundir import CONFIG_RECORD, METRICS, RECORD
 from minitrain.tools import bench
 
 HP = dict(lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1)
@@ -402,7 +403,7 @@ def quality_run_dirs(paths) -> list[Path]:
     from minitrain.tools import report
 
     return [run for p in map(Path, paths)
-            for run in ([p] if report.is_run_dir(p) else sorted(m.parent for m in p.glob("*/metrics.jsonl")))]
+            for run in ([p] if report.is_run_dir(p) else sorted(m.parent for m in p.glob(f"*/{METRICS}")))]
 
 
 def read_quality_run(run_dir) -> dict:
@@ -415,8 +416,8 @@ def read_quality_run(run_dir) -> dict:
     from minitrain.tools import report
 
     run_dir = Path(run_dir)
-    steps = report.read_step_records(run_dir / "metrics.jsonl")
-    config = yaml.safe_load((run_dir / ".hydra" / "config.yaml").read_text())
+    steps = report.read_step_records(run_dir / METRICS)
+    config = yaml.safe_load((run_dir / RECORD / CONFIG_RECORD).read_text())
     optimizer = config["optimizer"]["name"]
     losses = [r[k] for r in steps for k in ("train/loss", "val/loss") if k in r]
     return {"dir": str(run_dir), "optimizer": optimizer, "lr": config["trainer"]["lr"],
