@@ -24,7 +24,7 @@ def prose(text: str) -> str:
 
 def slug(heading: str) -> str:
     """GitHub's anchor of a heading: lower case, punctuation dropped (word characters, hyphens and spaces kept),
-    each space a hyphen; so `fp8 — \\`bench_fp8.py\\`` anchors as `fp8--bench_fp8py`."""
+    each space a hyphen: the heading "fp8 — bench_fp8.py" anchors as fp8--bench_fp8py."""
     return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
 
 
