@@ -533,46 +533,6 @@ def schema_keys(schema: type = Config, prefix: str = "") -> list[str]:
     return keys
 
 
-def compose_config(overrides: list[str]) -> DictConfig:
-    """`configs/config.yaml` with `overrides`, composed as `scripts/train.py` would (for tests and
-    benchmarks that build a Trainer in-process)."""
-    from hydra import compose, initialize_config_dir
-
-    from .cli import with_init_from_defaults
-
-    register_configs()
-    with initialize_config_dir(config_dir=str(CONFIG_DIR), version_base=None):
-        return compose("config", overrides=with_init_from_defaults(list(overrides)))
-
-
-def resolve_data(overrides: list[str]) -> DataConfig:
-    """The data group of `configs/` with `overrides`, checked as scripts/train.py checks them: for the scripts that
-    need the data only (prepare_data.py, eval.py), which thus take train.py's command line as it is."""
-    return resolve_data_and_block_size(overrides)[0]
-
-
-def resolve_data_and_block_size(overrides: list[str]) -> tuple[DataConfig, Optional[int]]:
-    """`resolve_data`, and the model.block_size of the same command line: the window each split must hold (None
-    for a pretrained model's, which its weights say)."""
-    from hydra.errors import OverrideParseException
-
-    from .cli import check_overrides
-
-    check_overrides(overrides)
-    try:
-        composed = compose_config(overrides)
-    except OverrideParseException as e:  # e.g. an unquoted ~, which Hydra's grammar does not allow in a value
-        override = str(e).splitlines()[0].split(": ", 1)[-1]
-        raise ConfigError(f"{override}: Hydra cannot parse this override; quote the value for Hydra inside the "
-                          f"shell's quotes, e.g. data.paths=\"'~/corpus/**/*.txt'\"") from None
-    try:
-        plain = OmegaConf.to_container(composed.data, resolve=True)
-        block_size = OmegaConf.select(composed, "model.block_size", throw_on_resolution_failure=True)
-    except InterpolationResolutionError as e:
-        raise ConfigError(f"{e.full_key}: {str(e).splitlines()[0]}") from None
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(DataConfig), plain)), block_size
-
-
 def resolve(cfg: DictConfig | Config) -> Config:
     """The composed config as typed objects, with every value check run (raises ConfigError)."""
     if isinstance(cfg, Config):

@@ -47,7 +47,7 @@ def worker(args) -> None:
     """One rank of one run: train, then write what this rank measured to --part."""
     import torch
     from minitrain import distributed
-    from minitrain.config import compose_config
+    from minitrain.cli import compose_config
     from minitrain.trainer import Trainer
 
     trainer = Trainer(compose_config(args.overrides), progress=False)
@@ -124,7 +124,7 @@ def main() -> None:
     if args.worker:
         return worker(args)
 
-    from minitrain.config import resolve_data
+    from minitrain.cli import resolve_data
     from minitrain.data import prepare_data
 
     prepare_data(resolve_data([]), 1024, progress=False)  # build the data cache once, before any rank needs it

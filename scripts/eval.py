@@ -14,7 +14,8 @@ from typing import Optional
 
 import torch
 
-from minitrain.config import ConfigError, resolve_data
+from minitrain.config import ConfigError
+from minitrain.cli import resolve_data
 from minitrain.data import DataError
 from minitrain.evaluate import VAL_LOSS, VAL_PPL, VAL_TOKENS, evaluate_checkpoint
 from minitrain.rundir import RunDirError

@@ -13,7 +13,7 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 from pathlib import Path  # noqa: E402
 
 import pytest  # noqa: E402
-from minitrain.config import compose_config  # noqa: E402
+from minitrain.cli import compose_config  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 

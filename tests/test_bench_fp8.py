@@ -95,7 +95,7 @@ def test_the_settings_come_after_the_benchmarks_own_and_the_users_extra_after_th
 
 
 def compose(overrides):
-    from minitrain.config import compose_config
+    from minitrain.cli import compose_config
 
     return compose_config(overrides)
 

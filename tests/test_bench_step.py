@@ -9,7 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from minitrain.config import compose_config, resolve
+from minitrain.config import resolve
+from minitrain.cli import compose_config
 from minitrain.memory import predict
 from minitrain.plan import model_config_for
 from minitrain.precision import resolve_precision

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 from minitrain import files
-from minitrain.config import DataConfig, resolve_data
+from minitrain.config import DataConfig
+from minitrain.cli import resolve_data
 from minitrain.data import Batches, DataError, TokenStream, prepare_data, shards, stdlib_files
 from minitrain.data import prepare as prepare_mod
 

@@ -20,7 +20,7 @@ import torch
 import torch.multiprocessing as mp
 
 from minitrain import distributed
-from minitrain.config import compose_config
+from minitrain.cli import compose_config
 from minitrain.trainer import Trainer
 
 from conftest import REPO

@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from minitrain import loop
-from minitrain.config import DataConfig, compose_config
+from minitrain.config import DataConfig
+from minitrain.cli import compose_config
 from minitrain.data import DataError, TokenStream, cache_path, prepare_data
 from minitrain.evaluate import (HellaSwagExample, ending_losses, evaluate_checkpoint, hellaswag, load_hellaswag,
                                 load_run, perplexity, validation_loss)

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from minitrain.config import ModelConfig, compose_config
+from minitrain.config import ModelConfig
+from minitrain.cli import compose_config
 from minitrain.model import GPT
 from minitrain.precision import resolve_precision
 from minitrain.tools import kernel_floors as kf

@@ -8,7 +8,8 @@ import torch
 from conftest import fake_gpu
 
 from minitrain import memory, plan as plan_module
-from minitrain.config import CheckpointingConfig, CheckpointPolicy, ConfigError, compose_config, resolve
+from minitrain.config import CheckpointingConfig, CheckpointPolicy, ConfigError, resolve
+from minitrain.cli import compose_config
 from minitrain.memory import GB
 from minitrain.plan import PlanError, _compile_mode, make_plan
 from minitrain.schedule import LRSchedule

@@ -16,7 +16,8 @@ import numpy as np
 import psutil
 import pytest
 
-from minitrain.config import ConfigError, DataConfig, resolve_data
+from minitrain.config import ConfigError, DataConfig
+from minitrain.cli import resolve_data
 from minitrain.data import DataError, prepare_data
 from minitrain.data import corpus as corpus_mod
 from minitrain.data import prepare as prepare_mod

@@ -160,7 +160,8 @@ def test_the_cells_controllers_start_with_ctrl_c_ignored_and_the_cells_take_it_b
 def test_the_plan_record_says_where_the_cell_ran(monkeypatch):
     """host, pid and the devices CUDA lets the process see: what tells a sweep's cells apart in their records."""
     from minitrain import plan as plan_module
-    from minitrain.config import compose_config, resolve
+    from minitrain.config import resolve
+    from minitrain.cli import compose_config
     from minitrain.plan import make_plan
 
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "3,5")

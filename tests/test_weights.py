@@ -15,7 +15,8 @@ import torch
 import torch.nn.functional as F
 
 from minitrain import weights as reader
-from minitrain.config import DataConfig, compose_config
+from minitrain.config import DataConfig
+from minitrain.cli import compose_config
 from minitrain.data import prepare_data
 from minitrain.generate import Sampling, sample_texts
 from minitrain.trainer import train

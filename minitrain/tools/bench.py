@@ -96,7 +96,8 @@ def copy_bytes_per_s(device: torch.device) -> float:
 
 def default_memory_budget() -> float:
     """The default trainer.memory_budget: the share of a GPU that a plan fills when the user sets none."""
-    from minitrain.config import compose_config, resolve
+    from minitrain.config import resolve
+    from minitrain.cli import compose_config
 
     return resolve(compose_config(["trainer.out_dir=."])).trainer.memory_budget
 

@@ -29,7 +29,8 @@ from typing import Iterator, Optional, Sequence
 import torch
 import yaml
 
-from minitrain.config import compose_config, resolve
+from minitrain.config import resolve
+from minitrain.cli import compose_config
 from minitrain.plan import make_plan
 from minitrain.rundir import CONFIG_RECORD, METRICS, OVERRIDES_RECORD, RECORD
 from minitrain.tools import bench, report

@@ -28,7 +28,8 @@ from typing import Callable, ContextManager, Iterator, Optional, Sequence
 import torch
 
 from minitrain import plan as planning
-from minitrain.config import compose_config, resolve
+from minitrain.config import resolve
+from minitrain.cli import compose_config
 from minitrain.tools import bench
 
 NOT_MEASURED = "not measured: over --time-limit-s (pass this JSON to --measured to go on)"

@@ -31,7 +31,8 @@ from typing import Callable, Optional, Sequence
 import torch
 
 from minitrain import compile_check, memory
-from minitrain.config import compose_config, resolve
+from minitrain.config import resolve
+from minitrain.cli import compose_config
 from minitrain.plan import model_config_for
 from minitrain.precision import resolve_precision
 from minitrain.tools import bench, profile
