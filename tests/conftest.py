@@ -153,3 +153,29 @@ def train_steps(model, opt, loss_fn, B: int, T: int, steps: int = 2, accum: int 
             del loss
         opt.step()
         opt.zero_grad()
+
+
+def run_script(name: str, argv, monkeypatch, capsys) -> tuple[int, str, str]:
+    """`python scripts/NAME.py ARGV` as a user runs it (its own __main__, in this process): exit code, stdout, stderr."""
+    import runpy
+    import sys
+
+    script = REPO / "scripts" / f"{name}.py"
+    capsys.readouterr()  # what came before
+    monkeypatch.setattr(sys, "argv", [str(script), *map(str, argv)])
+    try:
+        runpy.run_path(str(script), run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = e.code
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def assert_bit_identical(a, b) -> None:
+    """Two lists of tensors hold the same bits (0-dim tensors compared by value)."""
+    import torch
+
+    assert len(a) == len(b)
+    for x, y in zip(a, b):
+        assert torch.equal(x.view(torch.uint8) if x.dim() else x, y.view(torch.uint8) if y.dim() else y)

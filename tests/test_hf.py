@@ -216,22 +216,10 @@ def test_a_trained_checkpoint_round_trips_through_the_export(make_cfg, gpt2_corp
 
 
 def export_hf_py(monkeypatch, capsys, *argv):
-    """`python scripts/export_hf.py ARGV` (run as its own __main__, in this process): exit code, stdout, stderr."""
-    import runpy
-    import sys
+    """`python scripts/export_hf.py ARGV`: exit code, stdout, stderr."""
+    from conftest import run_script
 
-    from conftest import REPO
-
-    script = REPO / "scripts" / "export_hf.py"
-    capsys.readouterr()  # what came before
-    monkeypatch.setattr(sys, "argv", [str(script), *map(str, argv)])
-    try:
-        runpy.run_path(str(script), run_name="__main__")
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
+    return run_script("export_hf", argv, monkeypatch, capsys)
 
 
 def test_export_hf_py_as_a_user_runs_it(make_cfg, hf_gpt2, gpt2_corpus, tmp_path, monkeypatch, capsys):

@@ -16,8 +16,9 @@ import torch.multiprocessing as mp
 from minitrain.loss_scale import LossScaling
 from minitrain.optim import Muon
 from minitrain.optim import newton_schulz as ns
-from minitrain.optim.adamw_triton import BLOCK
 from minitrain.tools.live_bytes import LiveBytes
+
+from conftest import assert_bit_identical
 
 IMPLS = ["loop", "foreach", "fused"]
 # Tall, wide and square; two of one shape (one batch); one past BLOCK elements in both orientations (two rows of
@@ -183,12 +184,6 @@ def snapshot(opt, ps):
     if opt.loss_scaler is not None:
         tensors += [opt.loss_scaler.get_scale().clone(), opt.loss_scaler.growth_tracker.clone()]
     return tensors
-
-
-def assert_bit_identical(a, b):
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        assert torch.equal(x.view(torch.uint8) if x.dim() else x, y.view(torch.uint8) if y.dim() else y)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

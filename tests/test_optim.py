@@ -17,7 +17,7 @@ from minitrain.optim import AdamW, TorchAdamW
 from minitrain.optim.decision import Counters, decide_step
 from minitrain.optim.adamw_triton import BLOCK, GRAD_MULT, INV_BC1, INV_BC2_SQRT, N_SCALARS, NOT_SKIPPED, finalize
 
-from conftest import round_trip
+from conftest import assert_bit_identical, round_trip
 
 IMPLS = ["loop", "foreach", "fused"]
 SHAPES = [(1,), (13,), (1025,), (3, 5, 7), (BLOCK + 37,), (2, BLOCK)]
@@ -157,12 +157,6 @@ def snapshot(opt, ps):
     for s in sd["state"].values():
         tensors += [t.clone() for t in s.values()]
     return tensors
-
-
-def assert_bit_identical(a, b):
-    assert len(a) == len(b)
-    for x, y in zip(a, b):
-        assert torch.equal(x.view(torch.uint8) if x.dim() else x, y.view(torch.uint8) if y.dim() else y)
 
 
 @pytest.mark.parametrize("impl", IMPLS)

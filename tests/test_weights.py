@@ -5,9 +5,7 @@ logits in transformers and its tokenizer's ids, the validation loss computed dir
 unusable refused by all three in the same one line; and eval.py's loss named apart from the trainer's."""
 
 import json
-import runpy
 import shutil
-import sys
 
 import numpy as np
 import pytest
@@ -22,9 +20,8 @@ from minitrain.generate import Sampling, sample_texts
 from minitrain.trainer import train
 from minitrain.weights import open_weights
 
-from conftest import GPT2_VOCAB, REPO
+from conftest import GPT2_VOCAB, run_script
 
-SCRIPTS = REPO / "scripts"
 PROMPT = "def wrap(text"
 VOCAB = 300  # the run's trained BPE
 
@@ -46,20 +43,6 @@ def trained(data_cache, gpt2_corpus, tmp_path_factory):
                           "trainer.eval_every=2", "trainer.save_every=1", "trainer.eval_batches=1",
                           "trainer.sample_tokens=0"]), progress=False)
     return out
-
-
-def run_script(name: str, argv, monkeypatch, capsys) -> tuple[int, str, str]:
-    """scripts/NAME.py as a user runs it, in this process: (exit code, stdout, stderr)."""
-    script = SCRIPTS / f"{name}.py"
-    capsys.readouterr()
-    monkeypatch.setattr(sys, "argv", [str(script), *map(str, argv)])
-    try:
-        runpy.run_path(str(script), run_name="__main__")
-        code = 0
-    except SystemExit as e:
-        code = e.code
-    out = capsys.readouterr()
-    return code, out.out, out.err
 
 
 def window_losses(model, tokens: np.ndarray, block_size: int) -> list[float]:
