@@ -27,6 +27,19 @@ from .rundir import CHECKPOINTS, JOB_INFO, LATEST, METRICS, PREVIOUS, TOKENIZER
 RUN_MARKS = (JOB_INFO, ".metadata", CHECKPOINTS, METRICS, LATEST, PREVIOUS)
 
 
+def device_problem(name: str) -> Optional[str]:
+    """What is wrong with a script's --device NAME on this machine, in one line (None: it can be used)."""
+    try:
+        device = torch.device(name)
+    except RuntimeError:  # not a device string
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        return f"--device must be cpu, cuda or cuda:N, got {name!r}"
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        return f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s)"
+    return None
+
+
 @dataclass(frozen=True)
 class SavedRun:
     """What a minitrain checkpoint records of the run that saved it, beyond its model."""

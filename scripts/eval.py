@@ -14,11 +14,12 @@ from typing import Optional
 
 import torch
 
-from minitrain.config import ConfigError
 from minitrain.cli import resolve_data
+from minitrain.config import ConfigError
 from minitrain.data import DataError
 from minitrain.evaluate import VAL_LOSS, VAL_PPL, VAL_TOKENS, evaluate_checkpoint
 from minitrain.rundir import RunDirError
+from minitrain.weights import device_problem
 
 USAGE_EXIT_CODE = 2
 # What the line printed shows of a record, in this order; --json writes the whole record.
@@ -60,15 +61,7 @@ def refusal(args: argparse.Namespace) -> Optional[str]:
         return f"--hellaswag-examples must be >= 1, got {args.hellaswag_examples}"
     if args.batch_size < 1:
         return f"--batch-size must be >= 1, got {args.batch_size}"
-    try:
-        device = torch.device(args.device)
-    except RuntimeError:  # not a device string
-        device = None
-    if device is None or device.type not in ("cpu", "cuda"):
-        return f"--device must be cpu, cuda or cuda:N, got {args.device!r}"
-    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
-        return f"--device {args.device}: this machine has {torch.cuda.device_count()} CUDA device(s)"
-    return None
+    return device_problem(args.device)
 
 
 def main(argv: list[str]) -> int:

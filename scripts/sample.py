@@ -15,7 +15,7 @@ from minitrain.config import ConfigError, KernelImpl
 from minitrain.data import DataError
 from minitrain.generate import DEFAULT_NEW_TOKENS, GenerationError, Sampling, sample_texts
 from minitrain.rundir import TOKENIZER, RunDirError
-from minitrain.weights import open_weights
+from minitrain.weights import device_problem, open_weights
 
 USAGE_EXIT_CODE = 2
 
@@ -44,7 +44,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
 
 
 def out_of_range(args: argparse.Namespace) -> str | None:
-    """The first numeric option outside the values it can take, said in one line (before any weights load)."""
+    """The first option outside the values it can take, said in one line (before any weights load)."""
     for option, value, ok, allowed in [
             ("--max-new-tokens", args.max_new_tokens, args.max_new_tokens is None or args.max_new_tokens >= 1, ">= 1"),
             ("--temperature", args.temperature, args.temperature >= 0, ">= 0 (0: greedy)"),
@@ -53,7 +53,7 @@ def out_of_range(args: argparse.Namespace) -> str | None:
             ("--num-samples", args.num_samples, args.num_samples >= 1, ">= 1")]:
         if not ok:
             return f"{option} must be {allowed}, got {value}"
-    return None
+    return device_problem(args.device)
 
 
 def main(argv: list[str]) -> int:

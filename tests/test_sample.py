@@ -207,6 +207,17 @@ def test_a_numeric_option_out_of_range_is_refused_in_one_line(capsys, tmp_path, 
     assert code == 2 and not texts and err == f"error: {option} must be {allowed}, got {value}\n"
 
 
+@pytest.mark.parametrize("device, message", [
+    ("cuda", "--device cuda: this machine has 0 CUDA device(s)"),
+    ("cuda:1", "--device cuda:1: this machine has 0 CUDA device(s)"),
+    ("gpu", "--device must be cpu, cuda or cuda:N, got 'gpu'")])
+def test_a_device_this_machine_lacks_is_refused_in_one_line(capsys, tmp_path, monkeypatch, device, message):
+    """Before any weights load, as eval.py refuses it (one rule: minitrain/weights.py's device_problem)."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    code, texts, err = sample(capsys, str(tmp_path / "nothing"), "--device", device)
+    assert code == 2 and not texts and err == f"error: {message}\n"
+
+
 def test_each_numeric_option_at_the_edge_of_its_range_is_accepted(capsys, hf_gpt2, expected):
     code, texts, err = sample(capsys, str(hf_gpt2), "--prompt", PROMPT, "--num-samples", "1", "--max-new-tokens", "1",
                               "--temperature", "0", "--top-k", "1", "--top-p", "1")
