@@ -345,8 +345,11 @@ def test_the_fused_loss_soft_caps_inside_its_kernels(low_memory, reduction, cap)
 def test_the_row_kernel_caps_every_column_and_leaves_the_masked_lanes_out(block):
     from minitrain.ops.cross_entropy_triton import cross_entropy_rows
 
+    """Row 2's logits all lie below -50, all capped to about -5: were the lanes past V (filled with -inf) capped
+    too, they would weigh in its log-sum-exp as much as a column does."""
     hidden, weight, targets = capped_inputs(3)
     logits = hidden @ weight.T
+    logits[2], targets[2] = -logits[2].abs() - 50, 7
     scale = torch.rand(N, generator=torch.Generator().manual_seed(4))
     grad, losses, lse = logits.clone(), torch.empty(N), torch.empty(N)
     cross_entropy_rows(grad, targets, losses, lse, scale, ignore_index=-100, label_smoothing=0.1, z_loss=1e-4,
