@@ -144,6 +144,29 @@ class DistributedMode(str, Enum):
     fsdp = "fsdp"
 
 
+class PositionEncoding(str, Enum):
+    """How a token's position reaches attention (model.position)."""
+
+    learned = "learned"  # GPT-2: a learned vector per position (wpe), added to the token's embedding
+    rope = "rope"  # rotary (RoFormer): each head's q and k turned by angles of their position, in transformers'
+    # Llama layout (feature i paired with i + head size / 2)
+
+
+class NormKind(str, Enum):
+    """The blocks' and the final norm (model.norm)."""
+
+    layernorm = "layernorm"  # GPT-2: (x - mean) / std * weight + bias (bias with model.bias)
+    rmsnorm = "rmsnorm"  # x / rms(x) * weight: no mean, no bias (F.rms_norm)
+
+
+class MlpActivation(str, Enum):
+    """The MLP's nonlinearity and with it its hidden width (ModelConfig.mlp_hidden)."""
+
+    gelu = "gelu"  # GPT-2: tanh-GELU over 4 * n_embd (model.gelu picks its kernel)
+    relu2 = "relu2"  # relu(x)^2 over 4 * n_embd (Primer, arXiv:2109.08668)
+    swiglu = "swiglu"  # silu(gate) * up (Shazeer, arXiv:2002.05202; Llama), gate and up one matmul (mlp.c_fc)
+
+
 SCRATCH = "scratch"  # model.init_from's value for random weights
 
 
@@ -154,6 +177,14 @@ def padded_vocab(ids: int) -> int:
 
 
 SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size")
+# The block options' values of GPT-2's block: what weights from model.init_from (GPT-2's) can fill.
+GPT2_BLOCK = {"position": PositionEncoding.learned, "norm": NormKind.layernorm, "qk_norm": False,
+              "mlp": MlpActivation.gelu, "tie_head": True, "logit_softcap": None}
+
+
+def _value(value) -> str:
+    """A setting's value as the command line writes it."""
+    return "null" if value is None else str(getattr(value, "value", value)).lower()
 
 
 @dataclass
@@ -178,6 +209,37 @@ class ModelConfig:
     bias: bool = True
     dropout: float = 0.0
     gelu: KernelImpl = KernelImpl.auto  # fused: one Triton pass each way instead of inductor's tanh
+    # The block, one key per choice so that a sweep can set each alone. The defaults are GPT-2's block (the same
+    # weights, init and losses as a model without these keys); configs/model/gpt2-124m-modern.yaml sets the speedrun's.
+    position: PositionEncoding = PositionEncoding.learned
+    rope_base: float = 10000.0  # position=rope: angle pos * rope_base^(-2i / head size) for feature pair i
+    norm: NormKind = NormKind.layernorm
+    qk_norm: bool = False  # an RMSNorm over each head's q and over its k (weights of head size), before rope
+    mlp: MlpActivation = MlpActivation.gelu
+    tie_head: bool = True  # the LM head is the token embedding (GPT-2); false: a (vocab_size, n_embd) head of its own
+    # attn.c_proj and mlp.c_proj (and the head, untied) start at zero instead of GPT-2's small normal draws: each
+    # block starts as the identity on the residual stream
+    zero_init_proj: bool = False
+    # c * tanh(logits / c): the logits bent smoothly into (-c, c), inside the loss (minitrain/ops/); null: as they are
+    logit_softcap: Optional[float] = None
+
+    @property
+    def mlp_hidden(self) -> int:
+        """The MLP's hidden width: 4 * n_embd; with mlp=swiglu, whose c_fc makes a gate and an up projection, the
+        width that keeps the MLP's 8 * n_embd^2 weights in its three matrices, 8/3 * n_embd, rounded up to a
+        multiple of 64 (tensor cores' tiles; 2048 at n_embd=768, exactly the GELU MLP's count)."""
+        if self.mlp == MlpActivation.swiglu:
+            return -(-8 * self.n_embd // (3 * 64)) * 64
+        return 4 * self.n_embd
+
+    def describe_block(self) -> str:
+        """The block's choices in a few words, for the plan's printout."""
+        rope = f" (base {self.rope_base:g})" if self.position == PositionEncoding.rope else ""
+        parts = [f"{self.position.value} positions{rope}", self.norm.value] + ["qk_norm"] * self.qk_norm + \
+            [f"{self.mlp.value} MLP", "tied head" if self.tie_head else "untied head"] + \
+            ["zero-init projections"] * self.zero_init_proj + \
+            ([f"logit soft-cap {self.logit_softcap:g}"] if self.logit_softcap is not None else [])
+        return ", ".join(parts)
 
     def __post_init__(self):
         for key in SHAPE_KEYS:  # None: not set yet (Config's check), or the weights' (init_from)
@@ -195,6 +257,20 @@ class ModelConfig:
         _require(0.0 <= self.dropout < 1.0, "model.dropout", f"must be in [0, 1), got {self.dropout}")
         _require(self.init_from.strip() != "", "model.init_from",
                  "scratch, a Hugging Face GPT-2 name (gpt2) or a directory, got ''")
+        _require(self.rope_base > 1.0, "model.rope_base", f"must be > 1, got {self.rope_base}")
+        _require(self.logit_softcap is None or self.logit_softcap > 0, "model.logit_softcap",
+                 f"must be > 0 or null, got {self.logit_softcap}")
+        if self.position == PositionEncoding.rope and None not in (self.n_embd, self.n_head):
+            head = self.n_embd // self.n_head
+            _require(head % 2 == 0, "model.position",
+                     f"rope turns pairs of a head's features: model.n_embd={self.n_embd} / model.n_head={self.n_head} "
+                     f"= {head} is odd")
+        if self.init_from != SCRATCH:
+            for key, gpt2 in GPT2_BLOCK.items():
+                _require(getattr(self, key) == gpt2, "model.init_from",
+                         f"{self.init_from}'s weights are GPT-2's block, and model.{key}="
+                         f"{_value(getattr(self, key))} has no weights there; train it from scratch "
+                         f"(model.init_from=scratch) or leave model.{key} at {_value(gpt2)}")
 
 
 @dataclass

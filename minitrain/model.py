@@ -1,8 +1,11 @@
-"""A GPT-2-style decoder, readable top to bottom.
+"""A GPT decoder, readable top to bottom: GPT-2's block by default, today's choices one setting each.
 
-Pre-LayerNorm blocks, GELU MLP, learned positions, causal attention through SDPA (flash attention on
-the GPU), and the LM head tied to the token embedding. `forward_hidden` stops before the LM head so the
-loss can fuse the head matmul with cross-entropy and never hold the tokens x vocab logits.
+GPT-2: pre-LayerNorm blocks, a GELU MLP, learned positions, causal attention through SDPA (flash attention on the
+GPU), and the LM head tied to the token embedding. Each model.* block option (minitrain/config.py's ModelConfig)
+swaps one part: rotary positions on q and k (`rotate`), RMSNorm (`make_norm`), an RMSNorm of each head's q and k,
+a ReLU^2 or SwiGLU MLP (`activate`), a head of its own, zero-initialised output projections, and a soft-cap on the
+logits (`soft_cap`, which the fused loss applies inside its kernels). `forward_hidden` stops before the LM head so
+the loss can fuse the head matmul with cross-entropy and never hold the tokens x vocab logits.
 
 Given a `KVCache`, `forward_hidden` also runs the tokens at given positions of sequences whose earlier keys and
 values the cache holds, writing theirs into it: a prompt once (prefill), then one token per step (decode), the
@@ -20,11 +23,34 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .config import ModelConfig
-from .ops import gelu_tanh
+from .config import MlpActivation, ModelConfig, NormKind, PositionEncoding
+from .ops import gelu_tanh, soft_cap
 
 # How a block runs: plainly, or wrapped by an activation-recomputation policy (recompute.py).
 BlockRunner = Callable[[nn.Module, torch.Tensor], torch.Tensor]
+
+RMS_NORM_EPS = 1e-6  # transformers' LlamaConfig.rms_norm_eps (LayerNorm keeps torch's 1e-5, GPT-2's)
+
+
+def make_norm(cfg: ModelConfig, width: int) -> nn.Module:
+    """model.norm over the last `width` features: LayerNorm (with a bias as model.bias says) or RMSNorm (torch's,
+    F.rms_norm: a weight, no bias)."""
+    if cfg.norm == NormKind.rmsnorm:
+        return nn.RMSNorm(width, eps=RMS_NORM_EPS)
+    return nn.LayerNorm(width, bias=cfg.bias)
+
+
+def rotate(x: torch.Tensor, pos: torch.Tensor, base: float) -> torch.Tensor:
+    """Rotary position embedding: (B, n_head, T, D) queries or keys at positions `pos` (T,), feature pair
+    (i, i + D/2) turned by the angle pos * base^(-2i/D) (transformers' Llama layout, rotate_half's). In fp32 (the
+    angles of late positions need it), returned in x's dtype. Positions, not an offset: a cached decode step passes
+    its own."""
+    D = x.shape[-1]
+    inv_freq = 1.0 / (base ** (torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D))
+    angle = pos.to(torch.float32)[:, None] * inv_freq  # (T, D/2)
+    cos, sin = angle.cos(), angle.sin()
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
 
 class CausalSelfAttention(nn.Module):
@@ -34,15 +60,29 @@ class CausalSelfAttention(nn.Module):
         self.dropout = cfg.dropout
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, bias=cfg.bias)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        head = cfg.n_embd // cfg.n_head
+        # model.qk_norm: q and k of each head at unit RMS (times a learned weight) however large the residual
+        # stream grows, so the attention logits stay bounded.
+        self.q_norm = nn.RMSNorm(head, eps=RMS_NORM_EPS) if cfg.qk_norm else None
+        self.k_norm = nn.RMSNorm(head, eps=RMS_NORM_EPS) if cfg.qk_norm else None
+        self.rope_base = cfg.rope_base if cfg.position == PositionEncoding.rope else None
 
     def forward(self, x: torch.Tensor, kv: Optional[LayerKV] = None) -> torch.Tensor:
         qkv = self.c_attn(x)
         return self.c_proj(self.attend(qkv) if kv is None else self.attend_cached(qkv, kv))
 
-    def heads(self, qkv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(B, T, 3C) projections -> q, k, v as (B, n_head, T, C / n_head)."""
+    def heads(self, qkv: torch.Tensor, pos: Optional[torch.Tensor] = None
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(B, T, 3C) projections of the tokens at positions `pos` (T,) (None: 0 .. T-1) -> q, k, v as
+        (B, n_head, T, C / n_head), q and k normalised (qk_norm), then rotated (rope)."""
         B, T, C3 = qkv.shape
-        return tuple(t.view(B, T, self.n_head, C3 // 3 // self.n_head).transpose(1, 2) for t in qkv.split(C3 // 3, 2))
+        q, k, v = (t.view(B, T, self.n_head, C3 // 3 // self.n_head).transpose(1, 2) for t in qkv.split(C3 // 3, 2))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope_base is not None:
+            pos = torch.arange(T, device=qkv.device) if pos is None else pos
+            q, k = rotate(q, pos, self.rope_base), rotate(k, pos, self.rope_base)
+        return q, k, v
 
     @staticmethod
     def merge(y: torch.Tensor) -> torch.Tensor:
@@ -59,25 +99,42 @@ class CausalSelfAttention(nn.Module):
     def attend_cached(self, qkv: torch.Tensor, kv: LayerKV) -> torch.Tensor:
         """The tokens' keys and values written at their positions, then each query over the whole cache, the
         keys after its own position masked (those not written yet, and the later tokens of a prefill)."""
-        q, k, v = self.heads(qkv)
+        q, k, v = self.heads(qkv, kv.pos)
         kv.k.index_copy_(2, kv.pos, k)
         kv.v.index_copy_(2, kv.pos, v)
         return self.merge(F.scaled_dot_product_attention(q, kv.k, kv.v, attn_mask=kv.mask))
 
 
 class MLP(nn.Module):
+    """c_fc, the activation, c_proj. SwiGLU's gate and up projections are one matrix, c_fc (gate rows first, as
+    Megatron-LM's gated linear unit): one GEMM, and a block's linears keep their names (precision.float8_linears)."""
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, bias=cfg.bias)
-        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, bias=cfg.bias)
+        hidden, self.kind = cfg.mlp_hidden, cfg.mlp
+        self.c_fc = nn.Linear(cfg.n_embd, (2 if self.kind == MlpActivation.swiglu else 1) * hidden, bias=cfg.bias)
+        self.c_proj = nn.Linear(hidden, cfg.n_embd, bias=cfg.bias)
         self.gelu_impl = cfg.gelu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = self.c_fc(x)
-        return self.c_proj(tanh_gelu(h, self.fused_gelu(h)))
+        return self.c_proj(self.activation(self.c_fc(x)))
+
+    def activation(self, h: torch.Tensor) -> torch.Tensor:
+        """c_fc's output -> c_proj's input."""
+        return activate(h, self.kind, self.fused_gelu(h))
 
     def fused_gelu(self, h: torch.Tensor) -> bool:
         return self.gelu_impl.fused_on(h.device.type)
+
+
+def activate(h: torch.Tensor, kind: MlpActivation, fused_gelu: bool) -> torch.Tensor:
+    """model.mlp's nonlinearity: tanh-GELU, relu(h)^2, or silu(gate) * up of h's two halves."""
+    if kind == MlpActivation.relu2:
+        return F.relu(h).square()
+    if kind == MlpActivation.swiglu:
+        gate, up = h.chunk(2, dim=-1)
+        return F.silu(gate) * up
+    return tanh_gelu(h, fused_gelu)
 
 
 def tanh_gelu(h: torch.Tensor, fused: bool) -> torch.Tensor:
@@ -88,9 +145,9 @@ def tanh_gelu(h: torch.Tensor, fused: bool) -> torch.Tensor:
 class Block(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_1 = make_norm(cfg, cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_2 = make_norm(cfg, cfg.n_embd)
         self.mlp = MLP(cfg)
         self.dropout = nn.Dropout(cfg.dropout)
 
@@ -150,10 +207,11 @@ class GPT(nn.Module):
             raise ValueError("model.vocab_size must be set (the trainer fills it from the tokenizer)")
         self.cfg = cfg
         self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
-        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd) if cfg.position == PositionEncoding.learned else None
         self.drop = nn.Dropout(cfg.dropout)
         self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
-        self.ln_f = nn.LayerNorm(cfg.n_embd, bias=cfg.bias)
+        self.ln_f = make_norm(cfg, cfg.n_embd)
+        self.lm_head = None if cfg.tie_head else nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
         # One runner per block; recompute.apply_policy swaps in recomputing ones.
         self.block_runners: list[BlockRunner] = [run_block] * cfg.n_layer
         self.apply(self._init_weights)
@@ -162,6 +220,15 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        if cfg.zero_init_proj:
+            for p in self.output_projections():
+                nn.init.zeros_(p)
+
+    def output_projections(self) -> list[nn.Parameter]:
+        """The weights whose outputs join the residual stream or are the logits: each block's attn.c_proj and
+        mlp.c_proj, and the untied head (model.zero_init_proj starts them at zero; the tied head is the embedding)."""
+        heads = [] if self.lm_head is None else [self.lm_head.weight]
+        return [p for name, p in self.blocks.named_parameters() if name.endswith("c_proj.weight")] + heads
 
     @staticmethod
     def _init_weights(module: nn.Module) -> None:
@@ -172,10 +239,10 @@ class GPT(nn.Module):
 
     @property
     def lm_head_weight(self) -> torch.Tensor:
-        """The LM head's (head_vocab, n_embd) weight: the token embedding, tied; without its padding rows (when
-        model.head_vocab is set), so that they take no probability in the loss nor in a sample."""
-        rows = self.cfg.head_vocab
-        return self.wte.weight if rows is None or rows == self.cfg.vocab_size else self.wte.weight[:rows]
+        """The LM head's (head_vocab, n_embd) weight: the token embedding when tied, else the head's own; without its
+        padding rows (when model.head_vocab is set), so that they take no probability in the loss nor in a sample."""
+        rows, weight = self.cfg.head_vocab, self.wte.weight if self.lm_head is None else self.lm_head.weight
+        return weight if rows is None or rows == self.cfg.vocab_size else weight[:rows]
 
     def forward_hidden(self, idx: torch.Tensor, cache: Optional[KVCache] = None,
                        pos: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -186,7 +253,8 @@ class GPT(nn.Module):
             if T > self.cfg.block_size:
                 raise ValueError(f"sequence of {T} tokens exceeds model.block_size={self.cfg.block_size}")
             pos = torch.arange(T, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))
+        x = self.wte(idx) if self.wpe is None else self.wte(idx) + self.wpe(pos)  # rope: positions in attention
+        x = self.drop(x)
         if cache is None:
             for block, runner in zip(self.blocks, self.block_runners):
                 x = runner(block, x)
@@ -196,21 +264,28 @@ class GPT(nn.Module):
         return self.ln_f(x)
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
-        """Logits (B, T, head_vocab); the trainer uses forward_hidden + a loss over the head instead."""
-        return F.linear(self.forward_hidden(idx), self.lm_head_weight)
+        """Logits (B, T, head_vocab), soft-capped as the loss scores them (model.logit_softcap); the trainer uses
+        forward_hidden + a loss over the head instead."""
+        logits = F.linear(self.forward_hidden(idx), self.lm_head_weight)
+        cap = self.cfg.logit_softcap
+        return logits if cap is None else soft_cap(logits.float(), cap).to(logits.dtype)
 
     def num_params(self, exclude_positions: bool = True) -> int:
         """Parameter count; the tied head counts once. Positions are a lookup, not a matmul."""
         n = sum(p.numel() for p in self.parameters())
-        return n - self.wpe.weight.numel() if exclude_positions else n
+        return n - self.wpe.weight.numel() if exclude_positions and self.wpe is not None else n
 
     def flops_per_token(self, seq_len: int) -> int:
-        """Training FLOPs per token: 6N for the matmuls (N without positions, tied head counted once)
-        plus attention's scores and values (attention_flops_per_token)."""
-        return 6 * self.num_params() + attention_flops_per_token(self.cfg.n_layer, self.cfg.n_embd, seq_len)
+        """Training FLOPs per token: 6N for the matmuls (N without positions, the tied head counted once; an untied
+        head is the matmul, and the token embedding a lookup) plus attention's scores and values
+        (attention_flops_per_token)."""
+        lookups = 0 if self.lm_head is None else self.wte.weight.numel()
+        return 6 * (self.num_params() - lookups) + attention_flops_per_token(self.cfg.n_layer, self.cfg.n_embd,
+                                                                               seq_len)
 
     def param_groups(self, weight_decay: float) -> list[dict]:
-        """Decay matrices only; norms, biases and embeddings (the tied head too) keep their scale."""
+        """Decay matrices only (an untied head is one); norms, biases and embeddings (the tied head too) keep their
+        scale."""
         decay, no_decay = [], []
         for name, p in self.named_parameters():
             is_matrix = p.dim() >= 2 and not name.startswith(("wte.", "wpe."))
@@ -220,7 +295,8 @@ class GPT(nn.Module):
 
     def hidden_matrices(self) -> list[nn.Parameter]:
         """The 2-D weights inside the blocks (each block's four linears'): what Muon orthogonalizes. The embeddings
-        (the tied head too) are lookups of single tokens, not hidden layers, and keep AdamW with the vectors."""
+        (the tied head too) are lookups of single tokens, not hidden layers, and keep AdamW with the vectors; so does
+        an untied head (the speedrun's choice: the head is the output layer, not a hidden one)."""
         return [p for p in self.blocks.parameters() if p.dim() == 2]
 
     def muon_param_groups(self, weight_decay: float) -> list[dict]:

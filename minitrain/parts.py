@@ -91,13 +91,15 @@ class Parts:
 
 def build_loss(plan: Plan, cfg: Config):
     """`loss_fn(hidden, weight, targets)`: the fused linear cross-entropy (logits never in HBM) or
-    F.cross_entropy on full logits."""
+    F.cross_entropy on full logits, of the logits soft-capped as model.logit_softcap says."""
     from .ops import fused_linear_cross_entropy, linear_cross_entropy_reference
 
+    softcap = plan.model.logit_softcap
     if plan.loss_impl == "torch":
-        return linear_cross_entropy_reference
+        return lambda h, w, y: linear_cross_entropy_reference(h, w, y, softcap=softcap)
     chunk_bytes, low_memory = cfg.loss.chunk_bytes, cfg.loss.low_memory
-    return lambda h, w, y: fused_linear_cross_entropy(h, w, y, chunk_bytes=chunk_bytes, low_memory=low_memory)
+    return lambda h, w, y: fused_linear_cross_entropy(h, w, y, chunk_bytes=chunk_bytes, low_memory=low_memory,
+                                                      softcap=softcap)
 
 
 def build_optimizer(plan: Plan, cfg: Config, model: GPT, dist: Dist = Dist()):

@@ -114,6 +114,7 @@ class Plan:
             (" (CUDA graphs)" if self.cuda_graphs else "")
         lines = [
             f"plan: {self.model.name} on {on}",
+            f"  block          {self.model.describe_block()}",
             f"  precision      {self.precision.name}{self._tag('precision')}: {self.precision.describe()}"
             + (f" in each block's {', '.join(self.float8_linears)}" if self.float8_linears else "")
             + (", gathered in float8" if self.float8_all_gather else ""),

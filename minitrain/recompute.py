@@ -3,10 +3,12 @@
 A policy decides, block by block, what backward finds saved. `none` keeps everything (fast, the most
 memory); `full` and `every_k` keep only a block's input and rerun the whole block in backward (one extra
 block forward, a fraction of the memory); `selective` keeps the matmul and attention outputs — the
-expensive FLOPs — and reruns only the cheap norms and GELU. Eager, each norm and the GELU is fused with
-the linear layer it feeds into one autograd function (no per-op dispatch, whose Python per op made torch's
-selective checkpointing slow in eager mode: docs/benchmarks.md); compiled, torch's selective checkpointing tags the ops
-Inductor's partitioner must save. Gradients are the same for every policy.
+expensive FLOPs — and reruns only the cheap norms and the MLP's activation (GELU, ReLU^2, SwiGLU). Eager, each
+norm and the activation is fused with the linear layer it feeds into one autograd function (no per-op dispatch,
+whose Python per op made torch's selective checkpointing slow in eager mode: docs/benchmarks.md); the q/k norms and
+rotary positions (model.qk_norm, model.position=rope) run as they do without a policy, SDPA keeping the q and k they
+make. Compiled, torch's selective checkpointing tags the ops Inductor's partitioner must save (all of these are
+recomputed there). Gradients are the same for every policy.
 """
 
 from __future__ import annotations
@@ -19,9 +21,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy as SavePolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .compat import FUSED_ATTENTION_OPS
-from .config import CheckpointingConfig, CheckpointPolicy, ModelConfig
-from .model import GPT, Block, run_block, tanh_gelu
-from .ops import gelu_tanh_backward
+from .config import CheckpointingConfig, CheckpointPolicy, MlpActivation, ModelConfig
+from .model import GPT, Block, run_block
 
 aten = torch.ops.aten
 
@@ -69,55 +70,59 @@ def _linear_grads(grad_out, inp, weight, has_bias, dtype):
     return grad_in, grad_weight, grad_bias
 
 
-class _NormThenLinear(torch.autograd.Function):
-    """linear(layer_norm(x)) saving x, not the norm's output (C per token): backward reruns the norm."""
+class _RecomputedThenLinear(torch.autograd.Function):
+    """linear(f(x, *f_params)) saving x and f's params, not f's output: backward reruns f (a norm, the MLP's
+    activation: elementwise passes) and differentiates it with autograd. The norm's output is C per token, the
+    activation's 4C; their inputs are the block's residual (kept anyway) and c_fc's output (which the activation's
+    own backward needs)."""
 
     @staticmethod
-    def forward(ctx, x, norm_weight, norm_bias, eps: float, weight, bias):
-        ctx.eps, ctx.dtype, ctx.has_bias = eps, _matmul_dtype(x, weight), bias is not None
-        ctx.save_for_backward(x, norm_weight, norm_bias, weight)
-        return F.linear(F.layer_norm(x, x.shape[-1:], norm_weight, norm_bias, eps), weight, bias)
-
-    @staticmethod
-    def backward(ctx, grad_out):
-        x, norm_weight, norm_bias, weight = ctx.saved_tensors
-        y, mean, rstd = torch.native_layer_norm(x, x.shape[-1:], norm_weight, norm_bias, ctx.eps)
-        grad_y, grad_weight, grad_bias = _linear_grads(grad_out, y, weight, ctx.has_bias, ctx.dtype)
-        grad_x, grad_norm_weight, grad_norm_bias = torch.ops.aten.native_layer_norm_backward(
-            grad_y, x, x.shape[-1:], mean, rstd, norm_weight, norm_bias,
-            [True, norm_weight is not None, norm_bias is not None])
-        return grad_x, grad_norm_weight, grad_norm_bias, None, grad_weight, grad_bias
-
-
-class _GeluThenLinear(torch.autograd.Function):
-    """linear(gelu_tanh(h)) saving h (GELU's backward needs it anyway), not GELU's output (4C per token)."""
-
-    @staticmethod
-    def forward(ctx, h, weight, bias, fused: bool):
-        ctx.fused, ctx.dtype, ctx.has_bias = fused, _matmul_dtype(h, weight), bias is not None
-        ctx.save_for_backward(h, weight)
-        return F.linear(tanh_gelu(h, fused), weight, bias)
+    def forward(ctx, f, x, weight, bias, *f_params):
+        ctx.f, ctx.dtype, ctx.has_bias = f, _matmul_dtype(x, weight), bias is not None
+        ctx.save_for_backward(x, weight, *f_params)
+        return F.linear(f(x, *f_params), weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out):
-        h, weight = ctx.saved_tensors
-        grad_a, grad_weight, grad_bias = _linear_grads(grad_out, tanh_gelu(h, ctx.fused), weight, ctx.has_bias,
-                                                       ctx.dtype)
-        grad_h = gelu_tanh_backward(grad_a, h) if ctx.fused else torch.ops.aten.gelu_backward(grad_a, h,
-                                                                                              approximate="tanh")
-        return grad_h, grad_weight, grad_bias, None
+        x, weight, *f_params = ctx.saved_tensors
+        with torch.enable_grad():
+            leaves = [None if t is None else t.detach().requires_grad_() for t in (x, *f_params)]
+            y = ctx.f(*leaves)
+        grad_y, grad_weight, grad_bias = _linear_grads(grad_out, y.detach(), weight, ctx.has_bias, ctx.dtype)
+        found = iter(torch.autograd.grad(y, [t for t in leaves if t is not None], grad_y))
+        grad_x, *grad_params = [None if t is None else next(found) for t in leaves]
+        return None, grad_x, grad_weight, grad_bias, *grad_params
+
+
+def _norm_then_linear(norm: torch.nn.Module, x: torch.Tensor, linear: torch.nn.Linear) -> torch.Tensor:
+    """linear(norm(x)) keeping x, not the norm's output: model.norm's LayerNorm or RMSNorm as a function of x and
+    its params."""
+    if isinstance(norm, torch.nn.RMSNorm):
+        f = partial(_rms_norm, shape=norm.normalized_shape, eps=norm.eps)
+        return _RecomputedThenLinear.apply(f, x, linear.weight, linear.bias, norm.weight)
+    f = partial(_layer_norm, shape=norm.normalized_shape, eps=norm.eps)
+    return _RecomputedThenLinear.apply(f, x, linear.weight, linear.bias, norm.weight, norm.bias)
+
+
+def _rms_norm(x, weight, *, shape, eps):
+    return F.rms_norm(x, shape, weight, eps)
+
+
+def _layer_norm(x, weight, bias, *, shape, eps):
+    return F.layer_norm(x, shape, weight, bias, eps)
 
 
 def _forward_recomputing_elementwise(block: Block, x: torch.Tensor) -> torch.Tensor:
-    """Block.forward, step for step, with each norm and the GELU fused into the linear layer after it as
-    one autograd function that keeps its input, not its output. Saved per token: the block input and
-    the residual after attention, q/k/v, the attention output and its logsumexp, the MLP's hidden;
-    rerun in backward: two norms and a GELU (elementwise passes, no matmul)."""
-    attn, mlp, ln_1, ln_2 = block.attn, block.mlp, block.ln_1, block.ln_2
-    qkv = _NormThenLinear.apply(x, ln_1.weight, ln_1.bias, ln_1.eps, attn.c_attn.weight, attn.c_attn.bias)
+    """Block.forward, step for step, with each norm and the MLP's activation fused into the linear layer after it
+    as one autograd function that keeps its input, not its output. Saved per token: the block input and the
+    residual after attention, q/k/v (with qk_norm or rope, SDPA's normalised, rotated q and k beside c_attn's
+    output), the attention output and its logsumexp, c_fc's output; rerun in backward: two norms and an activation
+    (elementwise passes, no matmul)."""
+    attn, mlp = block.attn, block.mlp
+    qkv = _norm_then_linear(block.ln_1, x, attn.c_attn)
     x = x + block.dropout(attn.c_proj(attn.attend(qkv)))
-    h = _NormThenLinear.apply(x, ln_2.weight, ln_2.bias, ln_2.eps, mlp.c_fc.weight, mlp.c_fc.bias)
-    return x + block.dropout(_GeluThenLinear.apply(h, mlp.c_proj.weight, mlp.c_proj.bias, mlp.fused_gelu(h)))
+    h = _norm_then_linear(block.ln_2, x, mlp.c_fc)
+    return x + block.dropout(_RecomputedThenLinear.apply(mlp.activation, h, mlp.c_proj.weight, mlp.c_proj.bias))
 
 
 def recomputed_blocks(cfg: CheckpointingConfig, n_layer: int) -> list[bool]:
@@ -151,10 +156,11 @@ def apply_policy(model: GPT, cfg: CheckpointingConfig, compiled: bool = False) -
 def recompute_flops_per_token(model_cfg: ModelConfig, cfg: CheckpointingConfig, seq_len: int) -> int:
     """Extra forward FLOPs per token that recomputation costs (for HFU; MFU never counts them).
 
-    A rerun block costs its forward: 2 FLOPs per matmul weight (12·n_embd² weights) plus attention's
-    scores and values (4·n_embd·T). `selective` reruns no matmul, so its cost counts as 0 (its norms,
-    GELU and adds are memory-bound, not FLOPs).
+    A rerun block costs its forward: 2 FLOPs per matmul weight (4·n_embd² in attention, the MLP's 8·n_embd², or
+    SwiGLU's 3·n_embd·mlp_hidden) plus attention's scores and values (4·n_embd·T). `selective` reruns no matmul, so
+    its cost counts as 0 (its norms, activations, rotations and adds are memory-bound, not FLOPs).
     """
     H = model_cfg.n_embd
-    per_block = 2 * 12 * H * H + 4 * H * seq_len
+    mlp = (3 if model_cfg.mlp == MlpActivation.swiglu else 2) * model_cfg.mlp_hidden * H
+    per_block = 2 * (4 * H * H + mlp) + 4 * H * seq_len
     return per_block * sum(recomputed_blocks(cfg, model_cfg.n_layer))

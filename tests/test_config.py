@@ -168,8 +168,8 @@ def test_every_setting_and_every_option_s_key_passes_the_command_line_check():
     ("precision.param_dtype=fp64", "precision.param_dtype: one of ('fp32', 'bf16', 'fp16'), got 'fp64'"),
     ("precision=fp64", "precision: one of ('amp_bf16', 'auto', 'bf16', 'bf16_no_master', 'fp16', 'fp32', 'fp8', "
                        "'fp8_rowwise') (configs/precision/), got 'fp64'"),
-    ("model=gpt2-125m", "model: one of ('gpt2-1.5b', 'gpt2-124m', 'gpt2-350m', 'gpt2-774m', 'pretrained', 'tiny') "
-                        "(configs/model/), got 'gpt2-125m'"),
+    ("model=gpt2-125m", "model: one of ('gpt2-1.5b', 'gpt2-124m', 'gpt2-124m-modern', 'gpt2-350m', 'gpt2-774m', "
+                        "'pretrained', 'tiny') (configs/model/), got 'gpt2-125m'"),
     ("optimizer=lion", "optimizer: one of ('adamw', 'muon') (configs/optimizer/), got 'lion'"),
     ("optimizer.muon.adjust_lr=rms", "optimizer.muon.adjust_lr: one of ('original', 'match_rms_adamw'), got 'rms'"),
 ])

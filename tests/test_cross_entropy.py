@@ -278,7 +278,7 @@ def test_peak_memory_beyond_the_gradients(monkeypatch, low_memory):
     chunk_bytes = cross_entropy.default_chunk_bytes(hidden, low_memory=True) if low_memory else 8 * V * 2
     gradients = V * H * 2 + N * H * 2
     with LiveBytes() as passes:
-        cross_entropy._loss_and_grads(hidden, weight, targets, torch.tensor(1.0), -100, 0.0, 0.0, chunk_bytes,
+        cross_entropy._loss_and_grads(hidden, weight, targets, torch.tensor(1.0), -100, 0.0, 0.0, None, chunk_bytes,
                                       grads=True, low_memory=low_memory)
     assert passes.peak == gradients + (N * H * 2 if low_memory else V * H * 4) + 2 * N * 4
     monkeypatch.undo()

@@ -1,9 +1,9 @@
 """Custom ops: fused kernels and the plain-PyTorch references they are tested against."""
 
 from minitrain.ops.cross_entropy import fused_linear_cross_entropy
-from minitrain.ops.cross_entropy_reference import linear_cross_entropy_reference
+from minitrain.ops.cross_entropy_reference import linear_cross_entropy_reference, soft_cap
 from minitrain.ops.float8_linear import Float8Linear, float8_linear
 from minitrain.ops.gelu import gelu_tanh, gelu_tanh_backward
 
 __all__ = ["Float8Linear", "float8_linear", "fused_linear_cross_entropy", "gelu_tanh", "gelu_tanh_backward",
-           "linear_cross_entropy_reference"]
+           "linear_cross_entropy_reference", "soft_cap"]

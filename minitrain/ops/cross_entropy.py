@@ -15,6 +15,10 @@ workspace whose size comes from a byte budget (`chunk_bytes`):
         block <- dloss/dlogits from lse            Triton, fp32 math
         grad_W[cols] = block.T @ h                 cuBLAS, one GEMM over all N rows
 
+With a soft-cap (`softcap`, c) the loss scores c tanh(z / c) of each logit z: the Triton kernels cap the
+logits as they read them and write the raw logits' gradient (tanh's derivative applied), so the capped logits
+are never stored either.
+
 The weight gradient sums over every row. Summing chunk by chunk in bf16
 would round at every chunk, so the default keeps an fp32 accumulator (4 V H
 bytes) and rounds once. low_memory rounds once too, without that state: each
@@ -37,6 +41,7 @@ contribute exact zeros.
 
 import functools
 import math
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -112,7 +117,7 @@ def _matmul_into(out: Tensor, a: Tensor, b: Tensor, alpha: float) -> None:
         torch.addmm(out, a, b, beta=0, alpha=alpha, out=out)
 
 
-def _loss_and_grads(hidden, weight, targets, grad_scale, ignore_index, label_smoothing, z_loss, chunk_bytes,
+def _loss_and_grads(hidden, weight, targets, grad_scale, ignore_index, label_smoothing, z_loss, softcap, chunk_bytes,
                     grads, low_memory):
     """Per-row losses (fp32) and, if `grads`, grad_hidden and alpha * grad_weight times `grad_scale`."""
     n, (vocab, _) = hidden.shape[0], weight.shape
@@ -120,7 +125,7 @@ def _loss_and_grads(hidden, weight, targets, grad_scale, ignore_index, label_smo
     w = weight.to(dtype)
     losses = torch.empty(n, device=hidden.device, dtype=torch.float32)
     lse = torch.empty_like(losses)
-    softmax_args = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss)
+    softmax_args = dict(ignore_index=ignore_index, label_smoothing=label_smoothing, z_loss=z_loss, softcap=softcap)
     grad_hidden = grad_weight = accumulator = None
     if grads:
         grad_hidden = torch.empty_like(hidden)
@@ -199,6 +204,7 @@ def _linear_cross_entropy(
     reduction: str,
     label_smoothing: float,
     z_loss: float,
+    softcap: Optional[float],
     chunk_bytes: int,
     low_memory: bool,
     grads: bool,
@@ -208,7 +214,8 @@ def _linear_cross_entropy(
     scale = _reduction_scale(targets, ignore_index, reduction)
     grad_scale = scale * _headroom(hidden.dtype, reduction)
     losses, grad_hidden, grad_weight = _loss_and_grads(
-        hidden, weight, targets, grad_scale, ignore_index, label_smoothing, z_loss, chunk_bytes, grads, low_memory
+        hidden, weight, targets, grad_scale, ignore_index, label_smoothing, z_loss, softcap, chunk_bytes, grads,
+        low_memory
     )
     if reduction != "none":
         losses = losses.sum() * scale
@@ -218,7 +225,8 @@ def _linear_cross_entropy(
 
 
 @_linear_cross_entropy.register_fake
-def _(hidden, weight, targets, ignore_index, reduction, label_smoothing, z_loss, chunk_bytes, low_memory, grads):
+def _(hidden, weight, targets, ignore_index, reduction, label_smoothing, z_loss, softcap, chunk_bytes, low_memory,
+      grads):
     grads = grads and reduction != "none"
     loss = hidden.new_empty(hidden.shape[:1] if reduction == "none" else (), dtype=torch.float32)
     if not grads:
@@ -235,41 +243,44 @@ def _linear_cross_entropy_backward(
     ignore_index: int,
     label_smoothing: float,
     z_loss: float,
+    softcap: Optional[float],
     chunk_bytes: int,
     low_memory: bool,
 ) -> tuple[Tensor, Tensor]:
     """reduction="none" backward: both passes again, each gradient row scaled by `grad_scale`."""
     _, grad_hidden, grad_weight = _loss_and_grads(
-        hidden, weight, targets, grad_scale, ignore_index, label_smoothing, z_loss, chunk_bytes, True, low_memory
+        hidden, weight, targets, grad_scale, ignore_index, label_smoothing, z_loss, softcap, chunk_bytes, True,
+        low_memory
     )
     return grad_hidden, grad_weight
 
 
 @_linear_cross_entropy_backward.register_fake
-def _(hidden, weight, targets, grad_scale, ignore_index, label_smoothing, z_loss, chunk_bytes, low_memory):
+def _(hidden, weight, targets, grad_scale, ignore_index, label_smoothing, z_loss, softcap, chunk_bytes, low_memory):
     return torch.empty_like(hidden), torch.empty_like(weight)
 
 
 def _setup_context(ctx, inputs, output):
-    hidden, weight, targets, ignore_index, reduction, label_smoothing, z_loss, chunk_bytes, low_memory, _ = inputs
+    hidden, weight, targets, ignore_index, reduction, label_smoothing, z_loss, softcap, chunk_bytes, low_memory, _ = \
+        inputs
     _, grad_hidden, grad_weight = output
     ctx.mark_non_differentiable(grad_hidden, grad_weight)
     ctx.set_materialize_grads(False)  # else autograd hands backward zeros as large as those two outputs
     # mean/sum keep only the finished gradients; "none" needs the inputs to rerun both passes.
     ctx.save_for_backward(*(hidden, weight) if reduction == "none" else (grad_hidden, grad_weight), targets)
-    ctx.args = (ignore_index, reduction, label_smoothing, z_loss, chunk_bytes, low_memory)
+    ctx.args = (ignore_index, reduction, label_smoothing, z_loss, softcap, chunk_bytes, low_memory)
 
 
 def _backward(ctx, grad_loss, _grad_hidden, _grad_weight):
     first, second, targets = ctx.saved_tensors
-    ignore_index, reduction, label_smoothing, z_loss, chunk_bytes, low_memory = ctx.args
+    ignore_index, reduction, label_smoothing, z_loss, softcap, chunk_bytes, low_memory = ctx.args
     if reduction == "none":
         # Rows are scaled by grad/max|grad| (so |scale| <= 1 and an fp16 workspace
         # cannot overflow under a loss scale); max|grad| is applied below.
         scale = grad_loss.abs().amax().float().clamp_min(torch.finfo(torch.float32).tiny)
         grad_hidden, grad_weight = _linear_cross_entropy_backward(
-            first, second, targets, grad_loss.float() / scale, ignore_index, label_smoothing, z_loss, chunk_bytes,
-            low_memory,
+            first, second, targets, grad_loss.float() / scale, ignore_index, label_smoothing, z_loss, softcap,
+            chunk_bytes, low_memory,
         )
         dtype = first.dtype
     else:
@@ -282,7 +293,7 @@ def _backward(ctx, grad_loss, _grad_hidden, _grad_weight):
         # Eager scales the saved gradients in place: a second backward (retain_graph) then fails
         # autograd's version check instead of scaling twice.
     weight_scale = scale / _weight_grad_alpha(grad_hidden.shape[0], dtype)
-    return (grad_hidden.mul_(scale), grad_weight.mul_(weight_scale), *[None] * 8)
+    return (grad_hidden.mul_(scale), grad_weight.mul_(weight_scale), *[None] * 9)
 
 
 _linear_cross_entropy.register_autograd(_backward, setup_context=_setup_context)
@@ -298,8 +309,10 @@ def fused_linear_cross_entropy(
     z_loss: float = 0.0,
     chunk_bytes: int | None = None,
     low_memory: bool = False,
+    softcap: float | None = None,
 ) -> Tensor:
-    """cross_entropy(hidden @ weight.T, targets) + z_loss * logsumexp^2, logits never materialised.
+    """cross_entropy(logits, targets) + z_loss * logsumexp^2 with logits = hidden @ weight.T, soft-capped to
+    softcap * tanh(logits / softcap) when `softcap` is given, logits never materialised.
 
     hidden (N, H), weight (V, H), targets (N,) int64. Matmuls run in hidden's
     dtype (the autocast dtype under autocast); softmax math is fp32; the weight
@@ -309,6 +322,8 @@ def fused_linear_cross_entropy(
     """
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
+    if softcap is not None and not softcap > 0:
+        raise ValueError(f"softcap must be > 0 or None, got {softcap}")
     check_runnable(hidden, "fused_linear_cross_entropy", "loss.impl=torch")
     device_type = hidden.device.type
     if torch.is_autocast_enabled(device_type):
@@ -322,6 +337,7 @@ def fused_linear_cross_entropy(
         reduction,
         float(label_smoothing),
         float(z_loss),
+        None if softcap is None else float(softcap),
         chunk_bytes or default_chunk_bytes(hidden, low_memory),
         low_memory,
         grads,

@@ -7,7 +7,9 @@ _cross_entropy_rows_kernel   whole rows (all V columns): online max / log-sum-ex
 _logit_grad_block_kernel     a block of columns of every row, given each row's log-sum-exp:
                              d(loss)/d(logits) in place (one read, one write).
 
-All math is fp32 whatever the logits' dtype.
+All math is fp32 whatever the logits' dtype. With a soft-cap c (SOFTCAP) each logit z the GEMM wrote is scored as
+x = c tanh(z / c) as it is read, and the gradient written is d(loss)/dz = d(loss)/dx (1 - (x / c)^2): the capped
+logits exist only in registers.
 """
 
 import functools
@@ -24,10 +26,24 @@ an H200 (scripts/tune_cross_entropy_rows.py, docs/benchmarks.md) with 4 warps an
 
 
 @triton.jit
-def _logit_grad(x, cols, target, lse, scale, V, label_smoothing, z_loss, ROUND_BF16: tl.constexpr):
-    """scale * d(loss)/d(x_j) = scale * (p_j (1 + 2 z lse) - eps / V - (1 - eps) [j == target])."""
+def _soft_capped(x, valid, softcap, SOFTCAP: tl.constexpr):
+    """The logits the loss scores: softcap * tanh(x / softcap) where `valid` (masked lanes keep their fill), tanh as
+    1 - 2 / (1 + e^(2u)) in one exp2: e^(2u) overflowing to inf or flushing to 0 gives +-1, never NaN."""
+    if SOFTCAP:  # e^(2u) = exp2(2 log2(e) u), u = x / softcap
+        x = tl.where(valid, softcap - 2.0 * softcap / (1.0 + tl.exp2(x * (2.8853900817779268 / softcap))), x)
+    return x
+
+
+@triton.jit
+def _logit_grad(x, cols, target, lse, scale, V, label_smoothing, z_loss, softcap, SOFTCAP: tl.constexpr,
+                ROUND_BF16: tl.constexpr):
+    """scale * d(loss)/d(x_j) = scale * (p_j (1 + 2 z lse) - eps / V - (1 - eps) [j == target]); soft-capped,
+    x is the capped logit and the gradient is the raw logit's, times tanh' = 1 - (x / softcap)^2."""
     g = tl.exp(x - lse) * (1.0 + 2.0 * z_loss * lse) - label_smoothing / V
     g = (g - tl.where(cols == target, 1.0 - label_smoothing, 0.0)) * scale
+    if SOFTCAP:
+        t = x / softcap
+        g = g * (1.0 - t * t)
     if ROUND_BF16:
         g = round_to_bf16_in_fp32(g)
     return g
@@ -35,8 +51,8 @@ def _logit_grad(x, cols, target, lse, scale, V, label_smoothing, z_loss, ROUND_B
 
 @triton.jit
 def _cross_entropy_row(row_ptr, row, cols, targets_ptr, loss_ptr, lse_ptr, grad_scale_ptr, scale_stride, V,
-                       ignore_index, label_smoothing, z_loss, WRITE_GRAD: tl.constexpr, ROUND_BF16: tl.constexpr,
-                       BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
+                       ignore_index, label_smoothing, z_loss, softcap, SOFTCAP: tl.constexpr, WRITE_GRAD: tl.constexpr,
+                       ROUND_BF16: tl.constexpr, BLOCK: tl.constexpr, ONE_BLOCK: tl.constexpr):
     target = tl.load(targets_ptr + row)
     if target == ignore_index:
         # Ignored rows skip the exp passes; their zero gradient row makes them
@@ -51,10 +67,11 @@ def _cross_entropy_row(row_ptr, row, cols, targets_ptr, loss_ptr, lse_ptr, grad_
         # The target's logit is read before pass 1's block-wide reductions, whose barriers order the read before
         # any warp's gradient store: read after them, a lagging warp could find the gradient in its place (a
         # race: now and then a row's loss was wrong, and the logged loss differed from run to run).
-        x_target = tl.load(row_ptr + target).to(tl.float32)
+        x_target = _soft_capped(tl.load(row_ptr + target).to(tl.float32), True, softcap, SOFTCAP)
         if ONE_BLOCK:
             # The whole row in one block: read once; the gradient below comes from the same registers.
             x = tl.load(row_ptr + cols, mask=cols < V, other=-float("inf")).to(tl.float32)
+            x = _soft_capped(x, cols < V, softcap, SOFTCAP)
             m = tl.max(x, axis=0)
             lse = m + tl.log(tl.sum(tl.exp(x - m), axis=0))
             x_sum = tl.sum(tl.where(cols < V, x, 0.0), axis=0)
@@ -66,6 +83,7 @@ def _cross_entropy_row(row_ptr, row, cols, targets_ptr, loss_ptr, lse_ptr, grad_
             for start in range(0, V, BLOCK):
                 offs = start + cols
                 x = tl.load(row_ptr + offs, mask=offs < V, other=-float("inf")).to(tl.float32)
+                x = _soft_capped(x, offs < V, softcap, SOFTCAP)
                 m_new = tl.maximum(m, tl.max(x, axis=0))
                 s = s * tl.exp(m - m_new) + tl.sum(tl.exp(x - m_new), axis=0)
                 m = m_new
@@ -79,13 +97,16 @@ def _cross_entropy_row(row_ptr, row, cols, targets_ptr, loss_ptr, lse_ptr, grad_
         if WRITE_GRAD:
             scale = tl.load(grad_scale_ptr + row * scale_stride)
             if ONE_BLOCK:
-                g = _logit_grad(x, cols, target, lse, scale, V, label_smoothing, z_loss, ROUND_BF16)
+                g = _logit_grad(x, cols, target, lse, scale, V, label_smoothing, z_loss, softcap, SOFTCAP,
+                                ROUND_BF16)
                 tl.store(row_ptr + cols, g.to(row_ptr.dtype.element_ty), mask=cols < V)
             else:
                 for start in range(0, V, BLOCK):  # pass 2
                     offs = start + cols
                     x = tl.load(row_ptr + offs, mask=offs < V, other=0.0).to(tl.float32)
-                    g = _logit_grad(x, offs, target, lse, scale, V, label_smoothing, z_loss, ROUND_BF16)
+                    x = _soft_capped(x, offs < V, softcap, SOFTCAP)
+                    g = _logit_grad(x, offs, target, lse, scale, V, label_smoothing, z_loss, softcap, SOFTCAP,
+                                    ROUND_BF16)
                     tl.store(row_ptr + offs, g.to(row_ptr.dtype.element_ty), mask=offs < V)
 
 
@@ -103,6 +124,8 @@ def _cross_entropy_rows_kernel(
     ignore_index,
     label_smoothing,
     z_loss,
+    softcap,  # > 0 with SOFTCAP
+    SOFTCAP: tl.constexpr,
     WRITE_GRAD: tl.constexpr,
     ROUND_BF16: tl.constexpr,
     BLOCK: tl.constexpr,
@@ -112,8 +135,8 @@ def _cross_entropy_rows_kernel(
     # Rows in a grid-stride loop: how many rows stream at once is the grid's choice (see the launcher).
     for row in range(tl.program_id(0).to(tl.int64), M, tl.num_programs(0)):
         _cross_entropy_row(logits_ptr + row * stride_row, row, cols, targets_ptr, loss_ptr, lse_ptr, grad_scale_ptr,
-                           scale_stride, V, ignore_index, label_smoothing, z_loss, WRITE_GRAD, ROUND_BF16, BLOCK,
-                           ONE_BLOCK)
+                           scale_stride, V, ignore_index, label_smoothing, z_loss, softcap, SOFTCAP, WRITE_GRAD,
+                           ROUND_BF16, BLOCK, ONE_BLOCK)
 
 
 @triton.jit
@@ -130,6 +153,8 @@ def _logit_grad_block_kernel(
     ignore_index,
     label_smoothing,
     z_loss,
+    softcap,
+    SOFTCAP: tl.constexpr,
     ROUND_BF16: tl.constexpr,
     ROWS: tl.constexpr,
     COLS: tl.constexpr,
@@ -143,9 +168,9 @@ def _logit_grad_block_kernel(
     target = tl.load(targets_ptr + rows, mask=rows < M, other=ignore_index)
     lse = tl.load(lse_ptr + rows, mask=rows < M, other=0.0)
     scale = tl.load(grad_scale_ptr + rows * scale_stride, mask=rows < M, other=0.0)
-    x = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    x = _soft_capped(tl.load(ptrs, mask=mask, other=0.0).to(tl.float32), mask, softcap, SOFTCAP)
     g = _logit_grad(x, col0 + cols[None, :], target[:, None], lse[:, None], scale[:, None], V, label_smoothing,
-                    z_loss, ROUND_BF16)
+                    z_loss, softcap, SOFTCAP, ROUND_BF16)
     g = tl.where(target[:, None] == ignore_index, 0.0, g)  # ignored rows: exact zeros (their lse is 0)
     tl.store(ptrs, g.to(logits_ptr.dtype.element_ty), mask=mask)
 
@@ -156,9 +181,9 @@ def _multiprocessors(device: torch.device) -> int:
 
 
 def cross_entropy_rows(logits, targets, losses, lse, grad_scale, *, ignore_index, label_smoothing, z_loss,
-                       write_grad, programs=None, block=4096, num_warps=4):
-    """Per-row loss and log-sum-exp into `losses`, `lse`; if `write_grad`, `logits` becomes its gradient
-    times `grad_scale`, a 0-dim or (M,) fp32 device tensor (no host sync).
+                       write_grad, softcap=None, programs=None, block=4096, num_warps=4):
+    """Per-row loss and log-sum-exp into `losses`, `lse` (of the logits soft-capped when `softcap` is given); if
+    `write_grad`, `logits` becomes its gradient times `grad_scale`, a 0-dim or (M,) fp32 device tensor (no host sync).
 
     How many rows stream at once (`programs`; default ROWS_PER_SM per multiprocessor) trades memory
     parallelism against L2 hits when the gradient pass rereads a row; measured, not derived. The last
@@ -182,6 +207,8 @@ def cross_entropy_rows(logits, targets, losses, lse, grad_scale, *, ignore_index
         ignore_index,
         float(label_smoothing),
         float(z_loss),
+        float(softcap or 1.0),
+        SOFTCAP=softcap is not None,
         WRITE_GRAD=write_grad,
         ROUND_BF16=rounds_bf16(logits.dtype),
         BLOCK=block,
@@ -191,9 +218,9 @@ def cross_entropy_rows(logits, targets, losses, lse, grad_scale, *, ignore_index
 
 
 def logit_grad_block(logits, col0, vocab, targets, lse, grad_scale, *, ignore_index, label_smoothing, z_loss,
-                     tile=None, num_warps=4):
+                     softcap=None, tile=None, num_warps=4):
     """`logits` (M, C) contiguous, vocab columns [col0, col0 + C) of every row, becomes its gradient
-    times `grad_scale`, from the rows' log-sum-exp.
+    times `grad_scale`, from the rows' log-sum-exp (of the capped logits, with `softcap`).
 
     Default tile (rows, columns): 2048 elements, as wide as divides C evenly (up to 1024), so no lane
     is masked: 8 x 256 for C = 768, 2 x 1024 for C = 2048 (tuned with scripts/tune_cross_entropy_rows.py;
@@ -220,6 +247,8 @@ def logit_grad_block(logits, col0, vocab, targets, lse, grad_scale, *, ignore_in
         ignore_index,
         float(label_smoothing),
         float(z_loss),
+        float(softcap or 1.0),
+        SOFTCAP=softcap is not None,
         ROUND_BF16=rounds_bf16(logits.dtype),
         ROWS=tile_rows,
         COLS=tile_cols,
