@@ -74,8 +74,8 @@ def next_token(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
 
 
 def head_logits(model: GPT, hidden: torch.Tensor) -> torch.Tensor:
-    """The last position's logits (B, head_vocab)."""
-    return F.linear(hidden[:, -1], model.lm_head_weight)
+    """The last position's logits (B, head_vocab), soft-capped as in training (model.logit_softcap)."""
+    return model.soft_capped(F.linear(hidden[:, -1], model.lm_head_weight))
 
 
 def _decode(model: GPT, cache: KVCache, token: torch.Tensor, pos: torch.Tensor, s: Sampling) -> torch.Tensor:
