@@ -58,7 +58,8 @@ def prompts(n=2, length=PROMPT, vocab=96, seed=1):
 def test_the_cached_steps_logits_are_the_full_forwards_last_position_up_to_the_full_context(case):
     """Greedy through the cache == greedy through the whole sequence's forward at each step (its argmax), the
     context filled exactly (one more token refused); at every step both decode paths (the model's cached forward
-    and, over the last three positions, the decode kernels) score the next token as the full forward's last position does, soft-cap included."""
+    and, over the last three positions, the decode kernels) score the next token as the full forward's last
+    position does, soft-cap included."""
     model = wide_model(CASES[case])
     prompt, greedy = prompts(), Sampling(temperature=0)
     tokens = generate(model, prompt, CONTEXT - PROMPT, greedy).tokens

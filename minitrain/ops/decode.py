@@ -78,10 +78,11 @@ def _linear_kernel(x_ptr, w_ptr, bias_ptr, ln_w_ptr, ln_b_ptr, res_ptr, out_ptr,
                    SPLIT: tl.constexpr, PDL: tl.constexpr):
     """out[m, n] = epilogue(sum_k prologue(x)[m, k] * w[n, k]) (the prologue a LayerNorm, with RMS an RMSNorm) for
     ROWS rows, BLOCK_N columns and the K_SPLIT wide slice `program_id(1)` of K: w (N, K) is read once in all,
-    coalesced along K; the rows of x (M, K) are few and stay in cache. With SPLIT slices, each program leaves its fp32 sum in `partial` and the last to arrive
-    at a tile adds them in slice order (the same bits whichever it is), runs the epilogue and re-arms the tile's
-    counter for the next launch. With PDL the launch may start before the one it follows has finished: it waits
-    on the GPU before reading anything, and lets the next one launch once its weights are read."""
+    coalesced along K; the rows of x (M, K) are few and stay in cache. With SPLIT slices, each program leaves its
+    fp32 sum in `partial` and the last to arrive at a tile adds them in slice order (the same bits whichever it
+    is), runs the epilogue and re-arms the tile's counter for the next launch. With PDL the launch may start
+    before the one it follows has finished: it waits on the GPU before reading anything, and lets the next one
+    launch once its weights are read."""
     n_tile, split, m_tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = m_tile * ROWS + tl.arange(0, ROWS)
     cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -178,8 +179,8 @@ def decode_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
     ln_w, ln_b = (norm.weight, getattr(norm, "bias", None)) if norm is not None else (None, None)
     _linear_kernel[grid](
         x, weight, *(t if t is not None else out for t in (bias, ln_w, ln_b, residual)), out, partial, arrivals,
-        M, N, K, width, norm.eps if norm is not None else 0.0, LN=norm is not None, RMS=rms, LN_BIAS=ln_b is not None,
-        BIAS=bias is not None, GELU=gelu, RESIDUAL=residual is not None,
+        M, N, K, width, norm.eps if norm is not None else 0.0, LN=norm is not None, RMS=rms,
+        LN_BIAS=ln_b is not None, BIAS=bias is not None, GELU=gelu, RESIDUAL=residual is not None,
         DOT_PRECISION="ieee" if weight.dtype == torch.float32 else "tf32", Z1=_Z1, Z3=_Z3,
         ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k, STAT_K=triton.next_power_of_2(K),
         SPLIT=split, num_warps=4, num_stages=4, **_dependent_launch(x.device))
