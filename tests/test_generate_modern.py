@@ -1,7 +1,8 @@
 """Sampling with the KV cache from every block option (model.position, norm, qk_norm, mlp, tie_head, logit_softcap):
 the cached step (prefill, then one token at a time), in the model's own ops and in the decode kernels (Triton's
 interpreter here), against the uncached full forward at every position up to the exactly full context; greedy
-continuations against transformers' Llama; scripts/sample.py on a trained run of the modern preset."""
+continuations against transformers' Llama; scripts/sample.py on a trained run of the modern preset. CPU only (fp32
+models built on the CPU, as tests/test_generate.py's; gpu_suite's `tests` leaves it out)."""
 
 import runpy
 
