@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from .compat import mark_static_address
+from .config import MlpActivation
 from .model import GPT, KVCache
 from .ops.decode import cached_attention, decode_linear
 
@@ -75,8 +76,8 @@ def next_token(logits: torch.Tensor, s: Sampling) -> torch.Tensor:
 
 
 def head_logits(model: GPT, hidden: torch.Tensor) -> torch.Tensor:
-    """The last position's logits (B, head_vocab)."""
-    return F.linear(hidden[:, -1], model.lm_head_weight)
+    """The last position's logits (B, head_vocab), soft-capped as in training (model.logit_softcap)."""
+    return model.soft_capped(F.linear(hidden[:, -1], model.lm_head_weight))
 
 
 def _decode(model: GPT, cache: KVCache, token: torch.Tensor, pos: torch.Tensor, s: Sampling) -> torch.Tensor:
@@ -89,17 +90,25 @@ _decode_graphed = torch.compile(_decode, mode="reduce-overhead", fullgraph=True,
 
 def decode_logits(model: GPT, cache: KVCache, token: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
     """The LM head's logits (B, head_vocab) of one token per sequence (B, 1) at position `pos` (1,) in the decode
-    kernels of minitrain/ops/decode.py, five launches a block: what head_logits(model, model.forward_hidden(token,
-    cache, pos)) computes, the cache written alike."""
-    x = (model.wte(token[:, 0]) + model.wpe(pos)).contiguous()
+    kernels of minitrain/ops/decode.py: what head_logits(model, model.forward_hidden(token, cache, pos)) computes,
+    the cache written alike. The kernels fuse GPT-2's block and RMSNorm; the block options they do not (qk_norm and rope on
+    the new q and k, a ReLU^2 or SwiGLU MLP, the soft-cap) run as the model's own torch ops between them, which a
+    CUDA graph captures as well."""
+    x = model.wte(token[:, 0]) if model.wpe is None else model.wte(token[:, 0]) + model.wpe(pos)
+    x = x.contiguous()
     for i, block in enumerate(model.blocks):
         attn, mlp = block.attn, block.mlp
         qkv = decode_linear(x, attn.c_attn.weight, attn.c_attn.bias, norm=block.ln_1)
+        if attn.q_norm is not None or attn.rope_base is not None:
+            qkv = torch.cat([attn.merge(t) for t in attn.heads(qkv[:, None], pos)], -1)[:, 0]
         y = cached_attention(qkv, getattr(cache, f"k{i}"), getattr(cache, f"v{i}"), pos)
         x = decode_linear(y, attn.c_proj.weight, attn.c_proj.bias, residual=x)
-        h = decode_linear(x, mlp.c_fc.weight, mlp.c_fc.bias, norm=block.ln_2, gelu=True)
+        gelu = mlp.kind == MlpActivation.gelu
+        h = decode_linear(x, mlp.c_fc.weight, mlp.c_fc.bias, norm=block.ln_2, gelu=gelu)
+        if not gelu:
+            h = mlp.activation(h)
         x = decode_linear(h, mlp.c_proj.weight, mlp.c_proj.bias, residual=x)
-    return decode_linear(x, model.lm_head_weight, norm=model.ln_f)
+    return model.soft_capped(decode_linear(x, model.lm_head_weight, norm=model.ln_f))
 
 
 def _decode_fused(model: GPT, cache: KVCache, token: torch.Tensor, pos: torch.Tensor, s: Sampling) -> torch.Tensor:

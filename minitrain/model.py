@@ -266,7 +266,11 @@ class GPT(nn.Module):
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         """Logits (B, T, head_vocab), soft-capped as the loss scores them (model.logit_softcap); the trainer uses
         forward_hidden + a loss over the head instead."""
-        logits = F.linear(self.forward_hidden(idx), self.lm_head_weight)
+        return self.soft_capped(F.linear(self.forward_hidden(idx), self.lm_head_weight))
+
+    def soft_capped(self, logits: torch.Tensor) -> torch.Tensor:
+        """The head's raw logits as the model scores them: model.logit_softcap's cap (in fp32) when set, for the
+        forward and for every sampler's step alike."""
         cap = self.cfg.logit_softcap
         return logits if cap is None else soft_cap(logits.float(), cap).to(logits.dtype)
 

@@ -3,15 +3,17 @@
 Why: at batch 1 a decode step is a chain of small matrix-vector products, and its time is the launches and the
 weights' bytes. The compiled step runs a block as about thirteen kernels (cuBLAS GEMVs, LayerNorms, the cache
 writes, the attention and its mask); here each linear layer is one kernel that also does what comes before it
-(the LayerNorm, recomputed per program from the row's few kilobytes) and after it (bias, GELU, the residual add),
-and the attention writes the token's key and value into the cache as it reads the cache:
+(the LayerNorm or RMSNorm, recomputed per program from the row's few kilobytes) and after it (bias, GELU, the
+residual add), and the attention writes the token's key and value into the cache as it reads the cache:
 
     ln_1 + c_attn + bias -> attention (+ the cache write) -> c_proj + bias + residual
     ln_2 + c_fc + bias + GELU -> mlp.c_proj + bias + residual          ... then ln_f + the LM head
 
 minitrain/generate.py's `decode_logits` is the model's decode step in these kernels, captured with the draw as one
-CUDA graph. Their references: torch's LayerNorm, linear, GELU and attention over the cache, and for the whole step
-the model's own cached forward (GPT.forward_hidden with a KVCache); tests/test_decode.py holds them equal.
+CUDA graph; the block options no kernel fuses (qk_norm, rope, ReLU^2, SwiGLU, the soft-cap) run there as the model's
+own torch ops between the launches. Their references: torch's LayerNorm, RMSNorm, linear, GELU and attention over
+the cache, and for the whole step the model's own cached forward (GPT.forward_hidden with a KVCache);
+tests/test_decode.py and tests/test_generate_modern.py hold them equal.
 """
 
 from __future__ import annotations
@@ -32,14 +34,16 @@ BLOCK_L = 64  # cached positions per step of the attention's loop
 
 
 @triton.jit
-def _row_stats(x_rows, row_ok, K, eps, STAT_K: tl.constexpr):
-    """The rows' LayerNorm mean and inverse deviation, two passes over x in fp32 (as torch's LayerNorm)."""
+def _row_stats(x_rows, row_ok, K, eps, STAT_K: tl.constexpr, RMS: tl.constexpr):
+    """The rows' LayerNorm mean and inverse deviation, two passes over x in fp32 (as torch's LayerNorm); RMS: a
+    mean of zero and the inverse root mean square, one pass (torch's RMSNorm)."""
     ks = tl.arange(0, STAT_K)
     total = tl.zeros(row_ok.shape, tl.float32)
-    for k0 in range(0, K, STAT_K):
-        k = k0 + ks
-        total += tl.sum(tl.load(x_rows + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
-                        .to(tl.float32), 1)
+    if not RMS:
+        for k0 in range(0, K, STAT_K):
+            k = k0 + ks
+            total += tl.sum(tl.load(x_rows + k[None, :], mask=row_ok[:, None] & (k < K)[None, :], other=0.0)
+                            .to(tl.float32), 1)
     mean = total / K
     squares = tl.zeros_like(mean)
     for k0 in range(0, K, STAT_K):
@@ -67,16 +71,18 @@ def _epilogue(acc, rows, cols, row_ok, col_ok, bias_ptr, res_ptr, out_ptr, N,
 @triton.jit
 def _linear_kernel(x_ptr, w_ptr, bias_ptr, ln_w_ptr, ln_b_ptr, res_ptr, out_ptr, partial_ptr, arrivals_ptr,
                    M, N, K, K_SPLIT, eps,
-                   LN: tl.constexpr, LN_BIAS: tl.constexpr, BIAS: tl.constexpr, GELU: tl.constexpr,
-                   RESIDUAL: tl.constexpr, DOT_PRECISION: tl.constexpr, Z1: tl.constexpr, Z3: tl.constexpr,
+                   LN: tl.constexpr, RMS: tl.constexpr, LN_BIAS: tl.constexpr, BIAS: tl.constexpr,
+                   GELU: tl.constexpr, RESIDUAL: tl.constexpr, DOT_PRECISION: tl.constexpr, Z1: tl.constexpr,
+                   Z3: tl.constexpr,
                    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAT_K: tl.constexpr,
                    SPLIT: tl.constexpr, PDL: tl.constexpr):
-    """out[m, n] = epilogue(sum_k prologue(x)[m, k] * w[n, k]) for ROWS rows, BLOCK_N columns and the K_SPLIT
-    wide slice `program_id(1)` of K: w (N, K) is read once in all, coalesced along K; the rows of x (M, K) are few
-    and stay in cache. With SPLIT slices, each program leaves its fp32 sum in `partial` and the last to arrive
-    at a tile adds them in slice order (the same bits whichever it is), runs the epilogue and re-arms the tile's
-    counter for the next launch. With PDL the launch may start before the one it follows has finished: it waits
-    on the GPU before reading anything, and lets the next one launch once its weights are read."""
+    """out[m, n] = epilogue(sum_k prologue(x)[m, k] * w[n, k]) (the prologue a LayerNorm, with RMS an RMSNorm) for
+    ROWS rows, BLOCK_N columns and the K_SPLIT wide slice `program_id(1)` of K: w (N, K) is read once in all,
+    coalesced along K; the rows of x (M, K) are few and stay in cache. With SPLIT slices, each program leaves its
+    fp32 sum in `partial` and the last to arrive at a tile adds them in slice order (the same bits whichever it
+    is), runs the epilogue and re-arms the tile's counter for the next launch. With PDL the launch may start
+    before the one it follows has finished: it waits on the GPU before reading anything, and lets the next one
+    launch once its weights are read."""
     n_tile, split, m_tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = m_tile * ROWS + tl.arange(0, ROWS)
     cols = n_tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -86,7 +92,7 @@ def _linear_kernel(x_ptr, w_ptr, bias_ptr, ln_w_ptr, ln_b_ptr, res_ptr, out_ptr,
     if PDL:
         tl.extra.cuda.gdc_wait()
     if LN:
-        mean, rstd = _row_stats(x_rows, row_ok, K, eps, STAT_K)
+        mean, rstd = _row_stats(x_rows, row_ok, K, eps, STAT_K, RMS)
     acc = tl.zeros([ROWS, BLOCK_N], tl.float32)
     w_cols = w_ptr + cols[None, :].to(tl.int64) * K
     k_start = split * K_SPLIT
@@ -154,10 +160,11 @@ def _tiles(M: int, N: int, K: int, device: torch.device) -> tuple[int, int, int,
 
 
 def decode_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
-                  norm: Optional[torch.nn.LayerNorm] = None, gelu: bool = False,
+                  norm: Optional[torch.nn.LayerNorm | torch.nn.RMSNorm] = None, gelu: bool = False,
                   residual: Optional[Tensor] = None) -> Tensor:
     """(M, K) rows -> (M, N) = [norm ->] x @ weight.T [+ bias] [-> tanh-GELU] [+ residual], one kernel (the
-    LayerNorm its own above one row); fp32 weights multiply in fp32, not TF32, as an fp32 decode is meant to."""
+    LayerNorm or RMSNorm its own above one row); fp32 weights multiply in fp32, not TF32, as an fp32 decode is
+    meant to."""
     check_runnable(x, "decode_linear", "the model's own cached forward")
     M, K = x.shape
     N = weight.shape[0]
@@ -168,11 +175,12 @@ def decode_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
     grid = (triton.cdiv(N, block_n), split, triton.cdiv(M, rows))
     partial = torch.empty((split, M, N) if split > 1 else (1,), dtype=torch.float32, device=x.device)
     arrivals = _arrival_counters(x.device, grid[0] * grid[2])
-    ln_w, ln_b = (norm.weight, norm.bias) if norm is not None else (None, None)
+    rms = isinstance(norm, torch.nn.RMSNorm)
+    ln_w, ln_b = (norm.weight, getattr(norm, "bias", None)) if norm is not None else (None, None)
     _linear_kernel[grid](
         x, weight, *(t if t is not None else out for t in (bias, ln_w, ln_b, residual)), out, partial, arrivals,
-        M, N, K, width, norm.eps if norm is not None else 0.0, LN=norm is not None, LN_BIAS=ln_b is not None,
-        BIAS=bias is not None, GELU=gelu, RESIDUAL=residual is not None,
+        M, N, K, width, norm.eps if norm is not None else 0.0, LN=norm is not None, RMS=rms,
+        LN_BIAS=ln_b is not None, BIAS=bias is not None, GELU=gelu, RESIDUAL=residual is not None,
         DOT_PRECISION="ieee" if weight.dtype == torch.float32 else "tf32", Z1=_Z1, Z3=_Z3,
         ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k, STAT_K=triton.next_power_of_2(K),
         SPLIT=split, num_warps=4, num_stages=4, **_dependent_launch(x.device))
@@ -227,4 +235,3 @@ def cached_attention(qkv: Tensor, k_cache: Tensor, v_cache: Tensor, pos: Tensor)
     _cached_attention_kernel[(B, n_head)](qkv, k_cache, v_cache, pos, out, n_head, length, C, D ** -0.5,
                                           D=D, BLOCK_L=BLOCK_L, num_warps=4, **_dependent_launch(qkv.device))
     return out
-
