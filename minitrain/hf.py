@@ -1,4 +1,5 @@
-"""Hugging Face's GPT-2 layout in and out: `config.json` + `model.safetensors` <-> minitrain's GPT.
+"""Hugging Face's GPT-2 layout in and out (Llama's and Qwen3's for the modern block, below): `config.json` +
+`model.safetensors` <-> minitrain's GPT.
 
 The two models compute the same function: pre-LayerNorm blocks (eps 1e-5), the tanh GELU (`gelu_new`),
 attention scaled by 1/sqrt(head size), learned positions, the head tied to the token embedding. Only the
@@ -12,6 +13,15 @@ loss is transformers' loss on the same batch. A head not tied to the embedding (
 `lm_head.weight` of other values) is refused: minitrain's head is the embedding. Out: `export` writes what
 `GPT2LMHeadModel.from_pretrained`, `AutoTokenizer.from_pretrained` and transformers' `pipeline` load as they are;
 a model without biases is written with zero ones, which compute the same function.
+
+The modern block (minitrain/model.py's options) with rope + rmsnorm + swiglu + an untied head and no biases is
+transformers' Llama, and with qk_norm Qwen3: the same rotary pairing (feature i with i + head/2, rotate_half's), the
+RMSNorm eps (1e-6), attention with a key and value head per query head. Only the layout differs: our fused c_attn is
+their q_proj, k_proj and v_proj stacked by rows, our c_fc their gate_proj then up_proj. `model.init_from` reads a
+Llama/Qwen3 directory too: the block options come from its config.json (an option left at GPT-2's default takes
+the weights' value, one set otherwise is refused), and a field the block cannot compute (grouped-query attention,
+rope scaling, biases, a tied head, another width of MLP) is refused naming it. `export` writes Llama/Qwen3 for such a
+run, GPT-2 for GPT-2's block, and refuses any other block naming the option that has no transformers counterpart.
 """
 
 from __future__ import annotations
@@ -48,6 +58,9 @@ _GPT2_DEFAULTS = {"vocab_size": 50257, "n_positions": 1024, "n_embd": 768, "n_la
 # Llama's and Qwen3's classes: our block with rope + rmsnorm + swiglu + an untied head and no biases (Qwen3: and
 # qk_norm, its q_norm and k_norm). Feature pairs (i, i + head/2) as our rope turns them (rotate_half).
 _LLAMA_CLASSES = {"llama": "LlamaForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+# The block options of Llama's and Qwen3's weights, besides the rope base (their config.json's) and qk_norm (Qwen3's)
+LLAMA_BLOCK = {"position": PositionEncoding.rope, "norm": NormKind.rmsnorm, "mlp": MlpActivation.swiglu,
+               "tie_head": False, "logit_softcap": None, "bias": False}
 _LLAMA_SHAPE = {"n_layer": "num_hidden_layers", "n_head": "num_attention_heads", "n_embd": "hidden_size"}
 # What minitrain's block computes, as Llama/Qwen3 config.json keys (absent keys take transformers' defaults)
 _LLAMA_SAME_FUNCTION = {"hidden_act": "silu", "rms_norm_eps": RMS_NORM_EPS, "attention_bias": False,
@@ -56,7 +69,7 @@ _LLAMA_SAME_FUNCTION = {"hidden_act": "silu", "rms_norm_eps": RMS_NORM_EPS, "att
 
 
 class WeightsError(ConfigError):
-    """Weights that are not a GPT-2 checkpoint minitrain can read; the message names the file or key."""
+    """Weights that are not a checkpoint minitrain can read; the message names the file or key."""
 
 
 # -- config.json ------------------------------------------------------------------------------------------
@@ -118,9 +131,9 @@ def settle_shape(cfg: ModelConfig) -> ModelConfig:
     block = llama_block(config) if llama else GPT2_BLOCK
     for key, theirs in block.items():
         if getattr(cfg, key) not in (_DEFAULT_BLOCK[key], theirs):
-            raise ConfigError(f"model.{key}={as_setting(getattr(cfg, key))} conflicts with {where}), whose block has "
-                              f"model.{key}={as_setting(theirs)}; with {KEY} the block comes from the weights, so leave "
-                              f"model.{key} out")
+            raise ConfigError(f"model.{key}={as_setting(getattr(cfg, key))} conflicts with {where}), whose block "
+                              f"has model.{key}={as_setting(theirs)}; with {KEY} the block comes from the weights, so "
+                              f"leave model.{key} out")
     return replace(cfg, **shape, **block, block_size=cfg.block_size or positions, head_vocab=rows,
                    vocab_size=cfg.vocab_size or padded_vocab(rows))
 
@@ -162,9 +175,7 @@ def read_llama_config(config: dict, path: Path) -> dict:
 
 def llama_block(config: dict) -> dict:
     """The block options of a Llama or Qwen3 config.json (read_llama_config's)."""
-    return {"position": PositionEncoding.rope, "rope_base": config["rope_theta"], "norm": NormKind.rmsnorm,
-            "qk_norm": config["model_type"] == "qwen3", "mlp": MlpActivation.swiglu, "tie_head": False,
-            "logit_softcap": None, "bias": False}
+    return {**LLAMA_BLOCK, "rope_base": config["rope_theta"], "qk_norm": config["model_type"] == "qwen3"}
 
 
 _DEFAULT_BLOCK = {f.name: f.default for f in fields(ModelConfig)}
@@ -352,15 +363,13 @@ def counterpart(cfg: ModelConfig) -> str:
     that and qk_norm. Any other block is refused naming its first option that neither has (zero_init_proj is an init
     only: any)."""
     gpt2 = cfg.position == PositionEncoding.learned
-    family, block = ("GPT-2", GPT2_BLOCK) if gpt2 else \
-        ("Llama and Qwen3", {k: v for k, v in llama_block({"rope_theta": cfg.rope_base, "model_type": ""}).items()
-                             if k != "qk_norm"})
+    family, block = ("GPT-2 uses", GPT2_BLOCK) if gpt2 else ("Llama and Qwen3 use", LLAMA_BLOCK)
     for key, want in block.items():
         if getattr(cfg, key) != want:
             raise ConfigError(f"model.{key}={as_setting(getattr(cfg, key))} has no transformers counterpart with "
-                              f"model.position={cfg.position.value} ({family} {'use' if not gpt2 else 'uses'} "
-                              f"model.{key}={as_setting(want)}); export supports GPT-2's block and rope + rmsnorm + "
-                              "swiglu + an untied head without biases (Llama; with qk_norm, Qwen3)")
+                              f"model.position={cfg.position.value} ({family} model.{key}={as_setting(want)}); export "
+                              "supports GPT-2's block and rope + rmsnorm + swiglu + an untied head without biases "
+                              "(Llama; with qk_norm, Qwen3)")
     return "gpt2" if gpt2 else _llama_kind(cfg)
 
 
@@ -462,7 +471,8 @@ def _may_export_into(out_dir: Path, names) -> bool:
 
 
 def export(weights: Weights, out_dir: Path) -> list[Path]:
-    """`out_dir` as transformers' GPT-2: config.json, model.safetensors, generation_config.json and the tokenizer
+    """`out_dir` as transformers' GPT-2, Llama or Qwen3 (`counterpart`, which refuses any other block): config.json,
+    model.safetensors, generation_config.json and the tokenizer
     (tokenizer.json and the files AutoTokenizer reads, `<|endoftext|>` as bos and eos, the context as its
     model_max_length). A directory holding anything but an earlier export is refused."""
     from safetensors.torch import save_file

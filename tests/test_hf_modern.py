@@ -38,10 +38,11 @@ def modern_run(request, tmp_path_factory, data_cache, gpt2_corpus, hf_gpt2):
     trainer."""
     run = tmp_path_factory.mktemp(f"run-{request.param}")
     cfg = compose_config([f"data.cache_dir={data_cache}", f"trainer.out_dir={run}", "logger.mode=disabled",
-                          "trainer.batch_size=4", "model.block_size=64", "trainer.max_steps=3", "trainer.warmup_steps=1",
-                          "trainer.eval_every=3", "trainer.save_every=3", "trainer.eval_batches=1",
-                          "trainer.sample_tokens=0", "data=files", f"data.paths={gpt2_corpus}/*.txt",
-                          "data.val_fraction=0.05", f"data.tokenizer={hf_gpt2}", "model.vocab_size=384", "model.head_vocab=320",
+                          "trainer.batch_size=4", "model.block_size=64", "trainer.max_steps=3",
+                          "trainer.warmup_steps=1", "trainer.eval_every=3", "trainer.save_every=3",
+                          "trainer.eval_batches=1", "trainer.sample_tokens=0", "data=files",
+                          f"data.paths={gpt2_corpus}/*.txt", "data.val_fraction=0.05", f"data.tokenizer={hf_gpt2}",
+                          "model.vocab_size=384", "model.head_vocab=320",
                           "model.n_layer=2", "model.n_head=4", "model.n_embd=64", "trainer.lr=3e-2", *LLAMA_RUN,
                           f"model.qk_norm={request.param == 'qwen3'}"])
     trainer = Trainer(cfg, progress=False)
