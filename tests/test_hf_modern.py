@@ -90,10 +90,10 @@ def test_a_modern_run_exports_as_transformers_model_with_our_logits_and_greedy_t
 
 def transformers_checkpoint(folder, kind, hf_gpt2, **config):
     """A random transformers Llama or Qwen3 (wide draws, norms included) of 300 tokens (padded to 320 on import),
-    rope base 700, saved as Hugging Face saves it, with GPT-2's tokenizer beside it."""
-    fields = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=4, vocab_size=300, max_position_embeddings=48, rope_theta=700.0,
-                  tie_word_embeddings=False, **({"head_dim": 16} if kind == "qwen3" else {}), **config)
+    rope base 700 (`config`: other fields), saved as Hugging Face saves it, with GPT-2's tokenizer beside it."""
+    fields = {**dict(hidden_size=64, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+                     num_key_value_heads=4, vocab_size=300, max_position_embeddings=48, rope_theta=700.0,
+                     tie_word_embeddings=False, **({"head_dim": 16} if kind == "qwen3" else {})), **config}
     torch.manual_seed(0)
     model = CLASSES[kind](getattr(transformers, f"{CLASSES[kind].__name__[:-len('ForCausalLM')]}Config")(**fields))
     with torch.no_grad():
@@ -124,6 +124,21 @@ def test_model_init_from_a_llama_or_qwen3_builds_our_block_with_their_logits(kin
     opened = hf.open_weights(str(tmp_path / kind))
     assert opened.tokenizer.to_str() == pretrained_tokenizer(str(hf_gpt2)).to_str()
     assert torch.equal(opened.state["blocks.1.attn.c_attn.weight"], model.state_dict()["blocks.1.attn.c_attn.weight"])
+
+
+def test_a_fine_tune_of_a_qwen3_starts_at_transformers_loss_with_its_tokenizer(make_cfg, hf_gpt2, gpt2_corpus,
+                                                                            tmp_path):
+    """As a run reads it (model.init_from=DIR alone, with the weights' own tokenizer, which data.tokenizer then
+    defaults to): the plan's block is Qwen3's, and the first batch's loss is transformers'."""
+    theirs = transformers_checkpoint(tmp_path / "qwen3", "qwen3", hf_gpt2, vocab_size=GPT2_VOCAB)
+    trainer = Trainer(make_cfg(f"model.init_from={tmp_path / 'qwen3'}", "data=files", f"data.paths={gpt2_corpus}/*.txt",
+                               "data.val_fraction=0.05", "model.block_size=48"), progress=False)
+    assert trainer.plan.model.describe_block() == "rope positions (base 700), rmsnorm, qk_norm, swiglu MLP, untied head"
+    assert trainer.data.tokenizer.to_str() == pretrained_tokenizer(str(hf_gpt2)).to_str()
+    x, y = trainer.train_batches.get(0)
+    ids = torch.cat([x, y[:, -1:]], 1)
+    with torch.no_grad():
+        torch.testing.assert_close(trainer.forward_loss(x, y), theirs(ids, labels=ids).loss, rtol=0, atol=1e-5)
 
 
 def edited_checkpoint(source, folder, **changes):
