@@ -176,7 +176,7 @@ def llama_dir(tmp_path_factory, hf_gpt2):
     (dict(hidden_size=None), "model_type='llama' is not GPT-2 ('gpt2') and has no hidden_size, which a "
                              "LlamaForCausalLM config.json holds"),
     (dict(model_type="mistral"), "model_type='mistral' is not GPT-2 ('gpt2'), Llama ('llama') or Qwen3 ('qwen3')"),
-])
+], ids=lambda value: ",".join(value) if isinstance(value, dict) else "")
 def test_a_config_field_the_block_cannot_compute_is_refused_in_one_line_naming_it(llama_dir, tmp_path, changes,
                                                                                   message):
     folder = edited_checkpoint(llama_dir, tmp_path / "edited", **changes)
@@ -267,7 +267,8 @@ UNSUPPORTED = [  # (the run's options changed from the Llama block, the option n
 
 
 @pytest.mark.parametrize("modern_run", ["llama"], indirect=True)
-@pytest.mark.parametrize("changes, message", UNSUPPORTED)
+@pytest.mark.parametrize("changes, message", UNSUPPORTED,
+                         ids=[",".join(f"{k}={v}" for k, v in changes.items()) for changes, _ in UNSUPPORTED])
 def test_export_hf_py_refuses_a_block_without_a_transformers_counterpart_in_one_line(modern_run, tmp_path,
                                                                                     monkeypatch, capsys, changes,
                                                                                     message):
