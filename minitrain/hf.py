@@ -267,7 +267,7 @@ def load_llama_state(targets: Mapping[str, torch.Tensor], cfg: ModelConfig, tens
             raise WeightsError(f"{where}: {', '.join(hf_names)} {'is' if len(hf_names) == 1 else 'are'} "
                                f"{' + '.join(str(tuple(tensors[n].shape)) for n in hf_names)}, which does not match "
                                "its config.json")
-        target[rows:].zero_()
+        target[rows:].fill_(0)
         target[:rows].copy_(tensor)
 
 
@@ -350,7 +350,7 @@ def llama_config(cfg: ModelConfig, eot_id, dtype: torch.dtype) -> dict:
             "max_position_embeddings": cfg.block_size, **_LLAMA_SAME_FUNCTION,
             "rope_theta": cfg.rope_base, "rope_parameters": {"rope_type": "default", "rope_theta": cfg.rope_base},
             "attention_dropout": cfg.dropout, "initializer_range": 0.02, "use_cache": True,
-            "bos_token_id": eot_id, "eos_token_id": eot_id, "dtype": str(dtype).removeprefix("torch.")}
+            "eos_token_id": eot_id, "bos_token_id": eot_id, "dtype": str(dtype).removeprefix("torch.")}
 
 
 def _llama_kind(cfg: ModelConfig) -> str:
