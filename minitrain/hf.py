@@ -396,7 +396,8 @@ class Weights:
 
 def open_weights(source: str, tokenizer: str | None = None) -> Weights:
     """A run dir, a checkpoint (its checkpoints/latest/ or another), or Hugging Face GPT-2 weights (a directory or
-    a name), or Llama/Qwen3 ones of the modern block; `tokenizer` (a name or directory) for a run that kept none beside its checkpoints."""
+    a name), or Llama/Qwen3 ones of the modern block; `tokenizer` (a name or directory) for a run that kept none
+    beside its checkpoints."""
     from .checkpoint import JOB_INFO, checkpoint_dir
 
     path = Path(source).expanduser()
