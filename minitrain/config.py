@@ -177,12 +177,12 @@ def padded_vocab(ids: int) -> int:
 
 
 SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size")
-# The block options' values of GPT-2's block: what weights from model.init_from (GPT-2's) can fill.
+# The block options' values of GPT-2's block: those of GPT-2 weights from model.init_from (hf.settle_shape).
 GPT2_BLOCK = {"position": PositionEncoding.learned, "norm": NormKind.layernorm, "qk_norm": False,
               "mlp": MlpActivation.gelu, "tie_head": True, "logit_softcap": None}
 
 
-def _value(value) -> str:
+def as_setting(value) -> str:
     """A setting's value as the command line writes it."""
     return "null" if value is None else str(getattr(value, "value", value)).lower()
 
@@ -191,8 +191,8 @@ def _value(value) -> str:
 class ModelConfig:
     name: str = "custom"  # a preset (configs/model/) names itself
     # scratch (random weights), a Hugging Face GPT-2 name (gpt2, gpt2-medium, gpt2-large, gpt2-xl) or a local
-    # directory in its layout (config.json + model.safetensors): then the shape comes from the weights
-    # (minitrain/hf.py) and a shape key set here must agree with them.
+    # directory in its layout (config.json + model.safetensors), or in Llama's or Qwen3's: then the shape and the
+    # block options come from the weights (minitrain/hf.py) and a key set here must agree with them.
     init_from: str = SCRATCH
     # The shape keys: a preset's (configs/model/, model=tiny by default), or with init_from the weights'.
     n_layer: Optional[int] = None
@@ -265,12 +265,6 @@ class ModelConfig:
             _require(head % 2 == 0, "model.position",
                      f"rope turns pairs of a head's features: model.n_embd={self.n_embd} / model.n_head={self.n_head} "
                      f"= {head} is odd")
-        if self.init_from != SCRATCH:
-            for key, gpt2 in GPT2_BLOCK.items():
-                _require(getattr(self, key) == gpt2, "model.init_from",
-                         f"{self.init_from}'s weights are GPT-2's block, and model.{key}="
-                         f"{_value(getattr(self, key))} has no weights there; train it from scratch "
-                         f"(model.init_from=scratch) or leave model.{key} at {_value(gpt2)}")
 
 
 @dataclass

@@ -73,8 +73,8 @@ class Weights:
 
 
 def open_weights(source: str, tokenizer: str | None = None, need_tokenizer: bool = True) -> Weights:
-    """A run dir, a checkpoint (its checkpoints/latest/ or another), or Hugging Face GPT-2 weights (a directory or
-    a name); `tokenizer` (a name or directory) instead of the source's own, and for a run that kept none beside its
+    """A run dir, a checkpoint (its checkpoints/latest/ or another), or Hugging Face weights (GPT-2, or Llama/Qwen3
+    of the modern block; a directory or a name); `tokenizer` (a name or directory) instead of the source's own, and for a run that kept none beside its
     checkpoints, which is refused unless not `need_tokenizer` (its Weights.tokenizer is then None)."""
     path = Path(source).expanduser()
     if any((path / mark).exists() for mark in RUN_MARKS):

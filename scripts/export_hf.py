@@ -1,10 +1,15 @@
-"""Export a run to Hugging Face's GPT-2 layout: `python scripts/export_hf.py CHECKPOINT OUT_DIR`.
+"""Export a run to Hugging Face's layout: `python scripts/export_hf.py CHECKPOINT OUT_DIR`.
+
+GPT-2's block exports as GPT2LMHeadModel; the modern block with rope + rmsnorm + swiglu + an untied head and no
+biases as LlamaForCausalLM (with model.qk_norm, Qwen3ForCausalLM); any other block is refused (exit 2) naming the
+option that has no transformers counterpart.
 
 CHECKPOINT: a run dir or a checkpoint directory (its checkpoints/latest/, whatever the world size that saved it), or
 Hugging Face GPT-2 weights (a directory or a name), read as scripts/sample.py and scripts/eval.py read them.
 OUT_DIR (new, empty, or an earlier export, which it replaces) gets config.json, model.safetensors,
 generation_config.json and the run's tokenizer, which transformers loads as they are:
-GPT2LMHeadModel.from_pretrained(OUT_DIR), AutoTokenizer.from_pretrained(OUT_DIR), pipeline("text-generation", OUT_DIR).
+AutoModelForCausalLM.from_pretrained(OUT_DIR), AutoTokenizer.from_pretrained(OUT_DIR),
+pipeline("text-generation", OUT_DIR).
 """
 
 import argparse

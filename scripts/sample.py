@@ -1,8 +1,8 @@
 """Sample from a GPT: `python scripts/sample.py SOURCE --prompt "def main(" --max-new-tokens 200`.
 
 SOURCE: a run dir, a checkpoint directory (checkpoints/latest/ or another), or Hugging Face GPT-2 weights (a
-directory, or a name such as gpt2). bf16 on a GPU with the decode step in Triton kernels replayed as one CUDA graph,
-fp32 on a CPU.
+directory, or a name such as gpt2), or Llama/Qwen3 ones whose block minitrain's expresses (minitrain/hf.py). bf16
+on a GPU with the decode step in Triton kernels replayed as one CUDA graph, fp32 on a CPU.
 """
 
 import argparse

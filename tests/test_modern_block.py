@@ -224,12 +224,6 @@ def test_swiglu_keeps_the_mlps_weights_and_the_flops_count_what_is_multiplied():
     ("model.logit_softcap=0", "model.logit_softcap: must be > 0 or null, got 0.0"),
     ("model.position=rope model.n_embd=36", "model.position: rope turns pairs of a head's features: model.n_embd=36 / "
                                             "model.n_head=4 = 9 is odd"),
-    ("model.init_from=gpt2 model.norm=rmsnorm", "model.init_from: gpt2's weights are GPT-2's block, and "
-     "model.norm=rmsnorm has no weights there; train it from scratch (model.init_from=scratch) or leave model.norm "
-     "at layernorm"),
-    ("model.init_from=gpt2 model.tie_head=false", "model.init_from: gpt2's weights are GPT-2's block, and "
-     "model.tie_head=false has no weights there; train it from scratch (model.init_from=scratch) or leave "
-     "model.tie_head at true"),
 ])
 def test_a_bad_value_or_combination_is_refused_in_one_line_naming_the_keys(make_cfg, override, message):
     with pytest.raises(ConfigError) as err:
