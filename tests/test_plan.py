@@ -100,10 +100,9 @@ def gpt2_candidates():
     p = make_plan(resolve(compose_config(["trainer.out_dir=.", "model=gpt2-124m", "trainer.batch_size=64"])),
                   VOCAB, CPU)
     pairs = [(m, c) for c in CANDIDATE_POLICIES for m in (64, 32, 16, 8, 4, 2, 1)]
-    peaks = {(m, c.policy.value, c.every_k): memory.predict(p.model, p.precision, c, m, GPT2_T, p.loss_impl, None,
-                                                            grad_accum=64 // m, device="cpu",
-                                                            optimizer_impl=p.optimizer_impl).peak
-             for m, c in pairs}
+    peaks = {(m, c.policy.value, c.every_k): memory.predict(memory.Candidate(
+        p.model, p.precision, m, c, grad_accum=64 // m, loss_impl=p.loss_impl, optimizer_impl=p.optimizer_impl,
+        device="cpu")).peak for m, c in pairs}
     ranked = sorted(pairs, key=lambda mc: expected_rate(*mc), reverse=True)
     return [(m, c.policy.value, c.every_k if c.policy == CheckpointPolicy.every_k else None,
              peaks[(m, c.policy.value, c.every_k)]) for m, c in ranked]
