@@ -578,7 +578,8 @@ def precision(param_dtype, grad_dtype, master_weights, loss_scaling):
 
 def test_build_adamw_follows_the_precision():
     """fp16 + loss scaling: a scaler with the precision's parameters. bf16 under FSDP: the stored params are the
-    fp32 masters and their grads fp32, so no fp32 main-grad hooks. torch: TorchAdamW, never on shards."""
+    fp32 masters and their grads fp32, so no fp32 main-grad hooks. torch: TorchAdamW, never on shards; our AdamW on
+    shards sums their squares through the job's reduction."""
     from minitrain.config import ConfigError
     from minitrain.optim import build_adamw
 
@@ -598,6 +599,10 @@ def test_build_adamw_follows_the_precision():
     assert isinstance(build_adamw([torch.nn.Parameter(torch.randn(3))], "torch", reference), TorchAdamW)
     with pytest.raises(ConfigError, match="optimizer.impl=torch"):
         build_adamw([torch.nn.Parameter(torch.randn(3))], "torch", reference, reduce_sumsq=lambda t: t)
+    reduced, shard = [], torch.nn.Parameter(torch.randn(3))
+    shard.grad = torch.ones(3)
+    build_adamw([shard], "foreach", reference, reduce_sumsq=reduced.append).step()
+    assert len(reduced) == 1  # the sharded job's sum of squares goes through its reduction, once a step
 
 
 def test_bench_optimizer_rows_pass_their_check_and_a_wrong_one_fails(monkeypatch):
