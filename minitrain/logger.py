@@ -17,7 +17,8 @@ from typing import Any, Optional
 
 from . import files
 from .config import ConfigError, LoggerConfig, LoggerMode, error_reason
-from .rundir import METRICS, TRAIN_LOG
+from .progress import Progress
+from .rundir import METRICS, TRAIN_LOG, RunDir
 
 # Console columns: (key, label, format); a key absent from a record is left out of the line.
 _CONSOLE = [
@@ -91,6 +92,16 @@ class RunLogger:
             raise ConfigError(f"logger.mode={cfg.mode.value}: wandb could not start the run ({error_reason(e)}). "
                               "Run `wandb login` (or set WANDB_API_KEY), or log offline (logger.mode=offline, "
                               "the default) and upload later with `wandb sync`") from None
+
+    @classmethod
+    def from_config(cls, cfg: LoggerConfig, plan, run_dir: RunDir, config: dict, progress: Progress,
+                    enabled: bool = True) -> "RunLogger":
+        """The run's logger in its run dir, continuing the wandb run and the metrics of `progress` (a resumed run's),
+        named by the run's place in a sweep, with the plan (minitrain.plan.Plan) as its first record."""
+        logger = cls(cfg, run_dir.path, config, run_id=progress.wandb_id, group=run_dir.info.group,
+                     name=run_dir.info.name, enabled=enabled, resume_step=progress.step)
+        logger.log_plan(plan.as_dict())
+        return logger
 
     @property
     def run_id(self) -> Optional[str]:

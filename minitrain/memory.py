@@ -397,31 +397,51 @@ def _optimizer_transient(groups: list[tuple[list[int], bool]], precision: Precis
     return max(gathered, upcast + max(low_no_master + 8 * largest, muon_transient))
 
 
-def predict(model_cfg: ModelConfig, precision: Precision, ckpt_cfg: CheckpointingConfig,
-            micro_batch: int, seq_len: int, loss_impl: str, chunk_bytes: int | None, grad_accum: int = 1,
-            loss_low_memory: bool = False,
-            world_size: int = 1, sharded: bool = False, device: str = "cuda",
-            optimizer_impl: str = "fused", fsdp_unit_blocks: int = DistributedConfig.fsdp_unit_blocks,
-            reshard_after_forward: bool = DistributedConfig.reshard_after_forward,
-            float8_linears: tuple[str, ...] = (), float8_all_gather: bool = False,
-            compiled: bool = False, optimizer: OptimizerName = OptimizerName.adamw) -> MemoryEstimate:
-    """Predicted memory of one training step. `loss_impl`, `optimizer_impl` as resolved for the device
-    (fused | torch; fused | foreach | loop). `sharded`: FSDP, the persistent state divided by `world_size`
-    plus the gathered units (`fsdp_unit_blocks`, `reshard_after_forward`: distributed's config).
-    grad_accum > 1 adds the grads to the forward and backward moments (micro-batches after the first).
-    `float8_linears`: each block's linears that multiply in float8 (the plan's), `float8_all_gather`: their weights
-    gathered in float8 under FSDP; `compiled`: the step runs under torch.compile (it changes only what float8
-    blocks save). `optimizer`: muon keeps one momentum buffer for the hidden matrices in place of Adam's two, and
-    orthogonalizes them a batch of one shape at a time (under ddp and fsdp each rank a share of it)."""
+@dataclass(frozen=True)
+class Candidate:
+    """One way to run the step, all the memory model reads of it: the model and its precision, the micro-batch and the
+    recompute policy (the plan tries one candidate per pair), the kernels, and how the job is spread. A micro-batch
+    is `micro_batch` sequences of model.block_size tokens."""
+
+    model: ModelConfig
+    precision: Precision
+    micro_batch: int
+    policy: CheckpointingConfig
+    grad_accum: int = 1  # > 1: the grads are there through the forward and backward of the later micro-batches
+    loss_impl: str = "fused"  # fused | torch, as resolved for the device
+    chunk_bytes: int | None = None  # loss.chunk_bytes
+    loss_low_memory: bool = False  # loss.low_memory
+    optimizer: OptimizerName = OptimizerName.adamw  # muon: one momentum buffer for the hidden matrices
+    optimizer_impl: str = "fused"  # fused | foreach | loop | torch, as resolved for the device
+    device: str = "cuda"
+    compiled: bool = False  # under torch.compile (it changes only what float8 blocks save)
+    float8_linears: tuple[str, ...] = ()  # each block's linears that multiply in float8 (the plan's)
+    # How the job is spread: `sharded` is FSDP, the persistent state divided by `world_size` plus the gathered units
+    # (`fsdp_unit_blocks`, `reshard_after_forward`: distributed's config), their float8 linears' weights gathered in
+    # float8 with `float8_all_gather`.
+    world_size: int = 1
+    sharded: bool = False
+    fsdp_unit_blocks: int = DistributedConfig.fsdp_unit_blocks
+    reshard_after_forward: bool = DistributedConfig.reshard_after_forward
+    float8_all_gather: bool = False
+
+
+def predict(c: Candidate) -> MemoryEstimate:
+    """Predicted memory of one training step of candidate `c`. Muon keeps one momentum buffer for the hidden
+    matrices in place of Adam's two, and orthogonalizes them a batch of one shape at a time (under ddp and fsdp each
+    rank a share of it)."""
+    model_cfg, precision, optimizer_impl, world_size, sharded = (c.model, c.precision, c.optimizer_impl, c.world_size,
+                                                                 c.sharded)
     p, g = precision.param_dtype.itemsize, precision.grad_dtype.itemsize
     autocast = precision.autocast_dtype is not None
-    micro = _MicroBatch(model_cfg, micro_batch * seq_len, seq_len, p, precision.compute_dtype,
-                        4 if device == "cuda" or autocast else p,  # autocast runs LayerNorm in fp32
-                        autocast, device, float8_linears, compiled, precision.float8_kernels)
+    T = model_cfg.block_size
+    micro = _MicroBatch(model_cfg, c.micro_batch * T, T, p, precision.compute_dtype,
+                        4 if c.device == "cuda" or autocast else p,  # autocast runs LayerNorm in fp32
+                        autocast, c.device, c.float8_linears, c.compiled, precision.float8_kernels)
     groups = param_numels(model_cfg)
     n_params = sum(sum(numels) for numels, _ in groups)
     padded = sum(_padded(n) for numels, _ in groups for n in numels)
-    muon_shapes = hidden_shapes(model_cfg) if optimizer == OptimizerName.muon else []
+    muon_shapes = hidden_shapes(model_cfg) if c.optimizer == OptimizerName.muon else []
     muon_padded = sum(_padded(rows * cols) for rows, cols in muon_shapes)
     adamw_groups = groups
     if muon_shapes:  # the hidden matrices are AdamW's decayed group: Muon's now
@@ -431,14 +451,14 @@ def predict(model_cfg: ModelConfig, precision: Precision, ckpt_cfg: Checkpointin
     fsdp_gathered = unit_grads = 0
     notes = []
     if sharded:
-        fsdp_gathered, unit_grads = _fsdp_gathered(model_cfg, p, n_params, fsdp_unit_blocks, reshard_after_forward,
-                                                   float8_linears if float8_all_gather else ())
-        notes.append(f"FSDP: persistent state / {world_size}; {fsdp_unit_blocks} block(s) per unit, "
-                     f"reshard_after_forward={reshard_after_forward}")
-    kinds = _block_kinds(ckpt_cfg, model_cfg.n_layer)
+        fsdp_gathered, unit_grads = _fsdp_gathered(model_cfg, p, n_params, c.fsdp_unit_blocks, c.reshard_after_forward,
+                                                   c.float8_linears if c.float8_all_gather else ())
+        notes.append(f"FSDP: persistent state / {world_size}; {c.fsdp_unit_blocks} block(s) per unit, "
+                     f"reshard_after_forward={c.reshard_after_forward}")
+    kinds = _block_kinds(c.policy, model_cfg.n_layer)
     per_layer, other = _activations(micro, kinds)
     activations = sum(per_layer) + other
-    loss_workspace = _loss_workspace(micro, loss_impl, chunk_bytes, loss_low_memory)
+    loss_workspace = _loss_workspace(micro, c.loss_impl, c.chunk_bytes, c.loss_low_memory)
     backward_transient = _backward_transient(micro, kinds[-1]) + unit_grads
     optimizer_transient = _optimizer_transient(adamw_groups, precision, optimizer_impl, padded, grads,
                                                _muon_batches(muon_shapes, optimizer_impl), muon_padded, world_size,
@@ -447,7 +467,7 @@ def predict(model_cfg: ModelConfig, precision: Precision, ckpt_cfg: Checkpointin
     # Gradients appear as backward reaches each parameter and all exist only once the activations are
     # gone, except when they were there before: later micro-batches (through the whole step), or fp32 main
     # grads (allocated whole at the first gradient: after the loss's peak, before the blocks' backward).
-    accumulated = grads if grad_accum > 1 else 0
+    accumulated = grads if c.grad_accum > 1 else 0
     main_grads = grads if optimizer_impl != "torch" and g != p else 0
     peak = weights + masters + adam_m + adam_v + muon_momentum + max(
         fsdp_gathered + activations + max(loss_workspace + accumulated,

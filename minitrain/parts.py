@@ -20,7 +20,7 @@ import torch
 import torch.nn as nn
 
 from . import distributed, fp8, hf, recompute
-from .config import SCRATCH, Config, DistributedMode, OptimizerName
+from .config import SCRATCH, Config, LossConfig
 from .data import DeviceBatches, TokenData
 from .distributed import Dist
 from .evaluate import HellaSwagExample, load_hellaswag
@@ -69,6 +69,7 @@ class Parts:
     model: GPT
     loss_module: nn.Module  # forward(x, y) -> loss; DDP around it, or over the FSDP-sharded model
     optimizer: Any  # minitrain.optim's AdamW, Muon or TorchAdamW
+    data: TokenData  # the tokenised corpus the batches read, and its tokenizer (the sample's, HellaSwag's)
     train_batches: DeviceBatches
     val_batches: DeviceBatches
     hellaswag: Optional[list[HellaSwagExample]]  # trainer.eval_hellaswag's examples, scored at each eval step
@@ -89,37 +90,18 @@ class Parts:
         return {"rng": RandomState.combine_ranks, "progress": Progress.combine_ranks}
 
 
-def build_loss(plan: Plan, cfg: Config):
-    """`loss_fn(hidden, weight, targets)`: the fused linear cross-entropy (logits never in HBM) or
-    F.cross_entropy on full logits, of the logits soft-capped as model.logit_softcap says."""
+def loss_from_config(loss: LossConfig, plan: Plan):
+    """`loss_fn(hidden, weight, targets)` as the plan resolved loss.impl: the fused linear cross-entropy (logits
+    never in HBM), with the loss group's workspace settings, or F.cross_entropy on full logits; the logits
+    soft-capped as model.logit_softcap says."""
     from .ops import fused_linear_cross_entropy, linear_cross_entropy_reference
 
     softcap = plan.model.logit_softcap
     if plan.loss_impl == "torch":
         return lambda h, w, y: linear_cross_entropy_reference(h, w, y, softcap=softcap)
-    chunk_bytes, low_memory = cfg.loss.chunk_bytes, cfg.loss.low_memory
+    chunk_bytes, low_memory = loss.chunk_bytes, loss.low_memory
     return lambda h, w, y: fused_linear_cross_entropy(h, w, y, chunk_bytes=chunk_bytes, low_memory=low_memory,
                                                       softcap=softcap)
-
-
-def build_optimizer(plan: Plan, cfg: Config, model: GPT, dist: Dist = Dist()):
-    """AdamW (fused / foreach / loop, or torch's own), or Muon on the hidden matrices with AdamW on the rest, with the
-    loss scaler the precision asks for. Under fsdp the params are shards: the grad norm and overflow flag are agreed
-    across ranks; under ddp Muon's ranks share the Newton–Schulz work."""
-    from .optim import build_adamw, build_muon
-
-    o = cfg.optimizer
-    reduce_sumsq = distributed.all_reduce_sum_ if dist.sharded else None
-    common = dict(impl=plan.optimizer_impl, precision=plan.precision, betas=tuple(o.betas), eps=o.eps,
-                  max_grad_norm=o.max_grad_norm or None, reduce_sumsq=reduce_sumsq)
-    if o.name == OptimizerName.muon:
-        m = o.muon
-        replicas = (dist.rank, dist.world_size) if dist.mode == DistributedMode.ddp else None
-        return build_muon(model.muon_param_groups(o.weight_decay), adamw_lr=plan.schedule.lr, lr=m.lr,
-                          momentum=m.momentum, nesterov=m.nesterov, ns_coefficients=tuple(m.ns_coefficients),
-                          ns_steps=m.ns_steps, ns_eps=m.ns_eps, adjust_lr=m.adjust_lr.value,
-                          weight_decay=m.weight_decay, replicas=replicas, **common)
-    return build_adamw(model.param_groups(o.weight_decay), lr=plan.schedule.lr, weight_decay=o.weight_decay, **common)
 
 
 def build_model(plan: Plan, cfg: Config, dist: Dist) -> tuple[GPT, Optional[Path]]:
@@ -149,17 +131,18 @@ def forward_loss_of(loss_module: nn.Module, precision: Precision, device_type: s
 def build(plan: Plan, cfg: Config, data: TokenData, dist: Dist, phase: Phase = record_function) -> Parts:
     """Every part of the run, as the plan resolved them. `phase` wraps each phase of a step (a profiler label;
     benchmarks pass timers)."""
+    from . import optim
+
     model, weights = build_model(plan, cfg, dist)
-    loss_module = distributed.wrap(model, build_loss(plan, cfg), plan.precision, cfg.distributed, dist)
-    optimizer = build_optimizer(plan, cfg, model, dist)
-    t, T, device = cfg.trainer, plan.model.block_size, plan.device
-    checked = dict(vocab_size=data.vocab_size, cache_path=data.path)
-    train_batches = DeviceBatches(data.train, T, t.batch_size, t.seed, device, grad_accum=plan.grad_accum, **checked)
-    val_batches = DeviceBatches(data.val, T, plan.micro_batch * dist.world_size, t.seed + 1, device, **checked)
+    loss_module = distributed.wrap(model, loss_from_config(cfg.loss, plan), plan.precision, cfg.distributed, dist)
+    optimizer = optim.from_config(cfg.optimizer, plan, model, dist)
+    t = cfg.trainer
+    train_batches = DeviceBatches.from_config(t, plan, data, "train")
+    val_batches = DeviceBatches.from_config(t, plan, data, "val")
     hellaswag = load_hellaswag(t.eval_hellaswag, t.eval_hellaswag_examples) if t.eval_hellaswag else None
-    eager = forward_loss_of(loss_module, plan.precision, device.type)
+    eager = forward_loss_of(loss_module, plan.precision, plan.device.type)
     compiled = torch.compile(eager, mode=plan.compile_mode) if plan.compiled else eager
     train_step = TrainStep(compiled, loss_module, optimizer, train_batches, plan.schedule, plan.grad_accum, dist,
                            plan.cuda_graphs, phase)
-    return Parts(model, loss_module, optimizer, train_batches, val_batches, hellaswag, compiled, eager, train_step,
-                 Progress(device, dist), RandomState(), weights)
+    return Parts(model, loss_module, optimizer, data, train_batches, val_batches, hellaswag, compiled, eager,
+                 train_step, Progress(plan.device, dist), RandomState(), weights)

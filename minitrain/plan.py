@@ -25,7 +25,7 @@ from .recompute import recomputed_blocks
 from .config import BLOCK_LINEARS, SCRATCH, CheckpointingConfig, CheckpointPolicy, Config, ConfigError, \
     DistributedMode, Float8Kernels, Float8Recipe, KernelImpl, ModelConfig, OptimizerImpl, OptimizerName, \
     TrainerConfig, padded_vocab
-from .memory import GB, MemoryEstimate
+from .memory import GB, Candidate, MemoryEstimate
 from .model import GPT
 from .precision import Precision, resolve_precision
 from .schedule import LRSchedule, default_warmup
@@ -288,14 +288,15 @@ def make_plan(cfg: Config, tokenizer_vocab: int, device: torch.device, world_siz
     total = device_memory(device) if device_memory_bytes is None else device_memory_bytes
     budget = int(t.memory_budget * total)
 
+    step = Candidate(model, precision, per_rank, cfg.checkpointing, loss_impl=loss_impl,
+                     chunk_bytes=cfg.loss.chunk_bytes, loss_low_memory=cfg.loss.low_memory,
+                     optimizer=cfg.optimizer.name, optimizer_impl=optimizer_impl, device=device.type,
+                     compiled=compile_mode is not None, float8_linears=float8_linears, world_size=world_size,
+                     sharded=sharded, fsdp_unit_blocks=cfg.distributed.fsdp_unit_blocks,
+                     reshard_after_forward=cfg.distributed.reshard_after_forward, float8_all_gather=float8_all_gather)
+
     def predict(micro: int, policy: CheckpointingConfig) -> MemoryEstimate:
-        return memory.predict(model, precision, policy, micro, model.block_size, loss_impl, cfg.loss.chunk_bytes,
-                              grad_accum=per_rank // micro, loss_low_memory=cfg.loss.low_memory,
-                              world_size=world_size, sharded=sharded, device=device.type,
-                              optimizer_impl=optimizer_impl, fsdp_unit_blocks=cfg.distributed.fsdp_unit_blocks,
-                              reshard_after_forward=cfg.distributed.reshard_after_forward,
-                              float8_linears=float8_linears, float8_all_gather=float8_all_gather,
-                              compiled=compile_mode is not None, optimizer=cfg.optimizer.name)
+        return memory.predict(replace(step, micro_batch=micro, policy=policy, grad_accum=per_rank // micro))
 
     candidates = _candidates(cfg.checkpointing, model, _micro_batches(t, per_rank, world_size))
     micro, policy, estimate = _fit(candidates, predict, cfg, precision, budget, total, device)

@@ -204,3 +204,46 @@ class RunInfo:
         kept = [shlex.quote(o) for o in self.overrides if not o.startswith("trainer.resume=")]
         launcher = "torchrun <its arguments> scripts/train.py" if torchrun else "python scripts/train.py"
         return " ".join([launcher, *kept, "trainer.resume=auto", where])
+
+
+class RunDir:
+    """The run directory as one run holds it, a context manager: entered, the dir exists and the job's main process
+    holds its lock (the other ranks write there only their checkpoint shards, which the main process publishes);
+    left, the lock is free for the next run. A run that leaves before `record` — refused at start: a checkpoint
+    that does not fit it, a plan that does not fit the device — removes the lock files it made too, so that an
+    empty dir can go (scripts/train.py)."""
+
+    def __init__(self, path: Path, info: RunInfo = RunInfo(), owner: bool = True):
+        self.path, self.info = Path(path), info
+        self.lock = RunDirLock(self.path) if owner else None
+        self.recorded = False
+
+    @property
+    def owner(self) -> bool:
+        return self.lock is not None
+
+    def __enter__(self) -> "RunDir":
+        make_run_dir(self.path)
+        if self.lock is not None:
+            self.lock.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.lock is not None:
+            self.lock.release(remove_file=not self.recorded)
+
+    def record(self, config: dict[str, Any], tokenizer: str) -> None:
+        """The run's record, by its owner: its config and overrides (.hydra/), and the tokenizer (for sample.py,
+        export_hf.py and eval.py)."""
+        if self.owner:
+            self.info.write(self.path, config)
+            files.atomic_write(self.path / "tokenizer.json", tokenizer)
+        self.recorded = True
+
+    def write(self, name: str, text: str) -> None:
+        """A file of the run's results (memory.json, sample.txt), written whole by the owner."""
+        if self.owner:
+            files.atomic_write(self.path / name, text)
+
+    def continue_command(self, torchrun: bool = False) -> str:
+        return self.info.continue_command(self.path, torchrun)

@@ -14,7 +14,8 @@ import torch
 from minitrain.amp import DynamicLossScaler
 from minitrain.config import PrecisionConfig
 from minitrain.loss_scale import LossScaling, to_fp32, update_rule
-from minitrain.optim import AdamW, TorchAdamW
+from minitrain.optim import AdamW, Numerics, TorchAdamW
+from minitrain.optim.decision import Counters
 from minitrain.optim.adamw_triton import N_SCALARS, finalize
 from minitrain.optim.decision import Counters
 from minitrain.precision import preset, resolve_precision
@@ -96,7 +97,7 @@ def test_trajectory_matches_grad_scaler(impl, init_scale, growth):
     """Random overflow pattern; the second case grows past fp32 max, which GradScaler refuses."""
     torch.manual_seed(0)
     kw = dict(init_scale=init_scale, growth_factor=growth, backoff_factor=0.5, growth_interval=3)
-    opt = AdamW([torch.nn.Parameter(torch.randn(5))], impl=impl, loss_scaling=LossScaling(**kw))
+    opt = AdamW([torch.nn.Parameter(torch.randn(5))], impl=impl, numerics=Numerics(loss_scaling=LossScaling(**kw)))
     ours = opt.loss_scaler
     theirs = torch.amp.GradScaler(ours.get_scale().device.type, **kw)
     q = torch.nn.Parameter(torch.randn(5))
@@ -147,7 +148,7 @@ def test_optimizer_state_dict_carries_its_scaler(impl):
     def build(params, scaling):
         if impl == "torch":  # GradScaler unscales fp32 grads only
             return TorchAdamW([p.float().detach().requires_grad_() for p in params], loss_scaling=scaling)
-        return AdamW(params, impl=impl, loss_scaling=scaling)
+        return AdamW(params, impl=impl, numerics=Numerics(loss_scaling=scaling))
 
     kept = build(fp16_params(), LossScaling(init_scale=2.0**10, growth_interval=3))
     resumed = build(fp16_params(), LossScaling(init_scale=1.0, growth_interval=2000))  # what a checkpoint replaces
@@ -168,6 +169,6 @@ def test_optimizer_state_dict_carries_its_scaler(impl):
 def test_optimizer_with_a_scaler_refuses_a_state_without_one():
     params = fp16_params()
     unscaled = AdamW(params, impl="foreach")
-    scaled = AdamW(params, impl="foreach", loss_scaling=LossScaling())
+    scaled = AdamW(params, impl="foreach", numerics=Numerics(loss_scaling=LossScaling()))
     with pytest.raises(ValueError, match="no loss-scaler state"):
         scaled.load_state_dict(unscaled.state_dict())

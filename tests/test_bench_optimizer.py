@@ -14,7 +14,7 @@ import torch
 import yaml
 
 from minitrain.config import ModelConfig
-from minitrain.optim import Muon, newton_schulz
+from minitrain.optim import Muon, MuonHyper, newton_schulz
 from minitrain.tools.benchmarks import optimizer as bench
 
 from conftest import REPO
@@ -39,8 +39,8 @@ def test_muon_rows_pass_their_check_and_a_wrong_one_fails(tiny_case, monkeypatch
 
     def wrong_ratio(w, g, n):  # Moonshot's adjustment where the reference runs Keller Jordan's
         params = [torch.nn.Parameter(x.clone()) for x in w]
-        opt = Muon(bench._split_groups(params, n), impl="foreach", adjust_lr="match_rms_adamw",
-                   max_grad_norm=bench.MAX_GRAD_NORM, adamw_lr=bench.HP["lr"], **bench.MUON_HP)
+        opt = Muon(bench._split_groups(params, n), MuonHyper(adjust_lr="match_rms_adamw", **bench.MUON_HP),
+                   impl="foreach", max_grad_norm=bench.MAX_GRAD_NORM, adamw_lr=bench.HP["lr"])
         for p, x in zip(params, g):
             p.grad = x.clone()
         return opt.step, lambda: ([opt.state_dict()["state"][i]["master"] for i in range(len(params))], params)

@@ -9,9 +9,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from minitrain.config import resolve
 from minitrain.cli import compose_config
-from minitrain.memory import predict
+from minitrain.config import resolve
+from minitrain.memory import Candidate, predict
 from minitrain.plan import model_config_for
 from minitrain.precision import resolve_precision
 from minitrain.tools import profile
@@ -25,7 +25,7 @@ def test_auto_batch_is_the_largest_the_model_fits():
     precision = resolve_precision(cfg.precision, torch.device("cuda"))
 
     def peak(batch):
-        return predict(model_cfg, precision, cfg.checkpointing, batch, model_cfg.block_size, "fused", None).peak
+        return predict(Candidate(model_cfg, precision, batch, cfg.checkpointing)).peak
 
     assert peak(64) < peak(96) < peak(128)  # activations dominate at these batches
     assert step.largest_fitting_batch("gpt2-1.5b", "minitrain", extra, peak(96)) == 96

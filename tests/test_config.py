@@ -288,15 +288,14 @@ def test_muon_defaults_are_torch_optim_muons():
     import inspect
 
     from minitrain.config import MuonConfig
-    from minitrain.optim import Muon
+    from minitrain.optim import MuonHyper
 
-    muon = MuonConfig()
+    muon, ours = MuonConfig(), MuonHyper()
     torch_defaults = inspect.signature(torch.optim.Muon).parameters
-    ours = inspect.signature(Muon).parameters
-    assert tuple(muon.ns_coefficients) == torch_defaults["ns_coefficients"].default == ours["ns_coefficients"].default
-    assert muon.ns_steps == torch_defaults["ns_steps"].default == ours["ns_steps"].default
-    assert muon.ns_eps == torch_defaults["eps"].default == ours["ns_eps"].default
-    assert muon.momentum == torch_defaults["momentum"].default == ours["momentum"].default
-    assert muon.nesterov is torch_defaults["nesterov"].default is ours["nesterov"].default
-    assert muon.adjust_lr.value == ours["adjust_lr"].default and torch_defaults["adjust_lr_fn"].default is None
-    assert (muon.lr, muon.weight_decay) == (ours["lr"].default, ours["weight_decay"].default)
+    assert tuple(muon.ns_coefficients) == torch_defaults["ns_coefficients"].default == ours.ns_coefficients
+    assert muon.ns_steps == torch_defaults["ns_steps"].default == ours.ns_steps
+    assert muon.ns_eps == torch_defaults["eps"].default == ours.ns_eps
+    assert muon.momentum == torch_defaults["momentum"].default == ours.momentum
+    assert muon.nesterov is torch_defaults["nesterov"].default is ours.nesterov
+    assert muon.adjust_lr.value == ours.adjust_lr and torch_defaults["adjust_lr_fn"].default is None
+    assert (muon.lr, muon.weight_decay) == (ours.lr, ours.weight_decay)

@@ -23,10 +23,10 @@ from minitrain import checkpoint, fp8
 from minitrain import plan as plan_module
 from minitrain.config import BLOCK_LINEARS, CheckpointingConfig, CheckpointPolicy, ConfigError, Float8Kernels, \
     Float8Recipe, KernelImpl, ModelConfig, compose_config, resolve
-from minitrain.memory import GB, _float8_saved_delta, _minitrain_float8_block_delta, predict
+from minitrain.memory import GB, Candidate, _float8_saved_delta, _minitrain_float8_block_delta, predict
 from minitrain.model import GPT, Block
 from minitrain.ops import Float8Linear as MinitrainFloat8Linear, fused_linear_cross_entropy
-from minitrain.optim import AdamW
+from minitrain.optim import AdamW, Numerics
 from minitrain.optim.dtensor import _is_float8_all_gather_weight
 from minitrain.plan import PlanError, make_plan
 from minitrain.precision import preset, resolve_precision
@@ -253,7 +253,8 @@ def test_eager_float8_blocks_save_what_bf16_ones_do(policy):
         apply_policy(model, ckpt)
         with LiveBytes() as live:
             hidden = model.forward_hidden(torch.randint(0, cfg.vocab_size, (B, T)))
-        est = predict(cfg, FP8 if linears else BF16, ckpt, B, T, "torch", None, device="cpu", float8_linears=linears)
+        est = predict(Candidate(cfg, FP8 if linears else BF16, B, ckpt, loss_impl="torch", device="cpu",
+                                float8_linears=linears))
         assert est.activations_total + hidden.nbytes == live.current, (policy, linears)
         held[linears] = live.current
     if policy != "selective":
@@ -273,7 +274,7 @@ def test_minitrain_float8_blocks_save_what_the_model_says(policy, linears, gelu)
     with LiveBytes() as live:
         hidden = model.forward_hidden(torch.randint(0, cfg.vocab_size, (B, T)))
         gc.collect()  # the checkpoint's frames free the custom ops' outputs through reference cycles
-    est = predict(cfg, MINITRAIN_FP8, ckpt, B, T, "torch", None, device="cpu", float8_linears=linears)
+    est = predict(Candidate(cfg, MINITRAIN_FP8, B, ckpt, loss_impl="torch", device="cpu", float8_linears=linears))
     assert est.activations_total + hidden.nbytes == live.current
 
 
@@ -328,9 +329,9 @@ def test_eager_float8_steps_peak_where_the_model_says(policy, linears):
     with LiveBytes() as live:
         model = bf16_model(cfg, linears)
         apply_policy(model, ckpt)
-        opt = AdamW(model.param_groups(0.1), impl="foreach", master_weights=True)
+        opt = AdamW(model.param_groups(0.1), impl="foreach", numerics=Numerics(master_weights=True))
         train_steps(model, opt, fused_linear_cross_entropy, B, T)
-    est = predict(cfg, FP8, ckpt, B, T, "fused", None, device="cpu", optimizer_impl="foreach", float8_linears=linears)
+    est = predict(Candidate(cfg, FP8, B, ckpt, optimizer_impl="foreach", device="cpu", float8_linears=linears))
     assert est.peak == pytest.approx(live.peak, rel=0.05)
     assert est.backward_transient > est.loss_workspace  # the casts set the predicted peak: the check is theirs
 
@@ -339,7 +340,7 @@ def test_float8_all_gather_halves_the_gathered_weights_of_the_converted_linears(
     cfg = ModelConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304)
     kw = dict(world_size=2, sharded=True, fsdp_unit_blocks=2, float8_linears=GPT2_124M)
     no_recompute = CheckpointingConfig(CheckpointPolicy.none)
-    bf16, fp8_gather = (predict(cfg, FP8, no_recompute, 16, 1024, "fused", None, float8_all_gather=g, **kw)
+    bf16, fp8_gather = (predict(Candidate(cfg, FP8, 16, no_recompute, float8_all_gather=g, **kw))
                         for g in (False, True))
     C = cfg.n_embd
     assert bf16.gathered - fp8_gather.gathered == 4 * (3 * C * C + 4 * C * C)  # 4 blocks' c_attn, c_fc: 2 -> 1 B

@@ -1,6 +1,6 @@
 """The package's shape: its modules import each other without a cycle (so each can be read, and imported,
-after the ones it uses), training never imports the tools (reports, plots, benchmarks), and tests import the
-package, never a script."""
+after the ones it uses), training never imports the tools (reports, plots, benchmarks), the loop calls back into no
+trainer, no function takes a long list of loose values, and tests import the package, never a script."""
 
 from __future__ import annotations
 
@@ -81,3 +81,50 @@ def test_tests_import_no_script():
             names = ([node.module or ""] if isinstance(node, ast.ImportFrom) else
                      [alias.name for alias in node.names] if isinstance(node, ast.Import) else [])
             assert not any(n.split(".")[0] in {"scripts", *scripts} for n in names), f"{path.name} imports {names}"
+
+
+# -- the loop and its composer; how many values a function takes ---------------------------------------------------
+MAX_PARAMETERS = 10  # more, and the values belong together in an object (a config group, the plan, a Candidate)
+TRAINER_MAX_LINES = 120  # the composer only: each service is a part of its own
+
+
+def test_the_loop_imports_no_trainer_and_the_trainer_only_composes():
+    """loop.fit(parts, services, settings) reads what it is given; it cannot call back into the object that made
+    them, which it would have to import."""
+    graph = import_graph()
+    assert "minitrain.loop" in graph["minitrain.trainer"]  # the graph sees the trainer's import of the loop
+    assert "minitrain.trainer" not in graph["minitrain.loop"]
+    assert len((REPO / "minitrain" / "trainer.py").read_text().splitlines()) <= TRAINER_MAX_LINES
+
+
+def parameters(function: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """The values a caller can pass: positional and keyword-only parameters, *args and **kwargs; a method's
+    self or cls is not one."""
+    a = function.args
+    named = [arg.arg for arg in (*a.posonlyargs, *a.args, *a.kwonlyargs)]
+    return len(named) - (named[:1] in (["self"], ["cls"])) + (a.vararg is not None) + (a.kwarg is not None)
+
+
+def long_signatures(source: str) -> list[str]:
+    """The functions of `source` that take more than MAX_PARAMETERS values, Triton kernels aside (a kernel's
+    arguments are its pointers, strides and block sizes: what it reads, one by one)."""
+    return [node.name for node in ast.walk(ast.parse(source))
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and parameters(node) > MAX_PARAMETERS
+            and not any(ast.unparse(d).startswith("triton.") for d in node.decorator_list)]
+
+
+def test_the_signature_check_counts_every_kind_of_parameter():
+    ten = ", ".join(f"a{i}" for i in range(10))
+    assert long_signatures(f"def f({ten}): pass\nclass C:\n    def m(self, {ten}): pass") == []
+    assert long_signatures(f"def f({ten}, b): pass") == ["f"]
+    assert long_signatures(f"def f(a0, *, {ten[4:]}, b): pass") == ["f"]
+    assert long_signatures(f"def f({ten}, *args): pass\nasync def g({ten}, **kw): pass") == ["f", "g"]
+    assert long_signatures(f"class C:\n    def m(self, {ten}, b): pass") == ["m"]
+    assert long_signatures(f"@triton.jit\ndef kernel({ten}, b, BLOCK: tl.constexpr): pass") == []
+
+
+def test_no_function_takes_more_than_ten_values():
+    """Outside ops/ (kernels and their launchers, argument for argument) and Triton kernels."""
+    long = [f"{path.relative_to(REPO)}: {name}" for path in sorted((REPO / "minitrain").rglob("*.py"))
+            if "ops" not in path.relative_to(REPO / "minitrain").parts for name in long_signatures(path.read_text())]
+    assert not long, long

@@ -5,11 +5,11 @@ from minitrain.recompute import apply_policy
 from dataclasses import replace
 
 from minitrain.config import CheckpointingConfig, CheckpointPolicy, DType, ModelConfig
-from minitrain.memory import compare, predict
+from minitrain.memory import Candidate, compare, predict
 from minitrain.tools.live_bytes import LiveBytes
 from minitrain.model import GPT
 from minitrain.ops import fused_linear_cross_entropy, linear_cross_entropy_reference
-from minitrain.optim import AdamW
+from minitrain.optim import AdamW, Numerics
 from minitrain.precision import preset, resolve_precision
 
 from conftest import train_steps
@@ -29,9 +29,14 @@ def small(dropout=0.0, vocab=256) -> ModelConfig:
     return ModelConfig(n_layer=2, n_head=4, n_embd=64, block_size=T, vocab_size=vocab, dropout=dropout)
 
 
+def numerics(precision) -> Numerics:
+    """The precision's masters and main grads, without loss scaling (its scalars are not what is measured here)."""
+    return Numerics(master_weights=precision.master_weights,
+                    grad_dtype=precision.grad_dtype if precision.fp32_main_grads else None)
+
+
 def optimizer(model, precision, impl="foreach"):
-    return AdamW(model.param_groups(0.1), impl=impl, master_weights=precision.master_weights,
-                 grad_dtype=precision.grad_dtype if precision.fp32_main_grads else None)
+    return AdamW(model.param_groups(0.1), impl=impl, numerics=numerics(precision))
 
 
 @pytest.mark.parametrize("name", PRECISIONS)
@@ -39,7 +44,8 @@ def test_parameter_and_optimizer_terms_are_exact(name):
     precision, cfg = PRECISIONS[name], small()
     model = GPT(cfg).to(precision.param_dtype)
     opt = optimizer(model, precision)
-    est = predict(cfg, precision, POLICIES["none"], B, T, "torch", None, device="cpu", optimizer_impl="foreach")
+    est = predict(Candidate(cfg, precision, B, POLICIES["none"], loss_impl="torch", device="cpu",
+                            optimizer_impl="foreach"))
     nbytes = lambda ts: sum(t.nbytes for t in ts)  # noqa: E731
     assert est.weights == nbytes(model.parameters())
     assert est.grads == sum(b.layout.size * b.grads.dtype.itemsize for b in opt.buckets)
@@ -57,9 +63,9 @@ def test_predicted_optimizer_state_counts_the_padding_of_odd_shapes(name):
     cfg = ModelConfig(n_layer=1, n_head=4, n_embd=40, block_size=30, vocab_size=250)
     precision = resolve_precision(preset(name), torch.device("cpu"))
     opt = AdamW(GPT(cfg).to(precision.param_dtype).param_groups(0.1), impl="foreach",
-                master_weights=precision.master_weights)
-    est = predict(cfg, precision, CheckpointingConfig(CheckpointPolicy.none), 2, 30, "torch", None, device="cpu",
-                  optimizer_impl="foreach")
+                numerics=Numerics(master_weights=precision.master_weights))
+    est = predict(Candidate(cfg, precision, 2, CheckpointingConfig(CheckpointPolicy.none), loss_impl="torch",
+                            device="cpu", optimizer_impl="foreach"))
 
     def allocated(buffer):
         return sum(getattr(b.state, buffer).nbytes for b in opt.buckets if getattr(b.state, buffer) is not None)
@@ -79,12 +85,12 @@ def test_activations_match_what_forward_holds(policy, precision, dropout):
     apply_policy(model, POLICIES[policy])
     with LiveBytes() as live:
         hidden = model.forward_hidden(torch.randint(0, cfg.vocab_size, (B, T)))
-    est = predict(cfg, prec, POLICIES[policy], B, T, "torch", None, device="cpu")
+    est = predict(Candidate(cfg, prec, B, POLICIES[policy], loss_impl="torch", device="cpu"))
     assert est.activations_total + hidden.nbytes == live.current  # to the byte: each term names the op that holds it
 
 
 def test_policies_order_activation_memory():
-    est = {p: predict(small(), PRECISIONS["bf16"], c, B, T, "fused", None).activations_total
+    est = {p: predict(Candidate(small(), PRECISIONS["bf16"], B, c)).activations_total
            for p, c in POLICIES.items()}
     assert est["full"] < est["every_k"] < est["none"] and est["full"] < est["selective"] < est["none"]
 
@@ -114,30 +120,32 @@ def test_peak_of_whole_training_steps(loss_impl, precision, policy, accum):
         apply_policy(model, POLICIES[policy])
         opt = optimizer(model, prec)
         train_steps(model, opt, loss_fn, B, T, accum=accum, autocast=autocast)
-    est = predict(cfg, prec, POLICIES[policy], B, T, loss_impl, None, grad_accum=accum, device="cpu",
-                  optimizer_impl="foreach")
+    est = predict(Candidate(cfg, prec, B, POLICIES[policy], grad_accum=accum, loss_impl=loss_impl, device="cpu",
+                            optimizer_impl="foreach"))
     over = KNOWN_OVER.get((loss_impl, precision, policy, accum), 0.001)
     assert 0.999 * live.peak <= est.peak <= (1 + over) * live.peak, (est.peak, live.peak)
 
 
 def test_fused_loss_workspace_follows_chunk_bytes():
     cfg = small(vocab=4096)
-    small_chunks, big_chunks = (predict(cfg, PRECISIONS["bf16"], POLICIES["none"], 8, T, "fused", c).loss_workspace
+    small_chunks, big_chunks = (predict(Candidate(cfg, PRECISIONS["bf16"], 8, POLICIES["none"],
+                                                  chunk_bytes=c)).loss_workspace
                                 for c in (4096 * 2 * 128, 4096 * 2 * 256))
     assert big_chunks - small_chunks == (256 - 128) * 4096 * 2  # the (rows, vocab) bf16 workspace
     N, C = 8 * T, cfg.n_embd
-    small_blocks, big_blocks = (predict(cfg, PRECISIONS["bf16"], POLICIES["none"], 8, T, "fused", c,
-                                        loss_low_memory=True).loss_workspace for c in (N * 2 * 128, N * 2 * 256))
+    small_blocks, big_blocks = (predict(Candidate(cfg, PRECISIONS["bf16"], 8, POLICIES["none"], chunk_bytes=c,
+                                                  loss_low_memory=True)).loss_workspace
+                                for c in (N * 2 * 128, N * 2 * 256))
     assert big_blocks - small_blocks == (256 - 128) * N * 2  # the (tokens, vocab columns) bf16 workspace
     assert big_chunks - big_blocks > 4096 * C * 4  # low_memory drops the fp32 V x C accumulator
 
 
 def test_gpt2_124m_none_vs_full_and_sharding():
     cfg = ModelConfig(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304)
-    none, full = (predict(cfg, PRECISIONS["bf16"], POLICIES[p], 16, 1024, "fused", None) for p in ("none", "full"))
+    none, full = (predict(Candidate(cfg, PRECISIONS["bf16"], 16, POLICIES[p])) for p in ("none", "full"))
     assert none.activations_total / full.activations_total > 5  # the issue's target for `full`
     assert none.weights == 2 * none.n_params and none.state == pytest.approx(16 * none.n_params, rel=0.01)
-    sharded = predict(cfg, PRECISIONS["bf16"], POLICIES["none"], 16, 1024, "fused", None, world_size=4, sharded=True)
+    sharded = predict(Candidate(cfg, PRECISIONS["bf16"], 16, POLICIES["none"], world_size=4, sharded=True))
     assert sharded.adam_m == none.adam_m // 4 and sharded.activations_total == none.activations_total
 
 
@@ -146,8 +154,7 @@ def test_fsdp_holds_one_nth_of_the_state_plus_the_gathered_units():
     per_block = 12 * cfg.n_embd**2 + 13 * cfg.n_embd  # a GPT-2 block with biases
 
     def fsdp(**kw):
-        return predict(cfg, PRECISIONS["bf16"], POLICIES["none"], 16, 1024, "fused", None, world_size=2,
-                       sharded=True, **kw)
+        return predict(Candidate(cfg, PRECISIONS["bf16"], 16, POLICIES["none"], world_size=2, sharded=True, **kw))
 
     one = fsdp(fsdp_unit_blocks=1)
     # The fp32 shards are the params and the masters, their grads fp32: 16 B/param over 2 ranks.
@@ -163,7 +170,7 @@ def test_fsdp_holds_one_nth_of_the_state_plus_the_gathered_units():
 
 
 def test_table_dict_and_compare_read_well():
-    est = predict(small(), PRECISIONS["bf16"], POLICIES["every_k"], B, T, "fused", None)
+    est = predict(Candidate(small(), PRECISIONS["bf16"], B, POLICIES["every_k"]))
     table = est.table()
     assert "predicted peak" in table and "B/param" in table and "Adam m" in table
     d = est.as_dict()
@@ -194,8 +201,7 @@ def test_live_bytes_counts_new_storages_not_views():
 def muon_optimizer(model, precision, impl="foreach"):
     from minitrain.optim import Muon
 
-    return Muon(model.muon_param_groups(0.1), impl=impl, master_weights=precision.master_weights,
-                grad_dtype=precision.grad_dtype if precision.fp32_main_grads else None)
+    return Muon(model.muon_param_groups(0.1), impl=impl, numerics=numerics(precision))
 
 
 @pytest.mark.parametrize("name", ["fp32", "bf16", "bf16_fp32_grads"])
@@ -208,14 +214,15 @@ def test_muon_state_terms_are_exact(name):
     cfg = ModelConfig(n_layer=2, n_head=4, n_embd=40, block_size=30, vocab_size=250)
     model = GPT(cfg).to(precision.param_dtype)
     opt = muon_optimizer(model, precision)
-    est = predict(cfg, precision, POLICIES["none"], 2, 30, "torch", None, device="cpu", optimizer_impl="foreach",
-                  optimizer=OptimizerName.muon)
+    est = predict(Candidate(cfg, precision, 2, POLICIES["none"], loss_impl="torch", device="cpu",
+                            optimizer=OptimizerName.muon, optimizer_impl="foreach"))
     nbytes = lambda ts: sum(t.nbytes for t in ts)  # noqa: E731
     assert est.muon_momentum == nbytes(b.state.momentum for b in opt.muon_buckets) == 4 * 2 * 12 * 40 * 40
     assert est.adam_m == est.adam_v == nbytes(b.state.exp_avg for b in opt.adamw_buckets)
     assert est.masters == nbytes(b.state.master for b in opt.buckets if b.state.master is not None)
     assert est.grads == sum(b.layout.size * b.grads.dtype.itemsize for b in opt.buckets)
-    adamw = predict(cfg, precision, POLICIES["none"], 2, 30, "torch", None, device="cpu", optimizer_impl="foreach")
+    adamw = predict(Candidate(cfg, precision, 2, POLICIES["none"], loss_impl="torch", device="cpu",
+                              optimizer_impl="foreach"))
     assert adamw.state - est.state == est.muon_momentum  # Muon's matrices keep 4 bytes a param less
     assert "Muon momentum" in est.table() and "Muon momentum" not in adamw.table()
 
@@ -238,8 +245,8 @@ def test_peak_of_muon_steps_is_its_newton_schulz_batch(impl, precision):
         model = GPT(WIDE).to(prec.param_dtype)
         opt = muon_optimizer(model, prec, impl)
         train_steps(model, opt, linear_cross_entropy_reference, 1, 8)
-    est = predict(WIDE, prec, POLICIES["none"], 1, 8, "torch", None, device="cpu", optimizer_impl=impl,
-                  optimizer=OptimizerName.muon)
+    est = predict(Candidate(WIDE, prec, 1, POLICIES["none"], loss_impl="torch", device="cpu",
+                            optimizer=OptimizerName.muon, optimizer_impl=impl))
     assert est.peak == est.state + est.optimizer_transient  # the optimizer's moment sets the peak here
     kernels = 0  # fused: the work tables and zero blocks the kernels read, a few kB the model leaves out
     if impl == "fused":

@@ -14,7 +14,7 @@ import torch
 import torch.multiprocessing as mp
 
 from minitrain.loss_scale import LossScaling
-from minitrain.optim import Muon
+from minitrain.optim import Muon, MuonHyper, Numerics
 from minitrain.optim import newton_schulz as ns
 from minitrain.tools.live_bytes import LiveBytes
 
@@ -60,7 +60,8 @@ def test_update_is_torch_muons(impl, nesterov, adjust_lr):
     ps, ref = params_like(init), params_like(init)
     groups = lambda xs: [{"params": xs[::2], "use_muon": True},  # noqa: E731
                          {"params": xs[1::2], "use_muon": True, "lr": 0.05, "weight_decay": 0.0}]
-    opt = Muon(groups(ps), nesterov=nesterov, adjust_lr=adjust_lr, max_grad_norm=None, impl=impl, **MUON, **ADAMW)
+    opt = Muon(groups(ps), MuonHyper(nesterov=nesterov, adjust_lr=adjust_lr, **MUON), max_grad_norm=None, impl=impl,
+               **ADAMW)
     torch_opt = torch.optim.Muon([{k: v for k, v in g.items() if k != "use_muon"} for g in groups(ref)],
                                  nesterov=nesterov, adjust_lr_fn=adjust_lr, **MUON)
     for step in range(4):
@@ -99,7 +100,7 @@ def test_one_norm_clips_both_sides(impl, max_norm):
     init = [torch.randn(s) for s in MATRICES + OTHERS]
     ps, groups = mixed(init)
     ref = params_like(init)
-    opt = Muon(groups, max_grad_norm=max_norm, impl=impl, **MUON, **ADAMW)
+    opt = Muon(groups, MuonHyper(**MUON), max_grad_norm=max_norm, impl=impl, **ADAMW)
     torch_muon, torch_adamw = torch_pair(ref)
     grads = [3 * torch.randn(p.shape) for p in ps]
     set_grads(ps, grads)
@@ -144,9 +145,9 @@ def test_every_precision_follows_the_fp32_reference(impl, precision):
     init = [torch.randn(s).to(dtype).float() for s in MATRICES + OTHERS]
     ps, groups = mixed(init, dtype)
     scale = 2.0**10 if precision == "fp16" else 1.0
-    opt = Muon(groups, max_grad_norm=1e6, impl=impl, master_weights=precision != "bf16_no_master",
-               grad_dtype="fp32" if precision == "bf16_fp32_grads" else None,
-               loss_scaling=LossScaling(init_scale=scale) if precision == "fp16" else None, **MUON, **ADAMW)
+    opt = Muon(groups, MuonHyper(**MUON), max_grad_norm=1e6, impl=impl, **ADAMW, numerics=Numerics(
+        master_weights=precision != "bf16_no_master", grad_dtype="fp32" if precision == "bf16_fp32_grads" else None,
+        loss_scaling=LossScaling(init_scale=scale) if precision == "fp16" else None))
     steps = [[(torch.randn(p.shape) * scale).to(dtype) for p in ps] for _ in range(3)]
     for grads in steps:
         if precision == "bf16_fp32_grads":  # what the main-grad hooks accumulate: the bf16 grads, in fp32
@@ -194,7 +195,8 @@ def test_an_overflow_on_either_side_skips_the_whole_step(impl, side, bad):
     the scale off once and counts one skip; the next step runs, at step 2."""
     torch.manual_seed(2)
     ps, groups = mixed([torch.randn(s) for s in MATRICES + OTHERS], torch.float16)
-    opt = Muon(groups, impl=impl, loss_scaling=LossScaling(init_scale=2.0**8), **MUON, **ADAMW)
+    opt = Muon(groups, MuonHyper(**MUON), impl=impl, **ADAMW,
+               numerics=Numerics(loss_scaling=LossScaling(init_scale=2.0**8)))
     set_grads(ps, [torch.randn(p.shape).half() for p in ps])
     opt.step()  # a real step first: momentum, moments and masters non-trivial
     before = snapshot(opt, ps)
@@ -221,8 +223,9 @@ def test_impls_agree():
     out = {}
     for impl in IMPLS:
         ps = params_like(init, torch.float16)
-        opt = Muon([{"params": ps[:len(MATRICES)], "use_muon": True}, {"params": ps[len(MATRICES):]}], impl=impl,
-                   max_grad_norm=1.0, loss_scaling=LossScaling(init_scale=2.0**6, growth_interval=2), **MUON, **ADAMW)
+        opt = Muon([{"params": ps[:len(MATRICES)], "use_muon": True}, {"params": ps[len(MATRICES):]}],
+                   MuonHyper(**MUON), impl=impl, max_grad_norm=1.0, **ADAMW,
+                   numerics=Numerics(loss_scaling=LossScaling(init_scale=2.0**6, growth_interval=2)))
         for gs in grads:
             set_grads(ps, gs)
             opt.step()
@@ -247,7 +250,7 @@ def test_state_dict_resume_is_bit_identical(impl):
     def build(values, lr):
         ps = params_like(values, torch.bfloat16)
         return ps, Muon([{"params": ps[:len(MATRICES)], "use_muon": True}, {"params": ps[len(MATRICES):]}],
-                        impl=impl, **{**MUON, "lr": lr}, **ADAMW)
+                        MuonHyper(**{**MUON, "lr": lr}), impl=impl, **ADAMW)
 
     ps, opt = build(init, 0.02)
     for gs in grads[:3]:
@@ -275,7 +278,7 @@ def test_state_dict_resume_is_bit_identical(impl):
 def test_the_schedule_scales_both_sides_alike():
     """set_lr gives the AdamW side the schedule's lr and Muon's group the same multiple of its own."""
     ps, groups = mixed([torch.randn(s) for s in MATRICES + OTHERS])
-    opt = Muon(groups, impl="foreach", **MUON, **ADAMW)
+    opt = Muon(groups, MuonHyper(**MUON), impl="foreach", **ADAMW)
     opt.set_lr(2.5e-4)
     assert opt.param_groups[1]["lr"] == 2.5e-4
     assert opt.param_groups[0]["lr"] == pytest.approx(0.02 / 4)
@@ -287,7 +290,7 @@ def test_muon_refuses_what_it_cannot_orthogonalize(monkeypatch):
     with pytest.raises(ValueError, match=r"shape \(7,\) takes AdamW"):
         Muon([torch.nn.Parameter(torch.randn(7))], impl="foreach")
     with pytest.raises(ValueError, match="adjust_lr"):
-        Muon([torch.nn.Parameter(torch.randn(3, 4))], impl="foreach", adjust_lr="none")
+        Muon([torch.nn.Parameter(torch.randn(3, 4))], MuonHyper(adjust_lr="none"), impl="foreach")
     monkeypatch.setattr(triton_runtime, "interpreted", lambda: False)  # as if TRITON_INTERPRET was unset at import
     with pytest.raises(RuntimeError, match=r"Muon\(impl='fused'\).*optimizer.impl=foreach"):
         Muon([torch.nn.Parameter(torch.randn(3, 4, device="cpu"))], impl="fused")
@@ -383,8 +386,8 @@ def test_exchange_splits_the_work_and_gathers_the_whole(tmp_path):
 @pytest.mark.parametrize("impl", ["foreach", "fused"])
 def test_step_never_syncs(impl):
     ps = [torch.nn.Parameter(torch.randn(s, device="cuda").half()) for s in MATRICES + OTHERS]
-    opt = Muon([{"params": ps[:len(MATRICES)], "use_muon": True}, {"params": ps[len(MATRICES):]}], impl=impl,
-               loss_scaling=LossScaling(), **MUON, **ADAMW)
+    opt = Muon([{"params": ps[:len(MATRICES)], "use_muon": True}, {"params": ps[len(MATRICES):]}], MuonHyper(**MUON),
+               impl=impl, **ADAMW, numerics=Numerics(loss_scaling=LossScaling()))
     for p in ps:
         p.grad = torch.randn_like(p)
     opt.step()
@@ -410,7 +413,7 @@ def test_fused_step_replays_as_a_cuda_graph():
     for graphed in (False, True):
         ps = params_like(init, torch.bfloat16)
         opt = Muon([{"params": ps[:len(MATRICES)], "use_muon": True}, {"params": ps[len(MATRICES):]}],
-                   impl="fused", **MUON, **ADAMW)
+                   MuonHyper(**MUON), impl="fused", **ADAMW)
         static = [g.clone() for g in grads[0]]
         for p, g in zip(ps, static):
             p.grad = g  # read in place, at the addresses the graph records

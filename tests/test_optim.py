@@ -13,7 +13,7 @@ import torch
 from minitrain.amp import DynamicLossScaler
 from minitrain.loss_scale import LossScaling
 from minitrain.tools.live_bytes import LiveBytes
-from minitrain.optim import AdamW, TorchAdamW
+from minitrain.optim import AdamW, Numerics, TorchAdamW
 from minitrain.optim.decision import Counters, decide_step
 from minitrain.optim.adamw_triton import BLOCK, GRAD_MULT, INV_BC1, INV_BC2_SQRT, N_SCALARS, NOT_SKIPPED, finalize
 
@@ -137,7 +137,7 @@ def test_master_weights_equal_fp32_adamw(dtype, impl):
     init = [torch.randn(s).to(dtype) for s in SHAPES[:5]]
     ps, ref = params_like(init, dtype), params_like(init, torch.float32)
     scaling = LossScaling(init_scale=2.0**10) if dtype == torch.float16 else None
-    opt = AdamW(two_groups(ps), max_grad_norm=1.0, impl=impl, loss_scaling=scaling, **HP)
+    opt = AdamW(two_groups(ps), max_grad_norm=1.0, impl=impl, **HP, numerics=Numerics(loss_scaling=scaling))
     torch_opt = torch.optim.AdamW(two_groups(ref), **HP)
     scale = 2.0**10 if scaling else 1.0
     for _ in range(5):
@@ -164,7 +164,8 @@ def snapshot(opt, ps):
 def test_overflow_skips_whole_step(impl, bad):
     torch.manual_seed(2)
     ps = params_like([torch.randn(s) for s in SHAPES[:5]], torch.float16)
-    opt = AdamW(two_groups(ps), max_grad_norm=1.0, impl=impl, loss_scaling=LossScaling(init_scale=2.0**8), **HP)
+    opt = AdamW(two_groups(ps), max_grad_norm=1.0, impl=impl, **HP,
+                numerics=Numerics(loss_scaling=LossScaling(init_scale=2.0**8)))
     set_grads(ps, [torch.randn(p.shape).half() for p in ps])
     opt.step()  # a real step first, so moments and masters are non-trivial
     before = snapshot(opt, ps)
@@ -193,8 +194,8 @@ def test_clipping_matches_clip_grad_norm(impl, max_norm):
     torch.manual_seed(3)
     init = [torch.randn(s) for s in SHAPES[:5]]
     ps, ref = params_like(init, torch.float32), params_like(init, torch.float32)
-    opt = AdamW(two_groups(ps), max_grad_norm=max_norm, impl=impl, loss_scaling=LossScaling(init_scale=2.0**4),
-                **HP)
+    opt = AdamW(two_groups(ps), max_grad_norm=max_norm, impl=impl, **HP,
+                numerics=Numerics(loss_scaling=LossScaling(init_scale=2.0**4)))
     torch_opt = torch.optim.AdamW(two_groups(ref), **HP)
     for _ in range(3):
         grads = [5 * torch.randn(s) for s in SHAPES[:5]]
@@ -231,7 +232,7 @@ def test_masters_prevent_swamping(impl):
     for master in (False, True):
         p = torch.nn.Parameter(torch.ones(64, dtype=torch.bfloat16))
         opt = AdamW([p], lr=1e-3, weight_decay=0.0, max_grad_norm=None, impl=impl,
-                         master_weights=master)
+                    numerics=Numerics(master_weights=master))
         for _ in range(20):
             p.grad = torch.ones_like(p)
             opt.step()
@@ -250,8 +251,8 @@ def test_impls_agree():
     out = {}
     for impl in IMPLS:
         ps = params_like(init, torch.float16)
-        opt = AdamW(two_groups(ps), max_grad_norm=1.0, impl=impl,
-                    loss_scaling=LossScaling(init_scale=2.0**6, growth_interval=2), **HP)
+        opt = AdamW(two_groups(ps), max_grad_norm=1.0, impl=impl, **HP,
+                    numerics=Numerics(loss_scaling=LossScaling(init_scale=2.0**6, growth_interval=2)))
         for gs in grads:
             set_grads(ps, gs)
             opt.step()
@@ -299,7 +300,7 @@ def test_skipped_steps_survive_a_resume(impl):
         p = torch.nn.Parameter(torch.ones(5))
         if impl == "torch":
             return TorchAdamW([p], loss_scaling=LossScaling(init_scale=2.0**8))
-        return AdamW([p], impl=impl, loss_scaling=LossScaling(init_scale=2.0**8))
+        return AdamW([p], impl=impl, numerics=Numerics(loss_scaling=LossScaling(init_scale=2.0**8)))
 
     def overflowing_step(opt):
         param = opt.param_groups[0]["params"][0]
@@ -325,7 +326,7 @@ def test_fp32_main_grads_and_foreign_zero_grad(impl):
     init = torch.randn(8, 3).to(torch.bfloat16)
     for grad_dtype in ("fp32", None):
         w = torch.nn.Parameter(init.clone())
-        opt = AdamW([w], impl=impl, grad_dtype=grad_dtype, max_grad_norm=None, **HP)
+        opt = AdamW([w], impl=impl, max_grad_norm=None, **HP, numerics=Numerics(grad_dtype=grad_dtype))
         ref = torch.nn.Parameter(init.float())
         torch_opt = torch.optim.AdamW([ref], **HP)
         for _ in range(2):
@@ -357,7 +358,7 @@ def test_fused_on_cpu_needs_interpreter(monkeypatch):
 @pytest.mark.parametrize("impl", ["foreach", "fused"])
 def test_step_never_syncs(impl):
     ps = [torch.nn.Parameter(torch.randn(s, device="cuda").half()) for s in SHAPES]
-    opt = AdamW(two_groups(ps), impl=impl, loss_scaling=LossScaling(), **HP)
+    opt = AdamW(two_groups(ps), impl=impl, **HP, numerics=Numerics(loss_scaling=LossScaling()))
     for p in ps:
         p.grad = torch.randn_like(p)
     opt.step()  # first step: compiles kernels, uploads hyperparameters
@@ -575,7 +576,8 @@ def precision(param_dtype, grad_dtype, master_weights, loss_scaling):
 
 def test_build_adamw_follows_the_precision():
     """fp16 + loss scaling: a scaler with the precision's parameters. bf16 under FSDP: the stored params are the
-    fp32 masters and their grads fp32, so no fp32 main-grad hooks. torch: TorchAdamW, never on shards."""
+    fp32 masters and their grads fp32, so no fp32 main-grad hooks. torch: TorchAdamW, never on shards; our AdamW on
+    shards sums their squares through the job's reduction."""
     from minitrain.config import ConfigError
     from minitrain.optim import build_adamw
 
@@ -594,6 +596,10 @@ def test_build_adamw_follows_the_precision():
     assert isinstance(build_adamw([torch.nn.Parameter(torch.randn(3))], "torch", reference), TorchAdamW)
     with pytest.raises(ConfigError, match="optimizer.impl=torch"):
         build_adamw([torch.nn.Parameter(torch.randn(3))], "torch", reference, reduce_sumsq=lambda t: t)
+    reduced, shard = [], torch.nn.Parameter(torch.randn(3))
+    shard.grad = torch.ones(3)
+    build_adamw([shard], "foreach", reference, reduce_sumsq=reduced.append).step()
+    assert len(reduced) == 1  # the sharded job's sum of squares goes through its reduction, once a step
 
 
 def test_bench_optimizer_rows_pass_their_check_and_a_wrong_one_fails(monkeypatch):

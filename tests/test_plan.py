@@ -2,14 +2,15 @@
 
 import json
 import re
+from dataclasses import replace
 
 import pytest
 import torch
 from conftest import fake_gpu
 
 from minitrain import memory, plan as plan_module
-from minitrain.config import CheckpointingConfig, CheckpointPolicy, ConfigError, resolve
 from minitrain.cli import compose_config
+from minitrain.config import CheckpointingConfig, CheckpointPolicy, ConfigError, OptimizerName, resolve
 from minitrain.memory import GB
 from minitrain.plan import PlanError, _compile_mode, make_plan
 from minitrain.schedule import LRSchedule
@@ -101,10 +102,9 @@ def gpt2_candidates():
     p = make_plan(resolve(compose_config(["trainer.out_dir=.", "model=gpt2-124m", "trainer.batch_size=64"])),
                   VOCAB, CPU)
     pairs = [(m, c) for c in CANDIDATE_POLICIES for m in (64, 32, 16, 8, 4, 2, 1)]
-    peaks = {(m, c.policy.value, c.every_k): memory.predict(p.model, p.precision, c, m, GPT2_T, p.loss_impl, None,
-                                                            grad_accum=64 // m, device="cpu",
-                                                            optimizer_impl=p.optimizer_impl).peak
-             for m, c in pairs}
+    peaks = {(m, c.policy.value, c.every_k): memory.predict(memory.Candidate(
+        p.model, p.precision, m, c, grad_accum=64 // m, loss_impl=p.loss_impl, optimizer_impl=p.optimizer_impl,
+        device="cpu")).peak for m, c in pairs}
     ranked = sorted(pairs, key=lambda mc: expected_rate(*mc), reverse=True)
     return [(m, c.policy.value, c.every_k if c.policy == CheckpointPolicy.every_k else None,
              peaks[(m, c.policy.value, c.every_k)]) for m, c in ranked]
@@ -440,3 +440,37 @@ def test_a_vocabulary_smaller_than_the_tokenizer_is_refused_naming_the_fix(overr
     with pytest.raises(ConfigError) as refused:
         plan_for(*overrides)
     assert str(refused.value) == message
+
+
+# -- the candidate the plan prices: each setting reaches its field of memory.Candidate, and only it -----------------
+PRICED = ("trainer.micro_batch=8", "checkpointing=none", "loss=fused")  # each rank's 8 sequences at once
+
+
+FSDP = ("distributed=fsdp",), {"world_size": 2, "sharded": True}
+
+
+@pytest.mark.parametrize("base, override, fields", [
+    (((), {}), "trainer.micro_batch=4", {"micro_batch": 4, "grad_accum": 2}),
+    (((), {}), "checkpointing=full", {"policy": CheckpointingConfig(CheckpointPolicy.full)}),
+    (((), {}), "loss=torch", {"loss_impl": "torch"}),
+    (((), {}), "loss.chunk_bytes=65536", {"chunk_bytes": 65536}),
+    (((), {}), "loss.low_memory=true", {"loss_low_memory": True}),
+    (((), {}), "optimizer=muon", {"optimizer": OptimizerName.muon}),
+    (((), {}), "optimizer.impl=loop", {"optimizer_impl": "loop"}),
+    (((), {"world_size": 2}), "distributed=fsdp", {"sharded": True}),
+    (FSDP, "distributed.fsdp_unit_blocks=1", {"fsdp_unit_blocks": 1}),
+    ((FSDP[0] + ("distributed.fsdp_unit_blocks=1",), {**FSDP[1], "fsdp_unit_blocks": 1}),
+     "distributed.reshard_after_forward=false", {"reshard_after_forward": False}),
+])
+def test_every_setting_the_memory_model_reads_reaches_the_candidate_the_plan_prices(base, override, fields):
+    """The plan's estimate is memory.predict of the candidate written out here; one setting changed alone changes
+    its own field of it, and a term of the estimate with it."""
+    (overrides, base_fields), world_size = base, base[1].get("world_size", 1)
+    batch = f"trainer.batch_size={8 * world_size}"
+    before = plan_for(*PRICED, batch, *overrides, world_size=world_size)
+    candidate = memory.Candidate(before.model, before.precision, 8, CheckpointingConfig(CheckpointPolicy.none),
+                                 optimizer_impl="foreach", device="cpu", **base_fields)
+    assert before.memory == memory.predict(candidate)
+    after = plan_for(*PRICED, batch, *overrides, override, world_size=world_size)
+    assert after.memory == memory.predict(replace(candidate, **fields))
+    assert after.memory.as_dict() != before.memory.as_dict()  # a term moved, not only the notes

@@ -103,6 +103,27 @@ def test_a_refused_run_removes_only_the_lock_file_it_made(tmp_path):
     assert (tmp_path / "new" / rundir.LOCK).exists()
 
 
+def test_a_run_dir_held_by_a_run_is_left_as_it_was_found_unless_the_run_recorded_itself(tmp_path):
+    """RunDir: its owner holds the lock while inside; one that leaves before `record` (refused at start) leaves no
+    file of its own; one that recorded itself keeps its lock file, and its record. Another rank of the job (not the
+    owner) takes no lock and writes no record nor result there."""
+    with rundir.RunDir(tmp_path / "refused") as held:
+        with pytest.raises(RunDirBusyError):
+            rundir.RunDirLock(held.path).acquire()
+    assert list((tmp_path / "refused").iterdir()) == []
+    with rundir.RunDir(tmp_path / "ran", rundir.RunInfo(name="ran", overrides=["model.n_layer=2"])) as held:
+        held.record({"model": {"n_layer": 2}}, '{"tokenizer": 1}')
+        held.write("sample.txt", "def ")
+    assert {p.name for p in (tmp_path / "ran").iterdir()} == \
+        {rundir.LOCK, rundir.HOLDER, ".hydra", "tokenizer.json", "sample.txt"}
+    rundir.RunDirLock(tmp_path / "ran").acquire()  # free again
+    with rundir.RunDir(tmp_path / "rank1", owner=False) as other:
+        rundir.RunDirLock(other.path).acquire()  # the owner's to take
+        other.record({}, "{}")
+        other.write("sample.txt", "def ")
+    assert {p.name for p in (tmp_path / "rank1").iterdir()} == {rundir.LOCK, rundir.HOLDER}
+
+
 def test_a_run_dir_that_cannot_be_made_or_written_names_trainer_out_dir(tmp_path):
     (tmp_path / "a-file").write_text("")
     with pytest.raises(RunDirError, match=r"trainer\.out_dir: cannot use .*a-file/run as the run dir"):

@@ -1,12 +1,12 @@
 """When a run stops as diverged, and what it leaves: the skipped-step limit at its exact value, a divergence
 between two log steps with a save due before the next one, and the message naming the checkpoint kept (its step
-and the loss it was trained to) or saying there is none."""
+and the loss it was trained to) or saying there is none; when the checkpointer saves and guards."""
 
 import math
 
 import pytest
 
-from minitrain import checkpoint
+from minitrain import checkpoint, checkpointer, divergence
 from minitrain.divergence import NonFiniteLossError
 from minitrain.trainer import Trainer
 
@@ -107,3 +107,17 @@ def test_a_resumed_run_that_diverges_before_its_first_save_names_the_checkpoint_
     assert f"by step 6 (precision=fp32); stopping, keeping the checkpoint of step 4 ({latest}), whose training loss " \
            f"at that step was {losses[3]:.4g} —" in str(stop.value)
     assert step_of(latest) == 4
+
+
+def test_the_checkpointer_saves_at_its_cadence_and_the_last_step_and_guards_each_step_once(make_cfg, monkeypatch):
+    """save_every=3 over 7 steps, log_every=2: saves after steps 3 and 6 and the last, 7; the divergence guard reads
+    the device once at each step that logs or saves (2, 3, 4, 6, 7), once too on those that do both (6, 7)."""
+    t = Trainer(make_cfg(*SMALL, "trainer.max_steps=7", "trainer.log_every=2", "trainer.save_every=3"), progress=False)
+    guarded, saved = [], []
+    check, save = divergence.check, checkpoint.save_checkpoint
+    monkeypatch.setattr(divergence, "check", lambda progress, *rest: guarded.append(progress.step) or
+                        check(progress, *rest))
+    monkeypatch.setattr(checkpointer.checkpoint, "save_checkpoint", lambda *a, **kw: saved.append(t.step) or
+                        save(*a, **kw))
+    t.fit()
+    assert (saved, guarded) == ([3, 6, 7], [2, 3, 4, 6, 7])

@@ -9,8 +9,9 @@ from typing import Optional
 import numpy as np
 import torch
 
+from ..config import TrainerConfig
 from .corpus import DataError
-from .shards import TokenStream
+from .shards import TokenData, TokenStream
 
 
 class Batches:
@@ -78,6 +79,18 @@ class DeviceBatches(Batches):
         self.grad_accum = grad_accum
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._next: Optional[tuple] = None  # (request, windows, copy-done event) of the predicted request
+
+    @classmethod
+    def from_config(cls, t: TrainerConfig, plan, data: TokenData, split: str) -> "DeviceBatches":
+        """A run's batches of `split` as the plan (minitrain.plan.Plan) lays the step out, their ids checked against
+        the tokenizer's: train, trainer.batch_size sequences a step in the plan's micro-batches; val, one micro-batch
+        a rank per call, from windows seeded apart from the training ones."""
+        T, checked = plan.model.block_size, dict(vocab_size=data.vocab_size, cache_path=data.path)
+        if split == "train":
+            return cls(data.train, T, t.batch_size, t.seed, plan.device, grad_accum=plan.grad_accum, **checked)
+        if split == "val":
+            return cls(data.val, T, plan.micro_batch * plan.world_size, t.seed + 1, plan.device, **checked)
+        raise ValueError(f"split must be train or val, got {split!r}")
 
     def get(self, step: int, part: int = 0, n_parts: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
         request = (step, part, n_parts)

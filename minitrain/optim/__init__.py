@@ -3,8 +3,9 @@ plain-PyTorch baseline, one interface: scale(loss), set_lr(lr), step(), zero_gra
 load_state_dict() (the loss scaler's state included), param_groups, device."""
 
 from .adamw import AdamW
-from .build import build_adamw, build_muon
-from .muon import Muon
+from .build import build_adamw, from_config
+from .muon import Muon, MuonHyper
+from .optimizer import Numerics
 from .torch_baseline import TorchAdamW
 
-__all__ = ["AdamW", "Muon", "TorchAdamW", "build_adamw", "build_muon"]
+__all__ = ["AdamW", "Muon", "MuonHyper", "Numerics", "TorchAdamW", "build_adamw", "from_config"]

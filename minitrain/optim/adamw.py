@@ -28,7 +28,7 @@ from minitrain.triton_runtime import check_runnable
 from .adamw_torch import AdamWUpdate, TorchStep
 from .adamw_triton import AdamWKernel, FusedStep
 from .bucket import buckets_by_dtype
-from .optimizer import IMPLS, DeviceOptimizer, as_groups, dtype_of
+from .optimizer import IMPLS, DeviceOptimizer, Numerics, as_groups, dtype_of
 
 
 class AdamW(DeviceOptimizer):
@@ -36,24 +36,21 @@ class AdamW(DeviceOptimizer):
     global-norm clipping and dynamic loss scaling, all decided on the device (optimizer.DeviceOptimizer).
     Per-group lr and weight_decay; betas, eps and max_grad_norm are global.
 
-    reduce_sumsq: None, or an in-place function on the step's sum of squared (scaled) grads, a
-    one-element fp32 device tensor, run before anything is decided from it. With sharded params it
-    all-reduces (sums) across ranks: the norm becomes the global one, and since a sum holding an
-    inf/NaN is inf/NaN, every rank takes the same skip decision and loss-scale update.
+    numerics: masters, the gradients' dtype, loss scaling and the sum of squares' reduction over ranks
+    (optimizer.Numerics).
     """
 
     def __init__(self, params, lr=3e-4, betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1,
-                 max_grad_norm=1.0, impl="fused", master_weights=None, grad_dtype=None, reduce_sumsq=None,
-                 loss_scaling: LossScaling | None = None):
+                 max_grad_norm=1.0, impl="fused", numerics: Numerics = Numerics()):
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
         defaults = {"lr": lr, "weight_decay": weight_decay}
-        super().__init__(as_groups(params, defaults), defaults, loss_scaling)
+        super().__init__(as_groups(params, defaults), defaults, numerics.loss_scaling)
         self.betas, self.eps, self.max_grad_norm, self.impl = tuple(betas), eps, max_grad_norm, impl
-        self.reduce_sumsq = reduce_sumsq
+        reduce_sumsq = numerics.reduce_sumsq
         if impl == "fused":
             check_runnable(self._params[0], "AdamW(impl='fused')", "impl='foreach' (optimizer.impl=foreach)")
-        self.buckets = buckets_by_dtype(self.param_groups, impl, master_weights, dtype_of(grad_dtype))
+        self.buckets = buckets_by_dtype(self.param_groups, impl, numerics.master_weights, dtype_of(numerics.grad_dtype))
         self._impl_step = FusedStep([AdamWKernel(self.buckets, self.betas, eps)], self.betas, max_grad_norm,
                                     reduce_sumsq) if impl == "fused" else \
             TorchStep([AdamWUpdate(self.buckets, impl, self.betas, eps)], impl, self.betas, max_grad_norm, reduce_sumsq)

@@ -18,6 +18,8 @@ Per-group lr and weight decay, as AdamW's; each group keeps its lr's ratio to th
 schedule (warmup, cosine) scales Muon's lr by the same factor as AdamW's.
 """
 
+from dataclasses import dataclass
+
 import torch.distributed as dist
 
 from minitrain.loss_scale import LossScaling
@@ -30,35 +32,47 @@ from .dtensor import any_sharded
 from .muon_torch import MuonUpdate
 from .muon_triton import MuonKernels
 from .newton_schulz import ADJUST_LR, NS_COEFFICIENTS, NS_EPS, NS_STEPS, Exchange
-from .optimizer import IMPLS, DeviceOptimizer, as_groups, dtype_of
+from .optimizer import IMPLS, DeviceOptimizer, Numerics, as_groups, dtype_of
+
+
+@dataclass(frozen=True)
+class MuonHyper:
+    """Muon's hyperparameters, torch.optim.Muon's (its `eps` is `ns_eps` here: `eps` is AdamW's); `lr` and
+    `weight_decay` are the defaults of the `use_muon` groups."""
+
+    lr: float = 0.02
+    momentum: float = 0.95
+    nesterov: bool = True
+    weight_decay: float = 0.01
+    adjust_lr: str = "original"
+    ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS
+    ns_steps: int = NS_STEPS
+    ns_eps: float = NS_EPS
 
 
 class Muon(DeviceOptimizer):
     """Param groups with `use_muon` (Keller Jordan's MuonWithAuxAdam convention) take Muon, with `lr` and
-    `weight_decay` defaulting to Muon's; the others take AdamW, defaulting to `adamw_lr`, `adamw_weight_decay`.
+    `weight_decay` defaulting to `muon`'s; the others take AdamW, defaulting to `adamw_lr`, `adamw_weight_decay`.
     A plain list of params is all Muon. `set_lr(lr)` is the schedule's lr for the AdamW side: each group's lr
     keeps the ratio to `adamw_lr` it was built with.
 
-    momentum, nesterov, ns_coefficients, ns_steps, ns_eps, adjust_lr: torch.optim.Muon's (`eps` there is
-    `ns_eps` here; `eps` is AdamW's); betas, eps, max_grad_norm, impl, master_weights, grad_dtype, reduce_sumsq,
-    loss_scaling: AdamW's, for both sides. `replicas`: (rank, world size) of a ddp job, whose ranks share the
-    Newton–Schulz work; sharded (FSDP2) params are found by their type."""
+    betas, eps, max_grad_norm, impl, numerics: AdamW's, for both sides. `replicas`: (rank, world size) of a ddp
+    job, whose ranks share the Newton–Schulz work; sharded (FSDP2) params are found by their type."""
 
-    def __init__(self, params, lr=0.02, momentum=0.95, nesterov=True, ns_coefficients=NS_COEFFICIENTS,
-                 ns_steps=NS_STEPS, ns_eps=NS_EPS, adjust_lr="original", weight_decay=0.01, adamw_lr=1e-3,
-                 betas=(0.9, 0.95), eps=1e-8, adamw_weight_decay=0.0, max_grad_norm=1.0, impl="fused",
-                 master_weights=None, grad_dtype=None, reduce_sumsq=None, loss_scaling: LossScaling | None = None,
+    def __init__(self, params, muon: MuonHyper = MuonHyper(), adamw_lr=1e-3, betas=(0.9, 0.95), eps=1e-8,
+                 adamw_weight_decay=0.0, max_grad_norm=1.0, impl="fused", numerics: Numerics = Numerics(),
                  replicas: tuple[int, int] | None = None):
+        momentum, nesterov, adjust_lr = muon.momentum, muon.nesterov, muon.adjust_lr
         if impl not in IMPLS:
             raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
         if adjust_lr not in ADJUST_LR:
             raise ValueError(f"adjust_lr must be one of {ADJUST_LR}, got {adjust_lr!r}")
-        if not 0 < ns_steps < 100 or len(ns_coefficients) != 3:
+        if not 0 < muon.ns_steps < 100 or len(muon.ns_coefficients) != 3:
             raise ValueError("ns_steps must be in [1, 100) and ns_coefficients three numbers")
         groups = list(params)
         if not isinstance(groups[0], dict):
             groups = [{"params": groups, "use_muon": True}]
-        muon_defaults = {"lr": lr, "weight_decay": weight_decay}
+        muon_defaults = {"lr": muon.lr, "weight_decay": muon.weight_decay}
         adamw_defaults = {"lr": adamw_lr, "weight_decay": adamw_weight_decay}
         groups = [g for group in groups for g in as_groups(
             [group], {**(muon_defaults if group.get("use_muon") else adamw_defaults), "use_muon": False})]
@@ -69,29 +83,30 @@ class Muon(DeviceOptimizer):
                 raise ValueError(f"Muon orthogonalizes 2-D matrices; a param of shape {shape} takes AdamW "
                                  "(a group without use_muon)")
         super().__init__(groups, {**muon_defaults, "adamw_lr": adamw_lr, "adamw_weight_decay": adamw_weight_decay},
-                         loss_scaling)
+                         numerics.loss_scaling)
         self.betas, self.eps, self.max_grad_norm, self.impl = tuple(betas), eps, max_grad_norm, impl
         self.momentum, self.nesterov, self.adjust_lr = momentum, nesterov, adjust_lr
         if impl == "fused":
             check_runnable(self._params[0], "Muon(impl='fused')", "impl='foreach' (optimizer.impl=foreach)")
-        muon = {i for i, g in enumerate(groups) if g["use_muon"]}
-        adamw = set(range(len(groups))) - muon
-        self.adamw_buckets = buckets_by_dtype(groups, impl, master_weights, dtype_of(grad_dtype), groups=adamw) \
-            if adamw else []
-        self.muon_buckets = buckets_by_dtype(groups, impl, master_weights, dtype_of(grad_dtype), state=MuonState,
-                                             groups=muon, order=lambda p, group: (tuple(p.shape), group)) \
-            if muon else []
+        orthogonalized = {i for i, g in enumerate(groups) if g["use_muon"]}
+        adamw = set(range(len(groups))) - orthogonalized
+        masters, grad_dtype = numerics.master_weights, dtype_of(numerics.grad_dtype)
+        self.adamw_buckets = buckets_by_dtype(groups, impl, masters, grad_dtype, groups=adamw) if adamw else []
+        self.muon_buckets = buckets_by_dtype(groups, impl, masters, grad_dtype, state=MuonState, groups=orthogonalized,
+                                             order=lambda p, group: (tuple(p.shape), group)) if orthogonalized else []
         self.buckets = self.adamw_buckets + self.muon_buckets
-        self.exchange = Exchange(*self._split(replicas), coefficients=ns_coefficients, steps=ns_steps, eps=ns_eps)
+        self.exchange = Exchange(*self._split(replicas), coefficients=muon.ns_coefficients, steps=muon.ns_steps,
+                                 eps=muon.ns_eps)
         if impl == "fused":
             sides = [AdamWKernel(self.adamw_buckets, self.betas, eps),
                      MuonKernels(self.muon_buckets, momentum, nesterov, self.exchange, adjust_lr)]
-            self._impl_step = FusedStep([s for s in sides if s.buckets], self.betas, max_grad_norm, reduce_sumsq)
+            self._impl_step = FusedStep([s for s in sides if s.buckets], self.betas, max_grad_norm,
+                                        numerics.reduce_sumsq)
         else:
             sides = [AdamWUpdate(self.adamw_buckets, impl, self.betas, eps),
                      MuonUpdate(self.muon_buckets, impl, momentum, nesterov, self.exchange, adjust_lr)]
             self._impl_step = TorchStep([s for s in sides if s.buckets], impl, self.betas, max_grad_norm,
-                                        reduce_sumsq)
+                                        numerics.reduce_sumsq)
 
     def _split(self, replicas) -> tuple[str, int, int]:
         """How the job splits the Newton–Schulz work: (mode, rank, world size) of newton_schulz.Exchange."""

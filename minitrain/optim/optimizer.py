@@ -5,6 +5,9 @@ A subclass builds `buckets` (every parameter's state, whatever its update) and `
 `(lr, weight_decay, counters, scaler)` built once: the norm pass over every gradient, one decision, then each
 side's update (adamw_torch.TorchStep, adamw_triton.FusedStep)."""
 
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Optional
+
 import torch
 from torch import Tensor
 
@@ -28,6 +31,23 @@ def as_groups(params, defaults: dict) -> list[dict]:
     if not isinstance(groups[0], dict):
         groups = [{"params": groups}]
     return [{**defaults, **g, "params": [p for p in g["params"] if p.requires_grad]} for g in groups]
+
+
+@dataclass(frozen=True)
+class Numerics:
+    """How a step holds and decides, whatever its update rule (AdamW's, Muon's): the precision's part and the job's.
+
+    master_weights: fp32 masters for low-precision params (None: where the params are not fp32); grad_dtype: the
+    dtype gradients accumulate in (None: the params'; fp32: fp32 main grads); loss_scaling: None, or the dynamic loss
+    scaler's parameters. reduce_sumsq: None, or an in-place function on the step's sum of squared (scaled) grads, a
+    one-element fp32 device tensor, run before anything is decided from it: with sharded params it all-reduces (sums)
+    across ranks, so the norm is the global one and, a sum holding an inf/NaN being inf/NaN, every rank takes the
+    same skip decision and loss-scale update."""
+
+    master_weights: Optional[bool] = None
+    grad_dtype: Any = None
+    loss_scaling: Optional[LossScaling] = None
+    reduce_sumsq: Optional[Callable[[Tensor], Any]] = None
 
 
 class DeviceOptimizer:

@@ -24,7 +24,7 @@ import torch
 from minitrain.compat import foreach_copy_
 from minitrain.config import ModelConfig
 from minitrain.model import GPT
-from minitrain.optim import AdamW, Muon, newton_schulz
+from minitrain.optim import AdamW, Muon, MuonHyper, newton_schulz
 from minitrain.optim.adamw_triton import fused_bytes_per_param
 from minitrain.optim.muon_triton import fused_bytes_per_param as muon_bytes_per_param
 from minitrain.rundir import CONFIG_RECORD, METRICS, RECORD
@@ -265,8 +265,8 @@ def muon_reference_update(weights, grads, n_matrices, clip):
 
 def muon_ours(weights, grads, n_matrices, impl):
     params = [torch.nn.Parameter(w.clone()) for w in weights]
-    opt = Muon(_split_groups(params, n_matrices), impl=impl, max_grad_norm=MAX_GRAD_NORM, adamw_lr=HP["lr"],
-               betas=HP["betas"], eps=HP["eps"], **MUON_HP)
+    opt = Muon(_split_groups(params, n_matrices), MuonHyper(**MUON_HP), impl=impl, max_grad_norm=MAX_GRAD_NORM,
+               adamw_lr=HP["lr"], betas=HP["betas"], eps=HP["eps"])
     for p, g in zip(params, grads):
         p.grad = g.clone()
 

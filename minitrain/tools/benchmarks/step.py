@@ -75,10 +75,10 @@ def largest_fitting_batch(model: str, recipe: str, extra: Sequence[str], budget_
     model_cfg = model_config_for(cfg, cfg.data.vocab_size, device)
     precision = resolve_precision(cfg.precision, device)
     for batch in CANDIDATE_BATCHES:
-        peak = memory.predict(model_cfg, precision, cfg.checkpointing, batch, model_cfg.block_size,
-                              "torch" if cfg.loss.impl.value == "torch" else "fused", cfg.loss.chunk_bytes,
-                              loss_low_memory=cfg.loss.low_memory, optimizer_impl=cfg.optimizer.impl.value,
-                              optimizer=cfg.optimizer.name).peak
+        peak = memory.predict(memory.Candidate(
+            model_cfg, precision, batch, cfg.checkpointing, loss_impl="torch" if cfg.loss.impl.value == "torch" else
+            "fused", chunk_bytes=cfg.loss.chunk_bytes, loss_low_memory=cfg.loss.low_memory,
+            optimizer=cfg.optimizer.name, optimizer_impl=cfg.optimizer.impl.value)).peak
         if peak <= budget_bytes:
             return batch
     return 1
