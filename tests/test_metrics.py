@@ -16,11 +16,12 @@ def test_the_warm_up_steps_are_not_timed_and_the_clock_starts_on_a_drained_devic
         now[0] += seconds
         meter.step()
     assert synced == [35.0]  # once, after the last untimed step
-    assert meter.read() == {}  # an interval of untimed steps only has no rate to report
+    assert meter.read() == {"perf/warmup_s": 35.0}  # an interval of untimed steps only has no rate, but their time
     for _ in range(4):
         now[0] += 0.5
         meter.step()
     rates = meter.read()
+    assert "perf/warmup_s" not in rates  # reported once
     assert rates["perf/step_ms"] == 500.0 and rates["perf/tokens_per_s"] == 200.0
     assert rates["perf/mfu"] == 200.0 * 6 / 1e4 and rates["perf/hfu"] == 200.0 * 8 / 1e4
     now[0] += 1.0
