@@ -101,6 +101,7 @@ def test_a_modern_recipe_that_never_reaches_the_target_is_reported_as_such(tmp_p
     assert lines[-1] == "modern recipe (optimizer.muon.lr=0.02): never reaches the target in 5,120 tokens (its final " \
                         "validation loss 3.6000)"
     assert any(line.endswith("NON-FINITE") for line in lines)
+    assert recipe.compare(runs[::2])["modern"]["step"] is None  # a diverged run reaches nothing, even before it
     alone = [recipe.read_run(diverged)]
     with pytest.raises(recipe.RecipeError, match="no runs of the GPT-2 recipe"):
         recipe.compare(alone)
