@@ -120,6 +120,14 @@ def test_runs_of_different_token_budgets_are_refused(tmp_path):
     assert len(out.stderr.strip().splitlines()) == 1 and not (tmp_path / "r.json").exists()
 
 
+def test_a_run_dir_that_holds_a_run_is_not_run_into(tmp_path):
+    """A second run there would be refused by the trainer's lock only while the first runs; a finished one stays."""
+    done = write_run(tmp_path, "done", "adamw", {10: 4.0})
+    with pytest.raises(recipe.RecipeError, match=f"--work: {done} already holds a run"):
+        recipe.run_cell(done, ["model=tiny"])
+    assert not (tmp_path / "done.log").exists()
+
+
 def test_the_script_runs_both_recipes_and_compares_them(tmp_path, data_cache):
     """Both sides at the tiny model's scale, 4 steps of 4 x 64 tokens evaluated every 2: each run's settings as the
     script sets them, the lines it prints, its record and plot; then --compare on the same dirs prints the same."""
@@ -143,6 +151,7 @@ def test_the_script_runs_both_recipes_and_compares_them(tmp_path, data_cache):
     target = min(finals["gpt2/0.001"]["val"][4], finals["gpt2/0.002"]["val"][4])
     saved = json.loads(out.read_text())
     assert saved["target"] == target and saved["budget_tokens"] == 1024 and len(saved["runs"]) == 3
+    assert all(r["warmup_s"] > 0 for r in saved["runs"])  # the trainer's first log record holds its warm-up's time
     assert f"target: {target:.4f}, the GPT-2 recipe's best final validation loss" in run.stdout
     assert "GPT-2 recipe: 4 steps, 1,024 tokens, wall time " in run.stdout
     assert "modern recipe (optimizer.muon.lr=0.02): " in run.stdout

@@ -121,7 +121,8 @@ def compare(runs: list[dict]) -> dict:
     sides = {side: [r for r in runs if r["side"] == side] for side in NAMES}
     missing = [NAMES[side] for side, found in sides.items() if not found]
     if missing:
-        raise RecipeError(f"no runs of the {' or '.join(missing)} (the GPT-2 recipe's runs use AdamW, the modern's Muon)")
+        raise RecipeError(f"no runs of the {' or '.join(missing)} (the GPT-2 recipe's runs use AdamW, the "
+                          "modern one's Muon)")
     if len({r["budget"] for r in runs}) != 1:
         raise RecipeError("the runs' token budgets differ: " + ", ".join(f"{r['dir']}: {r['budget']:,}" for r in runs))
     gpt2, modern = _best(sides["gpt2"]), _best(sides["modern"])
