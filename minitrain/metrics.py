@@ -73,7 +73,9 @@ class Throughput:
 
     The first `untimed_steps` steps of the meter's life are not training time: compilation, CUDA-graph
     recording and the allocator's first requests run in them. The clock starts after them, on a device
-    that `sync` has drained; an interval with no timed step reports no rates."""
+    that `sync` has drained; an interval with no timed step reports no rates. Their own wall time (from the
+    meter's start to that drained device, whatever ran meanwhile) is reported once, as perf/warmup_s in the
+    next read: what a user waits for the compile is part of a run's time to a loss (scripts/bench_recipe.py)."""
 
     def __init__(self, tokens_per_step: int, model_flops_per_token: int, hardware_flops_per_token: int,
                  peak: Optional[float], untimed_steps: int = 0, sync: Callable[[], None] = lambda: None):
@@ -81,12 +83,14 @@ class Throughput:
         self.model_flops, self.hardware_flops = model_flops_per_token, hardware_flops_per_token
         self.untimed_steps, self.sync, self.seen = untimed_steps, sync, 0
         self.t0, self.steps = time.perf_counter(), 0
+        self.started, self.warmup_s = self.t0, None
 
     def step(self) -> None:
         self.seen += 1
         if self.seen == self.untimed_steps:
             self.sync()
             self.restart()
+            self.warmup_s = self.t0 - self.started
         elif self.seen > self.untimed_steps:
             self.steps += 1
 
@@ -95,14 +99,16 @@ class Throughput:
         self.t0, self.steps = time.perf_counter(), 0
 
     def read(self) -> dict[str, float]:
-        """Rates since the last read; call after a device sync so the time is real."""
+        """Rates since the last read (and the warm-up's time, once); call after a device sync so the time is real."""
+        warmup = {} if self.warmup_s is None else {"perf/warmup_s": self.warmup_s}
+        self.warmup_s = None
         if not self.steps:
             self.restart()
-            return {}
+            return warmup
         now = time.perf_counter()
         dt = max(now - self.t0, 1e-9)
         tokens_per_s = self.tokens_per_step * self.steps / dt
-        out = {"perf/step_ms": 1000 * dt / self.steps, "perf/tokens_per_s": tokens_per_s}
+        out = {**warmup, "perf/step_ms": 1000 * dt / self.steps, "perf/tokens_per_s": tokens_per_s}
         if self.peak:
             out["perf/mfu"] = tokens_per_s * self.model_flops / self.peak
             out["perf/hfu"] = tokens_per_s * self.hardware_flops / self.peak

@@ -5,7 +5,7 @@
 #        [attention] [diverge15b] [compile15b] [compile_check] [determinism] [determinism_cost]
 #        [determinism_cost15b] [allocator] [sample] [sample_run] [prepare_corpus] [prepare_many] [prepare_one]
 #        [fp8_tests] [fp8_speed] [fp8_sizes] [fp8_defaults15b] [fp8_quality] [muon] [muon_bench] [muon_step]
-#        [muon_quality] [smoke]
+#        [muon_quality] [recipe] [smoke]
 # smoke: every benchmark script once in its quickest mode (the tiny model, one small shape), a few minutes: each
 #   still runs end to end on this GPU; its figures are not results
 # plan: PLAN_MODELS and PLAN_BATCHES (space-separated) pick the grid, default gpt2-124m at 16 64 512; it starts no
@@ -278,5 +278,23 @@ for key in ("train/loss", "val/loss"):
           f"{max(abs(d) for _, d in pairs):.6f} over steps {pairs[0][0]}-{pairs[-1][0]}")
 PY
       ;;
+    recipe)  # time to a target loss (scripts/bench_recipe.py): the GPT-2 recipe (gpt2-124m, AdamW) over trainer.lr in
+      # RECIPE_GPT2_LRS, its best final validation loss the target; the modern recipe (gpt2-124m-modern, Muon) over
+      # optimizer.muon.lr in RECIPE_MODERN_LRS, timed to its first evaluation at or below it. RECIPE_TOKENS
+      # (163840000: 5000 steps of 32 x 1024) per run on data=packages (prepared first), deterministic, evaluated every
+      # 50 steps; RECIPE_SIDES (gpt2 modern): the sides this call runs (at gpt2-124m's default budget a run takes
+      # minutes: one side and one lr a call, the calls sharing OUT/recipe); then the comparison of every run in
+      # OUT/recipe (the record and the loss curves)
+      work=/tmp/bench-recipe; mkdir -p "$out/recipe"
+      timeout 300 python3 scripts/prepare_data.py data=packages model.vocab_size=null 2>&1 | tail -1
+      for side in ${RECIPE_SIDES:-gpt2 modern}; do
+        rm -rf $work/$side
+        timeout 590 python3 scripts/bench_recipe.py --work $work --recipes $side --tokens ${RECIPE_TOKENS:-163840000} \
+          --gpt2-lrs ${RECIPE_GPT2_LRS:-6e-4,1.2e-3} --modern-lrs ${RECIPE_MODERN_LRS:-0.01,0.02} 2>&1 | tail -4
+        rm -rf $work/$side/*/checkpoints
+        tar -C $work -cf - $side | tar -C "$out/recipe" -xf -
+      done
+      python3 scripts/bench_recipe.py --compare "$out/recipe/gpt2" "$out/recipe/modern" --out "$out/recipe/recipe.json" \
+        2>&1 | tail -12 ;;
   esac
 done

@@ -12,21 +12,25 @@ def test_the_warm_up_steps_are_not_timed_and_the_clock_starts_on_a_drained_devic
     monkeypatch.setattr(metrics.time, "perf_counter", lambda: now[0])
     meter = metrics.Throughput(tokens_per_step=100, model_flops_per_token=6, hardware_flops_per_token=8, peak=1e4,
                                untimed_steps=2, sync=lambda: synced.append(now[0]))
-    for seconds in (30.0, 5.0):  # compiling, then recording CUDA graphs
-        now[0] += seconds
-        meter.step()
-    assert synced == [35.0]  # once, after the last untimed step
-    assert meter.read() == {}  # an interval of untimed steps only has no rate to report
+    now[0] += 30.0  # compiling
+    meter.step()
+    now[0] += 2.0  # an evaluation between the warm-up steps restarts the interval, not the warm-up's clock
+    meter.restart()
+    now[0] += 5.0  # recording CUDA graphs
+    meter.step()
+    assert synced == [37.0]  # once, after the last untimed step
+    assert meter.read() == {"perf/warmup_s": 37.0}  # an interval of untimed steps only has no rate, but their time
     for _ in range(4):
         now[0] += 0.5
         meter.step()
     rates = meter.read()
+    assert "perf/warmup_s" not in rates  # reported once
     assert rates["perf/step_ms"] == 500.0 and rates["perf/tokens_per_s"] == 200.0
     assert rates["perf/mfu"] == 200.0 * 6 / 1e4 and rates["perf/hfu"] == 200.0 * 8 / 1e4
     now[0] += 1.0
     meter.step()  # after the warm-up, every step counts; a read starts the next interval
     assert meter.read()["perf/step_ms"] == pytest.approx(1000.0)
-    assert synced == [35.0]
+    assert synced == [37.0]
 
 
 def test_a_meter_without_warm_up_times_from_its_first_step(monkeypatch):

@@ -427,7 +427,8 @@ def read_quality_run(run_dir) -> dict:
             "last_step": max((r["step"] for r in steps), default=0)}
 
 
-def _final(run: dict) -> float:
+def final_loss(run: dict) -> float:
+    """The validation loss at its last evaluation; infinite for a run with a non-finite loss or none evaluated."""
     return run["val"][max(run["val"])] if run["finite"] and run["val"] else float("inf")
 
 
@@ -439,16 +440,16 @@ def steps_to_reach(run: dict, loss: float) -> int | None:
 def quality(runs: list[dict]) -> dict:
     """Each optimizer's best run (the lowest final validation loss of its lr sweep, all of the same length), and the
     steps Muon's best needs to reach AdamW's best final loss (at the runs' evaluation steps)."""
-    best = {name: min((r for r in runs if r["optimizer"] == name), key=_final, default=None)
+    best = {name: min((r for r in runs if r["optimizer"] == name), key=final_loss, default=None)
             for name in ("adamw", "muon")}
     if None in best.values():
         raise ValueError("the quality comparison needs AdamW runs and Muon runs")
     if len({r["last_step"] for r in runs}) != 1:
         raise ValueError("the runs differ in length: " + ", ".join(f"{r['dir']}: {r['last_step']}" for r in runs))
-    target = _final(best["adamw"])
+    target = final_loss(best["adamw"])
     reached = steps_to_reach(best["muon"], target)
     steps = best["adamw"]["last_step"]
-    return {"best": best, "adamw_final": target, "muon_final": _final(best["muon"]), "muon_steps": reached,
+    return {"best": best, "adamw_final": target, "muon_final": final_loss(best["muon"]), "muon_steps": reached,
             "steps": steps, "muon_share": None if reached is None else reached / steps}
 
 

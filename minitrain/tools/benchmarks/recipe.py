@@ -1,0 +1,189 @@
+"""Time to a target loss: GPT-2's recipe against the modern one, on one GPU and one corpus (`scripts/bench_recipe.py`
+is its command line).
+
+The GPT-2 recipe (`model=gpt2-124m`, AdamW, the project's defaults) runs a fixed number of tokens at each lr of a
+small sweep of trainer.lr; the lowest final validation loss among them is the target. The modern recipe
+(`model=gpt2-124m-modern optimizer=muon`) runs the same number of tokens (the ceiling) at each lr of a sweep of
+optimizer.muon.lr; its best run (the lowest final loss) is timed to the first evaluation step whose validation loss
+is at most the target. Every run is a `scripts/train.py` process of its own, deterministic, with the same batch and
+context, evaluated (and logged) every `eval_every` steps; the comparison reads only the runs' records, so it can be
+run again anywhere on runs made elsewhere.
+
+Wall time to a step, from the run's metrics.jsonl: each log interval's mean step time (perf/step_ms) times its
+steps, from the end of the process's warm-up steps (minitrain.loop's UNTIMED_STEPS_*: the compile and CUDA-graph
+recording), evaluations and checkpoint saves left out. "Compile excluded" counts the warm-up steps at the mean time
+of the timed ones (the run as if its step had been compiled beforehand); "compile included" adds their measured wall
+time (perf/warmup_s) instead.
+"""
+
+from __future__ import annotations
+
+import math
+import subprocess
+import sys
+from pathlib import Path
+from typing import Optional
+
+import yaml
+
+from minitrain.loop import UNTIMED_STEPS_COMPILED, UNTIMED_STEPS_EAGER
+from minitrain.rundir import CONFIG_RECORD, METRICS, RECORD
+from minitrain.tools import report
+from minitrain.tools.benchmarks.optimizer import final_loss, read_quality_run, steps_to_reach
+
+TRAIN = Path(__file__).resolve().parents[3] / "scripts" / "train.py"
+# Each recipe's overrides and the key its lr sweep sets. The comparison tells the sides apart by optimizer: AdamW's
+# runs are the GPT-2 recipe, Muon's the modern one.
+RECIPES = {"gpt2": ("model=gpt2-124m",), "modern": ("model=gpt2-124m-modern", "optimizer=muon")}
+LR_KEYS = {"gpt2": "trainer.lr", "modern": "optimizer.muon.lr"}
+SIDES = {"adamw": "gpt2", "muon": "modern"}
+NAMES = {"gpt2": "GPT-2 recipe", "modern": "modern recipe"}
+# The corpus every GPU machine has without network (the installed packages' .py sources), the model's vocabulary
+# sized to its BPE (4096 ids); GPT-2's tokenizer instead: data=packages data.tokenizer=gpt2.
+DATA = ("data=packages", "model.vocab_size=null")
+
+
+class RecipeError(ValueError):
+    """Runs that cannot be compared (the message says which and why)."""
+
+
+def cell_overrides(overrides, lr_key: str, lr: float, steps: int, batch_size: int, block_size: int,
+                   eval_every: int, eval_batches: int, data, extra) -> list[str]:
+    """A run's command line: its recipe at one lr, the shared budget and cadence. The log cadence is the evaluation's,
+    so that every evaluated step's time is in a log record; one checkpoint, at the end."""
+    return [*overrides, f"{lr_key}={lr:g}", *data, f"trainer.batch_size={batch_size}",
+            f"model.block_size={block_size}", f"trainer.max_steps={steps}", f"trainer.eval_every={eval_every}",
+            f"trainer.log_every={eval_every}", f"trainer.eval_batches={eval_batches}", f"trainer.save_every={steps}",
+            "trainer.deterministic=true", "trainer.sample_tokens=0", *extra]
+
+
+def run_cell(run_dir: Path, overrides: list[str]) -> int:
+    """`python scripts/train.py OVERRIDES hydra.run.dir=RUN_DIR`, its console in RUN_DIR.log; its exit code."""
+    if report.is_run_dir(run_dir):
+        raise RecipeError(f"--work: {run_dir} already holds a run; give another --work, or --compare it")
+    run_dir.parent.mkdir(parents=True, exist_ok=True)
+    with open(f"{run_dir}.log", "w") as log:
+        return subprocess.run([sys.executable, str(TRAIN), *overrides, f"hydra.run.dir={run_dir}"], stdout=log,
+                              stderr=subprocess.STDOUT).returncode
+
+
+def timed_seconds(records: list[dict], untimed_steps: int) -> dict[int, float]:
+    """At each log step with a rate, the wall time of the steps timed so far: each interval's mean step time times
+    its steps, counted from the end of the warm-up (a log record at an earlier step has no rate)."""
+    seconds, total, previous = {}, 0.0, untimed_steps
+    for r in records:
+        if "perf/step_ms" in r:
+            total += r["perf/step_ms"] / 1e3 * (r["step"] - previous)
+            seconds[r["step"]], previous = total, r["step"]
+    return seconds
+
+
+def read_run(run_dir) -> dict:
+    """A run's side (by its optimizer), lr, validation losses, planned budget and the wall times to its log steps."""
+    run_dir = Path(run_dir)
+    run = read_quality_run(run_dir)
+    config = yaml.safe_load((run_dir / RECORD / CONFIG_RECORD).read_text())
+    records = report.read_step_records(run_dir / METRICS)
+    compiled = report.read_plan(run_dir / METRICS).get("compile_mode", "eager") != "eager"
+    untimed = UNTIMED_STEPS_COMPILED if compiled else UNTIMED_STEPS_EAGER
+    t = config["trainer"]
+    tokens_per_step = t["batch_size"] * config["model"]["block_size"]
+    side = SIDES.get(run["optimizer"])
+    if side is None:
+        raise RecipeError(f"{run_dir}: optimizer={run['optimizer']} is neither recipe's (adamw: GPT-2's, muon: the "
+                          "modern one)")
+    warmup = next((r["perf/warmup_s"] for r in records if "perf/warmup_s" in r), None)
+    return {**run, "side": side, "model": config["model"]["name"],
+            "recipe_lr": run["muon_lr"] if side == "modern" else run["lr"], "max_steps": t["max_steps"],
+            "tokens_per_step": tokens_per_step, "budget": t["max_steps"] * tokens_per_step,
+            "finished": run["last_step"] == t["max_steps"], "untimed_steps": untimed, "warmup_s": warmup,
+            "timed_s": timed_seconds(records, untimed)}
+
+
+def wall_times(run: dict, step: int) -> tuple[float, Optional[float]]:
+    """The run's wall time to `step`: compile excluded (its warm-up steps at the timed steps' mean), and included (their
+    measured time; None for a run that did not record it)."""
+    timed = run["timed_s"].get(step)
+    if timed is None:
+        raise RecipeError(f"{run['dir']}: step {step} has no timed log record (its first {run['untimed_steps']} "
+                          "steps warm up, and trainer.log_every must divide trainer.eval_every)")
+    excluded = timed / (step - run["untimed_steps"]) * step
+    return excluded, None if run["warmup_s"] is None else timed + run["warmup_s"]
+
+
+def _best(runs: list[dict]) -> dict:
+    """The lowest final validation loss of a finished run with finite losses (a run stopped early is no candidate)."""
+    return min(runs, key=lambda r: final_loss(r) if r["finished"] else math.inf)
+
+
+def compare(runs: list[dict]) -> dict:
+    """The target (the GPT-2 recipe's best final validation loss), and each recipe's best run's tokens and wall times:
+    the GPT-2 recipe's to its end, the modern recipe's to the first evaluation at or below the target."""
+    sides = {side: [r for r in runs if r["side"] == side] for side in NAMES}
+    missing = [NAMES[side] for side, found in sides.items() if not found]
+    if missing:
+        raise RecipeError(f"no runs of the {' or '.join(missing)} (the GPT-2 recipe's runs use AdamW, the "
+                          "modern one's Muon)")
+    if len({r["budget"] for r in runs}) != 1:
+        raise RecipeError("the runs' token budgets differ: " + ", ".join(f"{r['dir']}: {r['budget']:,}" for r in runs))
+    gpt2, modern = _best(sides["gpt2"]), _best(sides["modern"])
+    target = final_loss(gpt2) if gpt2["finished"] else math.inf
+    if not math.isfinite(target):
+        raise RecipeError("no run of the GPT-2 recipe finished with finite losses: there is no target")
+    reached = steps_to_reach(modern, target) if math.isfinite(final_loss(modern)) and modern["finished"] else None
+    result = {"target": target, "budget_tokens": gpt2["budget"], "gpt2": _side(gpt2, gpt2["max_steps"]),
+              "modern": _side(modern, reached)}
+    for kind in ("excluded", "included"):
+        g, m = result["gpt2"][f"wall_s_compile_{kind}"], result["modern"][f"wall_s_compile_{kind}"]
+        result[f"ratio_compile_{kind}"] = None if g is None or m is None else m / g
+    return result
+
+
+def _side(run: dict, step: Optional[int]) -> dict:
+    excluded, included = (None, None) if step is None else wall_times(run, step)
+    return {"dir": run["dir"], "lr": run["recipe_lr"], "final": final_loss(run), "step": step,
+            "loss": None if step is None else run["val"][step],
+            "tokens": None if step is None else step * run["tokens_per_step"],
+            "wall_s_compile_excluded": excluded, "wall_s_compile_included": included}
+
+
+def _seconds(value: Optional[float]) -> str:
+    return "not recorded" if value is None else f"{value:.1f} s"
+
+
+def _ratio(value: Optional[float]) -> str:
+    return "—" if value is None else f"{value:.3f}x"
+
+
+def compare_report(runs: list[dict], result: dict) -> list[str]:
+    """Each run's lr and final loss, then both recipes' wall times, tokens and the ratio."""
+    lines = [f"{NAMES[r['side']]} {LR_KEYS[r['side']]}={r['recipe_lr']:g}: final validation loss "
+             + (f"{final_loss(r):.4f}" if r["finished"] and math.isfinite(final_loss(r)) else
+                "NON-FINITE" if not r["finite"] else f"none (stopped at step {r['last_step']} of {r['max_steps']})")
+             for r in runs]
+    g, m = result["gpt2"], result["modern"]
+    lines.append(f"target: {result['target']:.4f}, the GPT-2 recipe's best final validation loss "
+                 f"({LR_KEYS['gpt2']}={g['lr']:g})")
+    lines.append(f"GPT-2 recipe: {g['step']} steps, {g['tokens']:,} tokens, wall time "
+                 f"{_seconds(g['wall_s_compile_excluded'])} compile excluded, "
+                 f"{_seconds(g['wall_s_compile_included'])} compile included")
+    if m["step"] is None:
+        lines.append(f"modern recipe ({LR_KEYS['modern']}={m['lr']:g}): never reaches the target in "
+                     f"{result['budget_tokens']:,} tokens (its final validation loss {m['final']:.4f})")
+        return lines
+    lines.append(f"modern recipe ({LR_KEYS['modern']}={m['lr']:g}): reaches {m['loss']:.4f} at step {m['step']}, "
+                 f"{m['tokens']:,} tokens, wall time {_seconds(m['wall_s_compile_excluded'])} compile excluded, "
+                 f"{_seconds(m['wall_s_compile_included'])} compile included")
+    lines.append(f"ratio (modern / GPT-2 wall time): {_ratio(result['ratio_compile_excluded'])} compile excluded, "
+                 f"{_ratio(result['ratio_compile_included'])} compile included")
+    return lines
+
+
+def plot_curves(run_dirs: list[Path], runs: list[dict], path: Path) -> Optional[Path]:
+    """The runs' train and validation losses against tokens (minitrain/tools/report.py's plot), or None without
+    matplotlib."""
+    if not report.plotting_available():
+        return None
+    cells = [report.Cell(name=f"{NAMES[r['side']]} {LR_KEYS[r['side']]}={r['recipe_lr']:g}",
+                         records=report.read_step_records(Path(d) / METRICS)) for d, r in zip(run_dirs, runs)]
+    return report.plot_loss_curves(cells, path)

@@ -1,0 +1,91 @@
+"""Time to a target loss on one GPU: the GPT-2 recipe (model=gpt2-124m, AdamW) at its best trainer.lr of a sweep runs
+--tokens; its final validation loss is the target; the modern recipe (model=gpt2-124m-modern optimizer=muon) at its
+best optimizer.muon.lr, with the same budget as its ceiling, is timed to the first evaluation at or below it. Prints
+both wall times (compile excluded and included), the tokens and the ratio; writes the record (--out) and the runs'
+loss curves (--plot). Every run is a `scripts/train.py` process (WORK/<recipe>/<lr>), deterministic, on the
+installed packages' sources by default (--data; GPT-2's tokenizer: --data data=packages data.tokenizer=gpt2).
+`--compare RUN_DIR...` only reads finished runs (run dirs, or dirs of them), wherever they were made
+(minitrain/tools/benchmarks/recipe.py says how the times are read).
+
+    python scripts/bench_recipe.py --work runs/recipe --out recipe.json
+    python scripts/bench_recipe.py --work runs/recipe --recipes gpt2        # one side per call
+    python scripts/bench_recipe.py --compare runs/recipe/gpt2 runs/recipe/modern --out recipe.json
+"""
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from minitrain.tools import bench  # noqa: E402
+from minitrain.tools.benchmarks import optimizer, recipe  # noqa: E402
+
+
+def lrs(text: str) -> list[float]:
+    return [float(x) for x in text.split(",")]
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--work", default="runs/bench_recipe", help="the runs' dirs go beneath: WORK/<recipe>/<lr>")
+    ap.add_argument("--recipes", nargs="+", choices=list(recipe.RECIPES), default=list(recipe.RECIPES),
+                    help="the sides to run (then --compare both sides' dirs)")
+    ap.add_argument("--tokens", type=int, default=163_840_000, help="every run's budget (5000 steps of 32 x 1024)")
+    ap.add_argument("--gpt2-lrs", type=lrs, default=[6e-4, 1.2e-3], help="trainer.lr of the GPT-2 recipe's runs")
+    ap.add_argument("--modern-lrs", type=lrs, default=[0.01, 0.02], help="optimizer.muon.lr of the modern recipe's")
+    ap.add_argument("--gpt2", nargs="+", default=list(recipe.RECIPES["gpt2"]), metavar="OVERRIDE",
+                    help="the GPT-2 recipe's overrides")
+    ap.add_argument("--modern", nargs="+", default=list(recipe.RECIPES["modern"]), metavar="OVERRIDE",
+                    help="the modern recipe's overrides")
+    ap.add_argument("--data", nargs="+", default=list(recipe.DATA), metavar="OVERRIDE", help="the corpus")
+    ap.add_argument("--batch-size", type=int, default=32, help="trainer.batch_size of every run")
+    ap.add_argument("--block-size", type=int, default=1024, help="model.block_size of every run")
+    ap.add_argument("--eval-every", type=int, default=50, help="steps between evaluations (and log records)")
+    ap.add_argument("--eval-batches", type=int, default=20, help="trainer.eval_batches")
+    ap.add_argument("--extra", nargs="+", default=[], metavar="OVERRIDE", help="more overrides for every run")
+    ap.add_argument("--compare", nargs="+", metavar="RUN_DIR", help="compare these finished runs instead of running")
+    ap.add_argument("--out", default="bench_recipe.json")
+    ap.add_argument("--plot", help="the loss curves' PNG (default: --out's name with .png)")
+    args = ap.parse_args(argv)
+    for name in ("tokens", "batch_size", "block_size", "eval_every", "eval_batches"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be at least 1")
+    steps = args.tokens // (args.batch_size * args.block_size)
+    if steps < 1:
+        ap.error(f"--tokens {args.tokens} is less than one step of {args.batch_size} x {args.block_size}")
+    run_dirs = args.compare
+    if not run_dirs:
+        sweeps = {"gpt2": (args.gpt2, args.gpt2_lrs), "modern": (args.modern, args.modern_lrs)}
+        run_dirs = []
+        for side in args.recipes:
+            overrides, side_lrs = sweeps[side]
+            for lr in side_lrs:
+                run_dir = Path(args.work).resolve() / side / f"{lr:g}"
+                cell = recipe.cell_overrides(overrides, recipe.LR_KEYS[side], lr, steps, args.batch_size,
+                                             args.block_size, args.eval_every, args.eval_batches, args.data,
+                                             args.extra)
+                print(f"{recipe.NAMES[side]} {recipe.LR_KEYS[side]}={lr:g}: {run_dir}", flush=True)
+                try:
+                    code = recipe.run_cell(run_dir, cell)
+                except recipe.RecipeError as e:
+                    ap.exit(2, f"error: {e}\n")
+                if code:
+                    print(f"  exit code {code}: see {run_dir}.log", flush=True)
+                run_dirs.append(run_dir)
+        if set(args.recipes) != set(recipe.RECIPES):
+            return  # one side only: --compare both sides' dirs when the other has run
+    dirs = optimizer.quality_run_dirs(run_dirs)
+    try:
+        runs = [recipe.read_run(d) for d in dirs]
+        result = recipe.compare(runs)
+    except recipe.RecipeError as e:
+        ap.exit(2, f"error: {'--compare: ' if args.compare else ''}{e}\n")
+    print("\n".join(recipe.compare_report(runs, result)))
+    bench.write_results(args.out, {**result, "runs": [{k: v for k, v in r.items() if k != "timed_s"} for r in runs]})
+    plot = recipe.plot_curves(dirs, runs, Path(args.plot or Path(args.out).with_suffix(".png")))
+    print(f"record {args.out}; " + (f"loss curves {plot}" if plot else "PNG skipped: matplotlib is not installed"))
+
+
+if __name__ == "__main__":
+    main()

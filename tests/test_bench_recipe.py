@@ -1,0 +1,163 @@
+"""scripts/bench_recipe.py without a GPU (minitrain.tools.benchmarks.recipe): the target, the step that reaches it and
+the wall times to it on run dirs written as the trainer writes them, the refusals, and the script end to end at the
+tiny model's scale (its runs, their settings, the comparison's lines and record)."""
+
+import json
+import math
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from minitrain.loop import UNTIMED_STEPS_COMPILED, UNTIMED_STEPS_EAGER
+from minitrain.tools.benchmarks import recipe
+
+from conftest import REPO
+
+SCRIPT = str(REPO / "scripts" / "bench_recipe.py")
+
+
+def write_run(root, name, optimizer, val, lr=6e-4, muon_lr=0.02, step_ms=100.0, warmup_s=30.0, max_steps=None,
+              batch_size=4, block_size=64, compiled=True):
+    """A run dir as the trainer leaves it: .hydra/config.yaml, and metrics.jsonl's plan then a record at each of
+    `val`'s steps, logged and evaluated (step_ms: one figure for every interval, or a figure per step)."""
+    run = root / name
+    (run / ".hydra").mkdir(parents=True)
+    steps = sorted(val)
+    config = {"model": {"name": "tiny", "block_size": block_size},
+              "optimizer": {"name": optimizer, "muon": {"lr": muon_lr}},
+              "trainer": {"lr": lr, "batch_size": batch_size, "max_steps": max_steps or steps[-1]}}
+    (run / ".hydra" / "config.yaml").write_text(yaml.safe_dump(config))
+    untimed = UNTIMED_STEPS_COMPILED if compiled else UNTIMED_STEPS_EAGER
+    records = [{"plan": {"optimizer_name": optimizer, "compile_mode": "max-autotune" if compiled else "eager"}}]
+    for i, s in enumerate(steps):
+        r = {"step": s, "tokens": s * batch_size * block_size, "train/loss": val[s]}
+        if i == 0 and warmup_s is not None:
+            r["perf/warmup_s"] = warmup_s
+        if s > untimed:
+            r["perf/step_ms"] = step_ms[s] if isinstance(step_ms, dict) else step_ms
+        records.append({**r, "val/loss": val[s]})
+    (run / "metrics.jsonl").write_text("\n".join(map(json.dumps, records)) + "\n")
+    return run
+
+
+def compare(*runs):
+    return recipe.compare([recipe.read_run(r) for r in runs])
+
+
+def test_the_target_is_the_best_gpt2_runs_final_loss_and_a_loss_equal_to_it_reaches_it(tmp_path):
+    target = 3.5
+    gpt2 = [write_run(tmp_path, "g1", "adamw", {10: 4.5, 20: 4.0, 30: 3.75}),
+            write_run(tmp_path, "g2", "adamw", {10: 4.4, 20: 3.2, 30: target}, lr=1.2e-3),  # best final, not best
+            write_run(tmp_path, "g3", "adamw", {10: 4.0, 20: 3.0}, max_steps=30)]  # stopped early: no candidate
+    equal = write_run(tmp_path, "m1", "muon", {10: 4.0, 20: target, 30: 3.0})
+    result = compare(*gpt2, equal)
+    assert result["target"] == target and result["gpt2"]["dir"].endswith("g2") and result["gpt2"]["lr"] == 1.2e-3
+    assert (result["modern"]["step"], result["modern"]["loss"], result["modern"]["tokens"]) == (20, target, 20 * 256)
+    above = write_run(tmp_path, "m2", "muon", {10: 4.0, 20: math.nextafter(target, math.inf), 30: 3.0})
+    assert compare(*gpt2, above)["modern"]["step"] == 30  # one ulp above the target does not reach it
+
+
+def test_the_modern_recipes_best_run_is_the_lowest_final_loss_of_its_sweep(tmp_path):
+    gpt2 = write_run(tmp_path, "g", "adamw", {10: 4.0, 20: 3.5})
+    early = write_run(tmp_path, "m1", "muon", {10: 3.4, 20: 3.3}, muon_lr=0.04)  # reaches it first, ends higher
+    best = write_run(tmp_path, "m2", "muon", {10: 3.6, 20: 3.0}, muon_lr=0.02)
+    result = compare(gpt2, early, best)
+    assert (result["modern"]["dir"], result["modern"]["lr"], result["modern"]["step"]) == (str(best), 0.02, 20)
+
+
+def test_wall_times_to_a_step_sum_the_timed_intervals_and_count_the_warm_up_either_way(tmp_path):
+    """Compiled runs: steps 1-3 warm up (30 s and 20 s measured); log intervals of 10 steps. The GPT-2 run's 40 steps:
+    7 timed steps at 0.1 s, then 10 at 0.2, 10 at 0.3, 10 at 0.1 = 6.7 s timed; the modern run reaches the target at
+    step 20: 7 x 0.05 + 10 x 0.1 = 1.35 s."""
+    gpt2 = write_run(tmp_path, "g", "adamw", {10: 4.0, 20: 3.8, 30: 3.6, 40: 3.5},
+                     step_ms={10: 100.0, 20: 200.0, 30: 300.0, 40: 100.0})
+    modern = write_run(tmp_path, "m", "muon", {10: 3.9, 20: 3.45, 30: 3.3, 40: 3.2},
+                       step_ms={10: 50.0, 20: 100.0, 30: 100.0, 40: 100.0}, warmup_s=20.0)
+    result = compare(gpt2, modern)
+    g, m = result["gpt2"], result["modern"]
+    assert g["wall_s_compile_excluded"] == pytest.approx(6.7 / 37 * 40)
+    assert g["wall_s_compile_included"] == pytest.approx(6.7 + 30.0)
+    assert m["wall_s_compile_excluded"] == pytest.approx(1.35 / 17 * 20)
+    assert m["wall_s_compile_included"] == pytest.approx(1.35 + 20.0)
+    assert result["ratio_compile_excluded"] == pytest.approx((1.35 / 17 * 20) / (6.7 / 37 * 40))
+    assert result["ratio_compile_included"] == pytest.approx(21.35 / 36.7)
+    eager = recipe.read_run(write_run(tmp_path, "e", "adamw", {2: 4.0, 4: 3.0}, step_ms=100.0, compiled=False))
+    assert recipe.wall_times(eager, 4) == pytest.approx((0.3 / 3 * 4, 0.3 + 30.0))  # an eager run warms up 1 step
+    unrecorded = recipe.read_run(write_run(tmp_path, "u", "adamw", {10: 4.0}, warmup_s=None))
+    assert recipe.wall_times(unrecorded, 10) == pytest.approx((0.7 / 7 * 10, None))
+
+
+def test_a_modern_recipe_that_never_reaches_the_target_is_reported_as_such(tmp_path):
+    gpt2 = write_run(tmp_path, "g", "adamw", {10: 4.0, 20: 3.5})
+    modern = write_run(tmp_path, "m", "muon", {10: 4.1, 20: 3.6})
+    diverged = write_run(tmp_path, "d", "muon", {10: 3.0, 20: None})  # below the target first, then non-finite
+    runs = [recipe.read_run(r) for r in (gpt2, modern, diverged)]
+    result = recipe.compare(runs)
+    assert result["modern"]["step"] is None and result["ratio_compile_excluded"] is None
+    assert result["modern"]["dir"] == str(modern)
+    lines = recipe.compare_report(runs, result)
+    assert lines[-1] == "modern recipe (optimizer.muon.lr=0.02): never reaches the target in 5,120 tokens (its final " \
+                        "validation loss 3.6000)"
+    assert any(line.endswith("NON-FINITE") for line in lines)
+    assert recipe.compare(runs[::2])["modern"]["step"] is None  # a diverged run reaches nothing, even before it
+    alone = [recipe.read_run(diverged)]
+    with pytest.raises(recipe.RecipeError, match="no runs of the GPT-2 recipe"):
+        recipe.compare(alone)
+
+
+def test_runs_of_different_token_budgets_are_refused(tmp_path):
+    """Steps alike but a larger batch, or batch alike but more steps: either is another budget."""
+    gpt2 = write_run(tmp_path, "g", "adamw", {10: 4.0, 20: 3.5})
+    for name, settings in {"batch": dict(batch_size=8), "steps": dict(max_steps=40)}.items():
+        other = write_run(tmp_path, name, "muon", {10: 3.9, 20: 3.4}, **settings)
+        with pytest.raises(recipe.RecipeError, match="token budgets differ"):
+            compare(gpt2, other)
+    out = subprocess.run([sys.executable, SCRIPT, "--compare", str(gpt2), str(tmp_path / "batch"), "--out",
+                          str(tmp_path / "r.json")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2 and out.stderr.startswith("error: --compare: the runs' token budgets differ: ")
+    assert len(out.stderr.strip().splitlines()) == 1 and not (tmp_path / "r.json").exists()
+
+
+def test_a_run_dir_that_holds_a_run_is_not_run_into(tmp_path):
+    """A second run there would be refused by the trainer's lock only while the first runs; a finished one stays."""
+    done = write_run(tmp_path, "done", "adamw", {10: 4.0})
+    with pytest.raises(recipe.RecipeError, match=f"--work: {done} already holds a run"):
+        recipe.run_cell(done, ["model=tiny"])
+    assert not (tmp_path / "done.log").exists()
+
+
+def test_the_script_runs_both_recipes_and_compares_them(tmp_path, data_cache):
+    """Both sides at the tiny model's scale, 4 steps of 4 x 64 tokens evaluated every 2: each run's settings as the
+    script sets them, the lines it prints, its record and plot; then --compare on the same dirs prints the same."""
+    work, out = tmp_path / "work", tmp_path / "r.json"
+    args = ["--work", str(work), "--tokens", "1100", "--batch-size", "4", "--block-size", "64", "--eval-every", "2",
+            "--eval-batches", "2", "--gpt2", "model=tiny", "--modern", "model=tiny", "optimizer=muon",
+            "model.position=rope", "--gpt2-lrs", "1e-3,2e-3", "--modern-lrs", "0.02", "--data", "data=stdlib",
+            "--extra", f"data.cache_dir={data_cache}", "logger.mode=disabled", "--out", str(out)]
+    run = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    cells = {"gpt2/0.001": ("trainer", "lr", 1e-3), "gpt2/0.002": ("trainer", "lr", 2e-3),
+             "modern/0.02": ("optimizer", "muon", 0.02)}
+    for cell, (group, key, lr) in cells.items():
+        config = yaml.safe_load((work / cell / ".hydra" / "config.yaml").read_text())
+        t = config["trainer"]
+        assert (t["max_steps"], t["batch_size"], config["model"]["block_size"]) == (4, 4, 64)  # 1100 // 256 steps
+        assert (t["eval_every"], t["log_every"], t["eval_batches"], t["deterministic"]) == (2, 2, 2, True)
+        assert (config[group][key] if key == "lr" else config[group][key]["lr"]) == lr
+    assert yaml.safe_load((work / "modern/0.02/.hydra/config.yaml").read_text())["model"]["position"] == "rope"
+    finals = {cell: recipe.read_run(work / cell) for cell in cells}
+    target = min(finals["gpt2/0.001"]["val"][4], finals["gpt2/0.002"]["val"][4])
+    saved = json.loads(out.read_text())
+    assert saved["target"] == target and saved["budget_tokens"] == 1024 and len(saved["runs"]) == 3
+    assert all(r["warmup_s"] > 0 for r in saved["runs"])  # the trainer's first log record holds its warm-up's time
+    assert f"target: {target:.4f}, the GPT-2 recipe's best final validation loss" in run.stdout
+    assert "GPT-2 recipe: 4 steps, 1,024 tokens, wall time " in run.stdout
+    assert "modern recipe (optimizer.muon.lr=0.02): " in run.stdout
+    assert (tmp_path / "r.png").stat().st_size > 0
+    again = subprocess.run([sys.executable, SCRIPT, "--compare", str(work / "gpt2"), str(work / "modern"), "--out",
+                            str(tmp_path / "again.json"), "--plot", str(tmp_path / "again.png")],
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr[-2000:]
+    assert again.stdout.splitlines()[:-1] == run.stdout.splitlines()[3:-1]  # the same lines, after the runs' own
