@@ -26,7 +26,7 @@ from .logger import RunLogger
 from .metrics import Throughput, memory_stats, peak_flops
 from .parts import Parts
 from .plan import Plan
-from .rundir import RunDir
+from .rundir import MEMORY, SAMPLE, RunDir
 
 # Steps of each process that tokens/s leaves out (metrics.Throughput): a compiled step compiles on its first
 # call and warms up and records its CUDA graphs on the next two; any step's first run makes the allocator's
@@ -206,7 +206,7 @@ def finish(parts: Parts, services: Services, settings: Settings, record: dict[st
     per sweep cell), a sample, the last console line saying where the results are."""
     logger, run_dir, plan = services.logger, services.run_dir, settings.plan
     measured = {k: v for k, v in record.items() if k.startswith("mem/")}
-    run_dir.write("memory.json", json.dumps({**plan.memory.as_dict(), **measured}, indent=1))
+    run_dir.write(MEMORY, json.dumps({**plan.memory.as_dict(), **measured}, indent=1))
     record["sample"] = sample(parts, services, settings)
     losses = ", ".join(f"{label} {record[key]:.4f}" for key, label in (("train/loss", "loss"), ("val/loss", "val"))
                        if record.get(key) is not None)
@@ -243,6 +243,6 @@ def sample(parts: Parts, services: Services, settings: Settings) -> str:
         out = sampler.generate(ids, n, seed=t.seed)
     parts.model.train()
     text = data.decode(out.tokens[0].tolist())
-    run_dir.write("sample.txt", text)
+    run_dir.write(SAMPLE, text)
     logger.print(f"sample:\n{text}")
     return text

@@ -174,10 +174,10 @@ class RunInfo:
         """A sweep cell that could not run, or stopped (diverged): error.txt and its overrides beside it, for the
         sweep's report; in a dir that holds no run, or this run's own record (a cell refused at start must not
         touch another run's)."""
-        if self.overrides is None or ((out_dir / "metrics.jsonl").exists() and not self.recorded):
+        if self.overrides is None or ((out_dir / METRICS).exists() and not self.recorded):
             return
         self._write_overrides(out_dir)
-        files.atomic_write(out_dir / "error.txt", message + "\n")
+        files.atomic_write(out_dir / ERROR, message + "\n")
 
     def write(self, out_dir: Path, config: dict[str, Any]) -> None:
         """.hydra/config.yaml (the resolved config) and overrides.yaml, written by the run that holds the
@@ -185,14 +185,14 @@ class RunInfo:
         the first run's record)."""
         if self.overrides is None:
             return
-        files.atomic_write(self._write_overrides(out_dir) / "config.yaml", OmegaConf.to_yaml(config))
-        (out_dir / "error.txt").unlink(missing_ok=True)  # of an earlier start that failed: this one may finish
+        files.atomic_write(self._write_overrides(out_dir) / CONFIG_RECORD, OmegaConf.to_yaml(config))
+        (out_dir / ERROR).unlink(missing_ok=True)  # of an earlier start that failed: this one may finish
         self.recorded = True
 
     def _write_overrides(self, out_dir: Path) -> Path:
-        folder = out_dir / ".hydra"
+        folder = out_dir / RECORD
         folder.mkdir(parents=True, exist_ok=True)
-        files.atomic_write(folder / "overrides.yaml", OmegaConf.to_yaml(self.overrides))
+        files.atomic_write(folder / OVERRIDES_RECORD, OmegaConf.to_yaml(self.overrides))
         return folder
 
     def continue_command(self, out_dir: Path, torchrun: bool = False) -> str:
@@ -237,7 +237,7 @@ class RunDir:
         export_hf.py and eval.py)."""
         if self.owner:
             self.info.write(self.path, config)
-            files.atomic_write(self.path / "tokenizer.json", tokenizer)
+            files.atomic_write(self.path / TOKENIZER, tokenizer)
         self.recorded = True
 
     def write(self, name: str, text: str) -> None:
