@@ -1,117 +1,27 @@
-"""Data-parallel scaling on one host: 1 GPU vs N GPUs under ddp and fsdp, through the trainer's own code.
-
-For each model, three runs of `minitrain.trainer.Trainer` (precision=bf16, fused loss and AdamW), each
-launched by torchrun as this script's `--worker`: 1 GPU (distributed=none), N GPUs with ddp, N GPUs with
-fsdp. The micro-batch per GPU is fixed (weak scaling: the global batch is N x --micro-batch), so
-N x the single-GPU tokens/s is perfect scaling. Each rank reports its peak allocated memory and the
-bytes its optimizer state occupies (fp32 masters + Adam m, v as allocated), beside
-the memory model's prediction of the same terms (`memory.predict(..., world_size, sharded)`).
+"""Data-parallel scaling on one host: 1 GPU vs N GPUs under ddp and fsdp, through the trainer's own code
+(minitrain/tools/benchmarks/distributed.py says how); torchrun starts each rank as this script's `--worker`.
 
     python scripts/bench_distributed.py --gpus 2 --out bench_distributed.json
-
-Checkpoints are not written (a 1.5b one is ~20 GB); the data cache is built once, before the runs.
 """
 
-from __future__ import annotations
-
 import argparse
-import json
-import os
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
-from typing import Callable
 
-REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from minitrain.tools import bench  # noqa: E402
-
-GB = 1e9
-STEPS = {"gpt2-124m": 30, "gpt2-1.5b": 16}
-MODES = [("none", 1), ("ddp", None), ("fsdp", None)]  # None: --gpus
-
-
-def overrides(model: str, mode: str, world: int, micro_batch: int, steps: int, out_dir: str,
-              extra: list[str]) -> list[str]:
-    log_every = steps // 3
-    return [f"model={model}", "precision=bf16", "loss=fused", "optimizer.impl=fused", f"distributed={mode}",
-            f"trainer.batch_size={micro_batch * world}", f"trainer.max_steps={steps}",
-            f"trainer.log_every={log_every}", f"trainer.eval_every={steps}", "trainer.eval_batches=1",
-            f"trainer.save_every={steps}", "trainer.sample_tokens=0", "trainer.warmup_steps=2", "trainer.lr=3e-4",
-            "trainer.min_lr=3e-5", "logger.mode=disabled", f"trainer.out_dir={out_dir}", *extra]
-
-
-def worker(args) -> None:
-    """One rank of one run: train, then write what this rank measured to --part."""
-    import torch
-    from minitrain import distributed
-    from minitrain.cli import compose_config
-    from minitrain.trainer import Trainer
-
-    trainer = Trainer(compose_config(args.overrides), progress=False)
-    trainer.checkpointer.save = lambda: None  # timing the step, not the disk
-    record = trainer.fit()
-    # fp32 masters + Adam m, v as allocated; under fsdp the fp32 param shards are the masters.
-    state = sum(b.state.exp_avg.nbytes + b.state.exp_avg_sq.nbytes
-                + (b.state.master.nbytes if b.state.master is not None else
-                   sum(p.nbytes for p in b.params) if trainer.dist.sharded else 0) for b in trainer.optimizer.buckets)
-    est = trainer.plan.memory
-    peak = torch.cuda.max_memory_allocated() / GB if torch.cuda.is_available() else 0.0
-    part = {"rank": trainer.dist.rank, "tokens_per_s": record["perf/tokens_per_s"], "mfu": record.get("perf/mfu"),
-            "peak_allocated_gb": peak, "optimizer_state_gb": state / GB,
-            "optimizer_state_pred_gb": (est.masters + est.adam_m + est.adam_v) / GB,
-            "peak_pred_gb": est.peak / GB, "loss": record["train/loss"]}
-    Path(f"{args.part}.rank{trainer.dist.rank}.json").write_text(json.dumps(part))
-    distributed.teardown(finished=True)
-
-
-def launch(model: str, mode: str, world: int, args, part: Path, extra: str = "") -> dict:
-    """One torchrun job, its run dir and rank reports at `part`; `extra`: space-separated config overrides,
-    shown beside the mode."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={world}",
-           __file__, "--worker", "--part", str(part), "--overrides",
-           *overrides(model, mode, world, args.micro_batch, args.steps or STEPS[model], str(part), extra.split())]
-    mode = f"{mode} {extra.replace('distributed.', '')}".strip()
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, cwd=REPO,
-                         env={**os.environ, "OMP_NUM_THREADS": "4"})
-    if out.returncode != 0:
-        print(out.stderr[-4000:], file=sys.stderr)
-        return {"model": model, "mode": mode, "gpus": world, "error": f"exit {out.returncode}"}
-    ranks = [json.loads(Path(f"{part}.rank{r}.json").read_text()) for r in range(world)]
-    r0 = ranks[0]
-    return {"model": model, "mode": mode, "gpus": world, "tokens_per_s": r0["tokens_per_s"], "mfu": r0["mfu"],
-            "loss": r0["loss"], "peak_allocated_gb": [r["peak_allocated_gb"] for r in ranks],
-            "peak_pred_gb": r0["peak_pred_gb"], "optimizer_state_gb": [r["optimizer_state_gb"] for r in ranks],
-            "optimizer_state_pred_gb": r0["optimizer_state_pred_gb"]}
-
-
-def _speedup(row: dict, rows: list[dict]) -> float | None:
-    """tokens/s over the same model's one-GPU row: N x 1.00 is perfect scaling."""
-    single = next((r.get("tokens_per_s") for r in rows if r["model"] == row["model"] and r["gpus"] == 1), None)
-    return row["tokens_per_s"] / single if single and "tokens_per_s" in row else None
-
-
-def table(rows: list[dict]) -> list[str]:
-    def worst(key: str, predicted: str) -> Callable[[dict], str | None]:
-        return lambda r: f"{max(r[key]):.2f} ({r[predicted]:.2f})" if key in r else None
-
-    columns = (bench.Column("model", "model"), bench.Column("mode", "mode"), bench.Column("gpus", "gpus", "d"),
-               bench.Column("tok/s", "tokens_per_s", ",.0f"),
-               bench.Column("x 1 GPU", lambda r: _speedup(r, rows), ".2f"), bench.Column("MFU", "mfu", ".1%"),
-               bench.Column("peak GB/GPU (pred)", worst("peak_allocated_gb", "peak_pred_gb"), "s"),
-               bench.Column("opt state GB/GPU (pred)", worst("optimizer_state_gb", "optimizer_state_pred_gb"), "s"))
-    return bench.table(rows, columns, note=lambda r: r.get("error", ""))
+from minitrain.tools.benchmarks import distributed  # noqa: E402
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--models", nargs="+", default=["gpt2-124m", "gpt2-1.5b"])
-    ap.add_argument("--modes", nargs="+", default=[m for m, _ in MODES], choices=[m for m, _ in MODES])
+    modes = [m for m, _ in distributed.MODES]
+    ap.add_argument("--modes", nargs="+", default=modes, choices=modes)
     ap.add_argument("--gpus", type=int, default=2)
     ap.add_argument("--micro-batch", type=int, default=8, help="sequences per GPU per step")
-    ap.add_argument("--steps", type=int, default=None, help="default: per model, see STEPS")
+    ap.add_argument("--steps", type=int, default=None,
+                    help="default: per model (minitrain/tools/benchmarks/distributed.py's STEPS)")
     ap.add_argument("--timeout", type=int, default=150, help="seconds per run")
     ap.add_argument("--fsdp-ablate", nargs="*", default=[], metavar="OVERRIDES",
                     help="more fsdp rows, each a quoted, space-separated set of overrides, e.g. "
@@ -122,22 +32,9 @@ def main() -> None:
     ap.add_argument("--overrides", nargs="*", default=[], help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        return worker(args)
-
-    from minitrain.cli import resolve_data
-    from minitrain.data import prepare_data
-
-    prepare_data(resolve_data([]), 1024, progress=False)  # build the data cache once, before any rank needs it
-    rows = []
-    with tempfile.TemporaryDirectory() as scratch:
-        for model in args.models:
-            runs = [(mode, world, "") for mode, world in MODES if mode in args.modes]
-            runs += [("fsdp", None, extra) for extra in args.fsdp_ablate]
-            for mode, world, extra in runs:
-                rows.append(launch(model, mode, world or args.gpus, args, Path(scratch) / f"run{len(rows)}", extra))
-                print(table(rows)[-1], flush=True)
-                bench.write_results(args.out, {"rows": rows})  # kept if a later run overruns the call
-    print("\n".join(table(rows)))
+        return distributed.worker(args.part, args.overrides)
+    rows = distributed.run(Path(__file__).resolve(), args)
+    print("\n".join(distributed.table(rows)))
 
 
 if __name__ == "__main__":
