@@ -179,3 +179,27 @@ def assert_bit_identical(a, b) -> None:
     assert len(a) == len(b)
     for x, y in zip(a, b):
         assert torch.equal(x.view(torch.uint8) if x.dim() else x, y.view(torch.uint8) if y.dim() else y)
+
+
+def llama_state_as_minitrain(theirs, n_layer: int) -> dict:
+    """A transformers Llama's (or Qwen3's) parameters under minitrain's names, mapped by hand in the tests (not by
+    minitrain/hf.py, which the tests check): q, k, v stacked into c_attn, gate then up into c_fc."""
+    import torch
+
+    t = {name: p.detach() for name, p in theirs.named_parameters()}
+    mine = {"wte.weight": t["model.embed_tokens.weight"], "ln_f.weight": t["model.norm.weight"],
+            "lm_head.weight": t["lm_head.weight"]}
+    for i in range(n_layer):
+        layer, block = f"model.layers.{i}", f"blocks.{i}"
+        mine |= {f"{block}.ln_1.weight": t[f"{layer}.input_layernorm.weight"],
+                 f"{block}.attn.c_attn.weight": torch.cat([t[f"{layer}.self_attn.{p}_proj.weight"] for p in "qkv"]),
+                 f"{block}.attn.c_proj.weight": t[f"{layer}.self_attn.o_proj.weight"],
+                 f"{block}.ln_2.weight": t[f"{layer}.post_attention_layernorm.weight"],
+                 f"{block}.mlp.c_fc.weight": torch.cat([t[f"{layer}.mlp.gate_proj.weight"],
+                                                        t[f"{layer}.mlp.up_proj.weight"]]),
+                 f"{block}.mlp.c_proj.weight": t[f"{layer}.mlp.down_proj.weight"]}
+        if f"{layer}.self_attn.q_norm.weight" in t:  # Qwen3's QK-norm
+            mine |= {f"{block}.attn.q_norm.weight": t[f"{layer}.self_attn.q_norm.weight"],
+                     f"{block}.attn.k_norm.weight": t[f"{layer}.self_attn.k_norm.weight"]}
+    return mine
+

@@ -18,7 +18,7 @@ from minitrain.ops.decode import decode_linear
 from minitrain.trainer import Trainer
 from minitrain.weights import open_weights
 
-from conftest import REPO
+from conftest import REPO, llama_state_as_minitrain
 
 ROPE, RMS, SWIGLU, RELU2 = PositionEncoding.rope, NormKind.rmsnorm, MlpActivation.swiglu, MlpActivation.relu2
 CONTEXT, PROMPT = 16, 5  # a prompt of 5 and 11 new tokens fill the context exactly
@@ -131,18 +131,7 @@ def llama_and_ours():
     with torch.no_grad():
         for p in theirs.parameters():
             p.copy_(torch.randn(p.shape, generator=g) * 0.5)
-    t = {name: p.detach() for name, p in theirs.named_parameters()}
-    mine = {"wte.weight": t["model.embed_tokens.weight"], "ln_f.weight": t["model.norm.weight"],
-            "lm_head.weight": t["lm_head.weight"]}
-    for i in range(2):
-        layer, block = f"model.layers.{i}", f"blocks.{i}"
-        mine |= {f"{block}.ln_1.weight": t[f"{layer}.input_layernorm.weight"],
-                 f"{block}.attn.c_attn.weight": torch.cat([t[f"{layer}.self_attn.{p}_proj.weight"] for p in "qkv"]),
-                 f"{block}.attn.c_proj.weight": t[f"{layer}.self_attn.o_proj.weight"],
-                 f"{block}.ln_2.weight": t[f"{layer}.post_attention_layernorm.weight"],
-                 f"{block}.mlp.c_fc.weight": torch.cat([t[f"{layer}.mlp.gate_proj.weight"],
-                                                        t[f"{layer}.mlp.up_proj.weight"]]),
-                 f"{block}.mlp.c_proj.weight": t[f"{layer}.mlp.down_proj.weight"]}
+    mine = llama_state_as_minitrain(theirs, 2)
     ours = wide_model(dict(position=ROPE, norm=RMS, mlp=SWIGLU, tie_head=False, bias=False))
     ours.load_state_dict(mine, strict=True)
     return theirs, ours

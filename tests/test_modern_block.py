@@ -17,7 +17,7 @@ from minitrain.ops import fused_linear_cross_entropy, linear_cross_entropy_refer
 from minitrain.recompute import apply_policy, recompute_flops_per_token
 from minitrain.trainer import Trainer
 
-from conftest import saved_state
+from conftest import llama_state_as_minitrain, saved_state
 
 ROPE, RMS, SWIGLU, RELU2 = PositionEncoding.rope, NormKind.rmsnorm, MlpActivation.swiglu, MlpActivation.relu2
 # Every option away from GPT-2's, at once (mlp takes one value: relu2 has its own case).
@@ -166,21 +166,7 @@ def test_llama_and_qwen3_compute_our_modern_block_with_their_weights_copied(arch
     ours = GPT(model_cfg(n_layer=2, n_embd=64, block_size=32, vocab_size=128, position=ROPE, norm=RMS, mlp=SWIGLU,
                          tie_head=False, bias=False, qk_norm=arch == "qwen3"))
     assert ours.cfg.mlp_hidden == 192
-    t = {name: p.detach() for name, p in theirs.named_parameters()}
-    mine = {"wte.weight": t["model.embed_tokens.weight"], "ln_f.weight": t["model.norm.weight"],
-            "lm_head.weight": t["lm_head.weight"]}
-    for i in range(2):
-        layer, block = f"model.layers.{i}", f"blocks.{i}"
-        mine |= {f"{block}.ln_1.weight": t[f"{layer}.input_layernorm.weight"],
-                 f"{block}.attn.c_attn.weight": torch.cat([t[f"{layer}.self_attn.{p}_proj.weight"] for p in "qkv"]),
-                 f"{block}.attn.c_proj.weight": t[f"{layer}.self_attn.o_proj.weight"],
-                 f"{block}.ln_2.weight": t[f"{layer}.post_attention_layernorm.weight"],
-                 f"{block}.mlp.c_fc.weight": torch.cat([t[f"{layer}.mlp.gate_proj.weight"],
-                                                        t[f"{layer}.mlp.up_proj.weight"]]),
-                 f"{block}.mlp.c_proj.weight": t[f"{layer}.mlp.down_proj.weight"]}
-        if arch == "qwen3":
-            mine |= {f"{block}.attn.q_norm.weight": t[f"{layer}.self_attn.q_norm.weight"],
-                     f"{block}.attn.k_norm.weight": t[f"{layer}.self_attn.k_norm.weight"]}
+    mine = llama_state_as_minitrain(theirs, 2)
     ours.load_state_dict(mine, strict=True)
     idx = torch.randint(0, 128, (2, 32))
     with torch.no_grad():
