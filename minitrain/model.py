@@ -41,14 +41,15 @@ def make_norm(cfg: ModelConfig, width: int) -> nn.Module:
 
 
 def rotate(x: torch.Tensor, pos: torch.Tensor, base: float) -> torch.Tensor:
-    """Rotary position embedding: (B, n_head, T, D) queries or keys at positions `pos` (T,), feature pair
+    """Rotary position embedding: (B, T, n_head, D) queries or keys at positions `pos` (T,), feature pair
     (i, i + D/2) turned by the angle pos * base^(-2i/D) (transformers' Llama layout, rotate_half's). In fp32 (the
     angles of late positions need it), returned in x's dtype. Positions, not an offset: a cached decode step passes
-    its own."""
+    its own. Applied before the heads are transposed, so that q and k reach attention in the projection's own
+    layout, as v does (rotated into a (B, n_head, T, D) layout, the step was measurably slower: docs/modern.md)."""
     D = x.shape[-1]
     inv_freq = 1.0 / (base ** (torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D))
     angle = pos.to(torch.float32)[:, None] * inv_freq  # (T, D/2)
-    cos, sin = angle.cos(), angle.sin()
+    cos, sin = angle.cos()[:, None], angle.sin()[:, None]  # (T, 1, D/2): the same angle for every head
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 
@@ -76,13 +77,13 @@ class CausalSelfAttention(nn.Module):
         """(B, T, 3C) projections of the tokens at positions `pos` (T,) (None: 0 .. T-1) -> q, k, v as
         (B, n_head, T, C / n_head), q and k normalised (qk_norm), then rotated (rope)."""
         B, T, C3 = qkv.shape
-        q, k, v = (t.view(B, T, self.n_head, C3 // 3 // self.n_head).transpose(1, 2) for t in qkv.split(C3 // 3, 2))
+        q, k, v = (t.view(B, T, self.n_head, C3 // 3 // self.n_head) for t in qkv.split(C3 // 3, 2))
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.rope_base is not None:
             pos = torch.arange(T, device=qkv.device) if pos is None else pos
             q, k = rotate(q, pos, self.rope_base), rotate(k, pos, self.rope_base)
-        return q, k, v
+        return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
 
     @staticmethod
     def merge(y: torch.Tensor) -> torch.Tensor:
