@@ -1,6 +1,6 @@
 """Float8 matmuls in the blocks' linear layers (`precision=fp8`): minitrain's float8 linear, or torchao's.
 
-Why: fp8 tensor cores have twice bf16's peak rate (docs/benchmarks.md#fp8 measures what a step gets), but every float8
+Why: fp8 tensor cores have twice bf16's peak rate (docs/benchmarks.md measures what a step gets), but every float8
 matmul first casts its operands (an amax, a scale, the cast, a transposed copy: memory passes), which eats the
 gain on narrow layers. torchao's `Float8Linear` casts input, weight and output gradient with a dynamic scale per
 matmul and multiplies with torch's float8 GEMM (compat.scaled_mm). Its weight stays the ordinary parameter it was (bf16 over fp32
