@@ -1,12 +1,11 @@
 """Typed configuration: one dataclass per Hydra config group, holding every default.
 
 The dataclasses are registered in Hydra's ConfigStore as the schema of `configs/config.yaml`, which picks one
-option per group; an option's file sets only what makes it that option, so each default is written once, here
-(the model group's in minitrain/model_config.py).
-OmegaConf validates against this schema: while Hydra composes, and before that on the command line
-(minitrain/cli.py), where what it refuses is said in one line naming the key (for an unknown one, the closest
-settings). Checks that need more than a type (ranges, combinations) live in `__post_init__`, which runs when
-`resolve()` turns the composed config into these objects, before any work starts.
+option per group; an option's file sets only what makes it that option, so each default is written once, here (the
+model group's in minitrain/model_config.py). OmegaConf validates against this schema: while Hydra composes, and
+before that on the command line (minitrain/cli.py), where what it refuses is said in one line naming the key (for an
+unknown one, the closest settings). Checks that need more than a type (ranges, combinations) live in
+`__post_init__`, which runs when `resolve()` turns the composed config into these objects, before any work starts.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from .errors import require
 
 
 class KernelImpl(str, Enum):
-    """A part with a Triton kernel and a PyTorch reference (the loss, the MLP's GELU)."""
+    """A part with a Triton kernel and a PyTorch reference: the MLP's GELU (model.gelu), the loss (loss.impl)."""
 
     auto = "auto"  # fused on CUDA, torch on CPU
     fused = "fused"
