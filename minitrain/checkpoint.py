@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import files
-from .config import error_reason
+from .errors import error_reason
 from .rundir import JOB_INFO, LATEST, PREVIOUS, RunDirError, checkpoint_dir
 
 UNUSABLE_MARK = ".unusable-"  # a checkpoint resume=auto fell back past, kept aside for the user to look at

@@ -27,7 +27,8 @@ import torch
 import torch.nn as nn
 
 from .compat import auto_filter_for_recipe
-from .config import Float8Kernels, Float8Recipe, ModelConfig
+from .config import Float8Kernels, Float8Recipe
+from .model_config import ModelConfig
 
 FP8_COMPUTE_CAPABILITY = (8, 9)  # Ada, Hopper, Blackwell: the first NVIDIA GPUs with fp8 tensor cores
 INSTALL = "pip install 'minitrain[fp8]'"

@@ -36,9 +36,9 @@ from dataclasses import asdict, astuple, dataclass, field
 import torch
 
 from .recompute import recomputed_blocks
-from .config import (CheckpointingConfig, CheckpointPolicy, DistributedConfig, Float8Kernels, KernelImpl, ModelConfig,
-                     OptimizerName)
+from .config import CheckpointingConfig, CheckpointPolicy, DistributedConfig, Float8Kernels, OptimizerName
 from .model import GPT
+from .model_config import KernelImpl, ModelConfig
 from .ops.cross_entropy import DEFAULT_CHUNK_BYTES, fitting
 from .optim import newton_schulz
 from .optim.layout import padded as _padded

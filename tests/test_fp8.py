@@ -22,10 +22,11 @@ import torch.multiprocessing as mp
 from minitrain import checkpoint, fp8
 from minitrain import plan as plan_module
 from minitrain.cli import compose_config
-from minitrain.config import BLOCK_LINEARS, CheckpointingConfig, CheckpointPolicy, ConfigError, Float8Kernels, \
-    Float8Recipe, KernelImpl, ModelConfig, resolve
+from minitrain.config import BLOCK_LINEARS, CheckpointingConfig, CheckpointPolicy, Float8Kernels, Float8Recipe, resolve
+from minitrain.errors import ConfigError
 from minitrain.memory import GB, Candidate, _float8_saved_delta, _minitrain_float8_block_delta, predict
 from minitrain.model import GPT, Block
+from minitrain.model_config import KernelImpl, ModelConfig
 from minitrain.ops import Float8Linear as MinitrainFloat8Linear, fused_linear_cross_entropy
 from minitrain.optim import AdamW, Numerics
 from minitrain.optim.dtensor import _is_float8_all_gather_weight

@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minitrain.config import MlpActivation, ModelConfig, NormKind, PositionEncoding
 from minitrain.generate import GenerationError, Sampler, Sampling, decode_logits, generate, head_logits, \
     sample_texts
 from minitrain.model import GPT, KVCache
+from minitrain.model_config import MlpActivation, ModelConfig, NormKind, PositionEncoding
 from minitrain.ops.decode import decode_linear
 from minitrain.trainer import Trainer
 from minitrain.weights import open_weights

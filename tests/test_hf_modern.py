@@ -12,10 +12,11 @@ import torch
 from minitrain import hf
 from minitrain.checkpoint import JOB_INFO
 from minitrain.cli import compose_config
-from minitrain.config import ConfigError, ModelConfig
 from minitrain.data.tokenizer import pretrained_tokenizer
+from minitrain.errors import ConfigError
 from minitrain.generate import Sampling, generate
 from minitrain.model import GPT
+from minitrain.model_config import ModelConfig
 from minitrain.trainer import Trainer
 from minitrain.weights import open_weights
 

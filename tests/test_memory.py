@@ -4,8 +4,9 @@ import torch
 from minitrain.recompute import apply_policy
 from dataclasses import replace
 
-from minitrain.config import CheckpointingConfig, CheckpointPolicy, DType, ModelConfig
+from minitrain.config import CheckpointingConfig, CheckpointPolicy, DType
 from minitrain.memory import Candidate, compare, predict
+from minitrain.model_config import ModelConfig
 from minitrain.tools.live_bytes import LiveBytes
 from minitrain.model import GPT
 from minitrain.ops import fused_linear_cross_entropy, linear_cross_entropy_reference
