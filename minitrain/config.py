@@ -445,6 +445,12 @@ def schema_keys(schema: type = Config, prefix: str = "") -> list[str]:
     return keys
 
 
+def schema_defaults() -> dict:
+    """Every setting's default, nested as the configs are (enums by name): what a checkpoint saved before the
+    setting existed was trained with (checkpoint.config_changes)."""
+    return OmegaConf.to_container(OmegaConf.structured(Config), enum_to_str=True)
+
+
 def resolve(cfg: DictConfig | Config) -> Config:
     """The composed config as typed objects, with every value check run (raises ConfigError)."""
     if isinstance(cfg, Config):
