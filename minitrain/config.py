@@ -220,7 +220,8 @@ class MuonConfig:
     ns_eps: float = 1e-7  # the Frobenius norm's floor before Newton–Schulz: torch.optim.Muon's eps
     adjust_lr: MuonAdjustLR = MuonAdjustLR.original  # torch.optim.Muon's default adjust_lr_fn
     # Decoupled, p *= 1 - lr * weight_decay with Muon's lr: Keller Jordan's README (its MuonWithAuxAdam example),
-    # 2e-4 a step at lr 0.02, as AdamW's 0.1 at trainer.lr 1e-3 (torch.optim.Muon's 0.1 goes with its lr of 1e-3).
+    # 2e-4 a step at lr 0.02, the order of AdamW's 1e-4 (0.1 at trainer.lr 1e-3); torch.optim.Muon's 0.1 goes with
+    # its lr of 1e-3.
     weight_decay: float = 0.01
 
     def __post_init__(self):
