@@ -45,7 +45,8 @@ def rotate(x: torch.Tensor, pos: torch.Tensor, base: float) -> torch.Tensor:
     (i, i + D/2) turned by the angle pos * base^(-2i/D) (transformers' Llama layout, rotate_half's). In fp32 (the
     angles of late positions need it), returned in x's dtype. Positions, not an offset: a cached decode step passes
     its own. Applied before the heads are transposed, so that q and k reach attention in the projection's own
-    layout, as v does (rotated into a (B, n_head, T, D) layout, the step was measurably slower: docs/modern.md)."""
+    layout, as v does (rotating them into the transposed layout cost the step most of the modern block's extra
+    time: docs/benchmarks.md, "Time to target")."""
     D = x.shape[-1]
     inv_freq = 1.0 / (base ** (torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D))
     angle = pos.to(torch.float32)[:, None] * inv_freq  # (T, D/2)
