@@ -16,13 +16,16 @@ holds it. Assumptions, checked by tests/test_memory.py on CPU and by the GPU swe
     zero_grad; the fused step reads them in place, loop and foreach gather them into a flat buffer
     (every tensor padded to ALIGN elements, one bucket per dtype and side); fp32 main grads live in that
     buffer from the first backward;
-  - no torch.compile: Inductor's partitioner chooses its own saved set (for bf16 blocks the same bytes), except
-    with torchao's float8 linears (precision.float8_kernels=torchao, `compiled`): there the partitioner keeps
-    float8 copies, or nothing, where eager torchao keeps bf16 inputs (_float8_saved_delta), and fuses the casts that
-    eager runs through fp32 temporaries (_float8_casts); minitrain's float8 op is opaque and saves the same float8
-    copies either way (_minitrain_float8_block_delta);
+  - no torch.compile: Inductor's partitioner chooses its own saved set (for bf16 blocks the same bytes; the modern
+    preset's block, on an H100, 32 bytes a token fewer: rope's cos and sin), except with torchao's float8 linears
+    (precision.float8_kernels=torchao, `compiled`): there the partitioner keeps float8 copies, or nothing, where
+    eager torchao keeps bf16 inputs (_float8_saved_delta), and fuses the casts that eager runs through fp32
+    temporaries (_float8_casts); minitrain's float8 op is opaque and saves the same float8 copies either way
+    (_minitrain_float8_block_delta);
   - SDPA runs a fused kernel (CUDA flash/efficient, CPU flash) that saves q, k, v, the output and an
     fp32 logsumexp; only CPU with attention dropout takes the math path, which saves T x T matrices;
+  - torch's RMSNorm (model.norm=rmsnorm, model.qk_norm) is one fused kernel on CUDA when its input and weight share a
+    dtype, and its composite ops, which keep fp32 copies, on a CPU or under autocast's mixed dtypes (_rms_norm_saved);
   - the allocator is not modelled: reserved exceeds allocated by what it caches, little with expandable segments
     (trainer.expandable_segments, the default), more with fixed blocks; `compare` shows by how much;
   - CUDA context, cuBLAS workspaces and Triton's own buffers are outside torch's counters, and ignored.
@@ -360,7 +363,7 @@ def _persistent_state(precision: Precision, n_params: int, padded: int, world_si
 
 def _fsdp_gathered(cfg: ModelConfig, p: int, n_params: int, unit_blocks: int, reshard_after_forward: bool,
                    float8_gathered: tuple[str, ...]) -> tuple[int, int]:
-    """FSDP2's compute copies, which exist only while gathered: the root's (embeddings, final norm, tied head)
+    """FSDP2's compute copies, which exist only while gathered: the root's (embeddings, final norm, the head)
     through forward and backward, plus two units of blocks (the running one, the prefetched one), or every block
     from forward to backward when reshard_after_forward is false. `float8_gathered`: the linears whose weights
     arrive as 1-byte float8, already cast. Also returns backward's unit gradients: a unit's new grads + the
