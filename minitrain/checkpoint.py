@@ -37,7 +37,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from . import files
-from .config import error_reason
+from .errors import error_reason
 from .rundir import JOB_INFO, LATEST, PREVIOUS, RunDirError, checkpoint_dir
 
 UNUSABLE_MARK = ".unusable-"  # a checkpoint resume=auto fell back past, kept aside for the user to look at
@@ -218,14 +218,14 @@ def holds_checkpoint(out_dir: Path) -> bool:
 
 
 def load_checkpoint(resume: str, out_dir: Path, *, template: dict[str, Any], per_rank: PerRank = {},
-                    rank: int = 0, world_size: int = 1) -> Optional[Loaded]:
+                    rank: int = 0, world_size: int = 1, defaults: Optional[dict] = None) -> Optional[Loaded]:
     """The checkpoint `trainer.resume` names, checked against this run; None for a fresh start.
 
     resume: `none`; `auto` (out_dir's latest checkpoint, else the previous one, else a fresh start); a run dir or
     its checkpoints/ dir (the same, in that dir); or a checkpoint directory (that one only). template: this
     run's live state, its tensors loaded in place (under torchrun collectively: each rank reads the shards it
     holds); its keys are required in the checkpoint, and its `config` is compared with the saved one
-    (config_changes: a breaking change raises). per_rank: the parts stored per rank. Which checkpoint is decided
+    (config_changes over `defaults`, the schema's: a breaking change raises). per_rank: the parts stored per rank. Which checkpoint is decided
     from the files, identically on every rank, before any shard is read.
 
     Raises CheckpointError naming each checkpoint tried and why, or the config keys that changed.
@@ -255,7 +255,7 @@ def load_checkpoint(resume: str, out_dir: Path, *, template: dict[str, Any], per
             problems.append(f"{shown} is absent ({_why_absent(candidate)})")
             continue
         try:
-            state, notes = _load_checked(candidate, shown, template, per_rank, rank, world_size)
+            state, notes = _load_checked(candidate, shown, template, per_rank, rank, world_size, defaults or {})
         except _Unusable as e:
             problems.append(f"{shown} {e}")
             unusable.append(candidate)
@@ -308,15 +308,15 @@ def _why_absent(path: Path) -> str:
     return "a save was interrupted" + (f", or it was kept aside as {kept[-1].name}" if kept else "")
 
 
-def _check_config(saved: dict, template: dict[str, Any], shown: str) -> list[str]:
-    changes = config_changes(saved, template["config"])
+def _check_config(saved: dict, template: dict[str, Any], shown: str, defaults: dict) -> list[str]:
+    changes = config_changes(saved, template["config"], defaults)
     if changes.breaking:
         raise CheckpointError(changes.refusal(shown))
-    return [changes.accepted()] if changes.allowed else []
+    return ([changes.accepted()] if changes.allowed else []) + ([changes.newer()] if changes.added else [])
 
 
 def _load_checked(path: Path, shown: str, template: dict[str, Any], per_rank: PerRank, rank: int,
-                  world_size: int) -> tuple[dict[str, Any], list[str]]:
+                  world_size: int, defaults: dict) -> tuple[dict[str, Any], list[str]]:
     from torch.distributed.checkpoint.api import CheckpointException
 
     if not path.is_dir():
@@ -328,7 +328,7 @@ def _load_checked(path: Path, shown: str, template: dict[str, Any], per_rank: Pe
         saved_world, config = info["world_size"], info["config"]
     except (OSError, ValueError, KeyError) as e:
         raise _Unusable(f"has no readable {JOB_INFO} ({error_reason(e)})") from None
-    notes = _check_config(config, template, shown)
+    notes = _check_config(config, template, shown, defaults)
     if saved_world != world_size:
         saved_by = f"{saved_world} process" + ("es" if saved_world > 1 else "")
         notes.append(f"{shown} was saved by {saved_by}, this run has {world_size}: the same global batch, its "
@@ -422,10 +422,12 @@ def _show(value: Any) -> str:
 
 @dataclass
 class ConfigChanges:
-    """Dotted keys whose value differs between a checkpoint's config and this run's: key -> (saved, now)."""
+    """Dotted keys whose value differs between a checkpoint's config and this run's: key -> (saved, now); and the
+    settings newer than the checkpoint that this run leaves at their defaults: key -> value."""
 
     allowed: dict[str, tuple[Any, Any]] = field(default_factory=dict)
     breaking: dict[str, tuple[Any, Any]] = field(default_factory=dict)
+    added: dict[str, Any] = field(default_factory=dict)
 
     def refusal(self, checkpoint: str) -> str:
         lines = [f"{checkpoint} was saved by a run with a different config; resuming would silently make it "
@@ -439,15 +441,23 @@ class ConfigChanges:
         return "config changed since the checkpoint (allowed): " + ", ".join(
             f"{key} {_show(a)} -> {_show(b)}" for key, (a, b) in self.allowed.items())
 
+    def newer(self) -> str:
+        return "settings newer than the checkpoint, at their defaults (what it was trained with): " + ", ".join(
+            f"{key}={_show(value)}" for key, value in self.added.items())
 
-def config_changes(saved: dict, current: dict) -> ConfigChanges:
-    """Compare nested config dicts by dotted key; a key on one side only is a change (an older checkpoint
-    lacks newer keys). Allowed: the keys ALLOWED_CHANGES matches; breaking: every other difference."""
-    saved_flat, current_flat = _flatten(saved), _flatten(current)
+
+def config_changes(saved: dict, current: dict, defaults: Optional[dict] = None) -> ConfigChanges:
+    """Compare nested config dicts by dotted key. A setting enters the schema with a default that computes what
+    minitrain computed before it, so a key an older checkpoint lacks is no change where this run leaves it at its
+    default in `defaults` (the schema's, nested as the configs); any other key on one side only is a change.
+    Allowed: the keys ALLOWED_CHANGES matches; breaking: every other difference."""
+    saved_flat, current_flat, default_flat = _flatten(saved), _flatten(current), _flatten(defaults or {})
     changes = ConfigChanges()
     for key in sorted((saved_flat.keys() | current_flat.keys()) - set(UNCOMPARED)):
         before, now = saved_flat.get(key, _ABSENT), current_flat.get(key, _ABSENT)
-        if before is _ABSENT or now is _ABSENT or before != now:
+        if before is _ABSENT and key in default_flat and now == default_flat[key]:
+            changes.added[key] = now
+        elif before is _ABSENT or now is _ABSENT or before != now:
             allowed = any(fnmatch.fnmatchcase(key, pattern) for pattern in ALLOWED_CHANGES)
             (changes.allowed if allowed else changes.breaking)[key] = (before, now)
     return changes

@@ -15,7 +15,7 @@ from typing import Any, Optional
 
 from . import checkpoint, divergence
 from .checkpoint import CheckpointError
-from .config import TrainerConfig
+from .config import TrainerConfig, schema_defaults
 from .distributed import Dist
 from .divergence import Kept
 from .parts import Parts
@@ -69,7 +69,7 @@ class Checkpointer:
         checkpoints of a run (trainer.resume=none in its dir)."""
         loaded = checkpoint.load_checkpoint(self.t.resume, self.out_dir, template=self._state(),
                                             per_rank=self.per_rank, rank=self.dist.rank,
-                                            world_size=self.dist.world_size)
+                                            world_size=self.dist.world_size, defaults=schema_defaults())
         if loaded is None:
             if self.t.resume == "none" and checkpoint.holds_checkpoint(self.out_dir):
                 raise CheckpointError(

@@ -25,8 +25,9 @@ from typing import Optional, get_args, get_type_hints
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
-from .config import CONFIG_DIR, SCRATCH, Config, ConfigError, DataConfig, register_configs, schema_keys, \
-    unusable_run_dir
+from .config import CONFIG_DIR, Config, DataConfig, register_configs, schema_keys
+from .errors import ConfigError, unusable_run_dir
+from .model_config import SCRATCH
 
 
 def _closest(word: str, candidates: list[str], cutoff: float) -> list[str]:

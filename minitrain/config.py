@@ -1,11 +1,11 @@
 """Typed configuration: one dataclass per Hydra config group, holding every default.
 
 The dataclasses are registered in Hydra's ConfigStore as the schema of `configs/config.yaml`, which picks one
-option per group; an option's file sets only what makes it that option, so each default is written once, here.
-OmegaConf validates against this schema: while Hydra composes, and before that on the command line
-(minitrain/cli.py), where what it refuses is said in one line naming the key (for an unknown one, the closest
-settings). Checks that need more than a type (ranges, combinations) live in `__post_init__`, which runs when
-`resolve()` turns the composed config into these objects, before any work starts.
+option per group; an option's file sets only what makes it that option, so each default is written once, here (the
+model group's in minitrain/model_config.py). OmegaConf validates against this schema: while Hydra composes, and
+before that on the command line (minitrain/cli.py), where what it refuses is said in one line naming the key (for an
+unknown one, the closest settings). Checks that need more than a type (ranges, combinations) live in
+`__post_init__`, which runs when `resolve()` turns the composed config into these objects, before any work starts.
 """
 
 from __future__ import annotations
@@ -20,32 +20,9 @@ from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
+from .errors import ConfigError, require
 from .loss_scale import LossScaling
-
-
-class ConfigError(ValueError):
-    """A config value that cannot work; the message names the key."""
-
-
-def error_reason(e: BaseException) -> str:
-    """An exception as a few words for a one-line message: its type and its first sentence."""
-    first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    return f"{type(e).__name__}: {first.split('. ')[0]}" if first else type(e).__name__
-
-
-def unusable_run_dir(key: str, path, e: OSError) -> str:
-    """The one-line refusal of a run dir (or a sweep's dir) that cannot be made or written, naming the setting
-    that chose it."""
-    if key == "hydra.sweep.dir":
-        return (f"{key}: cannot use {path} as the sweep's dir ({error_reason(e)}); give the sweep a writable "
-                "directory (hydra.sweep.dir=...)")
-    return (f"{key}: cannot use {path} as the run dir ({error_reason(e)}); give the run a writable directory "
-            "(hydra.run.dir=... or trainer.out_dir=...)")
-
-
-def _require(ok: bool, key: str, message: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}: {message}")
+from .model_config import SCRATCH, SHAPE_KEYS, KernelImpl, ModelConfig
 
 
 class DType(str, Enum):
@@ -107,18 +84,6 @@ class MuonAdjustLR(str, Enum):
     match_rms_adamw = "match_rms_adamw"  # Moonshot's 0.2 * sqrt(max(rows, cols)): an AdamW-sized update
 
 
-class KernelImpl(str, Enum):
-    """A part with a Triton kernel and a PyTorch reference (the loss, the MLP's GELU)."""
-
-    auto = "auto"  # fused on CUDA, torch on CPU
-    fused = "fused"
-    torch = "torch"
-
-    def fused_on(self, device_type: str) -> bool:
-        """Whether the Triton kernel runs: asked for, or `auto` on CUDA (on a CPU the interpreter is a test tool)."""
-        return self == KernelImpl.fused or (self == KernelImpl.auto and device_type == "cuda")
-
-
 class DataSource(str, Enum):
     stdlib = "stdlib"
     packages = "packages"
@@ -142,129 +107,6 @@ class DistributedMode(str, Enum):
     none = "none"
     ddp = "ddp"
     fsdp = "fsdp"
-
-
-class PositionEncoding(str, Enum):
-    """How a token's position reaches attention (model.position)."""
-
-    learned = "learned"  # GPT-2: a learned vector per position (wpe), added to the token's embedding
-    rope = "rope"  # rotary (RoFormer): each head's q and k turned by angles of their position, in transformers'
-    # Llama layout (feature i paired with i + head size / 2)
-
-
-class NormKind(str, Enum):
-    """The blocks' and the final norm (model.norm)."""
-
-    layernorm = "layernorm"  # GPT-2: (x - mean) / std * weight + bias (bias with model.bias)
-    rmsnorm = "rmsnorm"  # x / rms(x) * weight: no mean, no bias (F.rms_norm)
-
-
-class MlpActivation(str, Enum):
-    """The MLP's nonlinearity and with it its hidden width (ModelConfig.mlp_hidden)."""
-
-    gelu = "gelu"  # GPT-2: tanh-GELU over 4 * n_embd (model.gelu picks its kernel)
-    relu2 = "relu2"  # relu(x)^2 over 4 * n_embd (Primer, arXiv:2109.08668)
-    swiglu = "swiglu"  # silu(gate) * up (Shazeer, arXiv:2002.05202; Llama), gate and up one matmul (mlp.c_fc)
-
-
-SCRATCH = "scratch"  # model.init_from's value for random weights
-
-
-def padded_vocab(ids: int) -> int:
-    """The embedding's rows for `ids` token ids when model.vocab_size is null: rounded up to a multiple of 64 (tensor
-    cores' tiles), the padding rows zero with weights to start from, and never a token."""
-    return -(-ids // 64) * 64
-
-
-SHAPE_KEYS = ("n_layer", "n_head", "n_embd", "block_size")
-# The block options' values of GPT-2's block: those of GPT-2 weights from model.init_from (hf.settle_shape).
-GPT2_BLOCK = {"position": PositionEncoding.learned, "norm": NormKind.layernorm, "qk_norm": False,
-              "mlp": MlpActivation.gelu, "tie_head": True, "logit_softcap": None}
-
-
-def as_setting(value) -> str:
-    """A setting's value as the command line writes it."""
-    return "null" if value is None else str(getattr(value, "value", value)).lower()
-
-
-@dataclass
-class ModelConfig:
-    name: str = "custom"  # a preset (configs/model/) names itself
-    # scratch (random weights), a Hugging Face GPT-2 name (gpt2, gpt2-medium, gpt2-large, gpt2-xl) or a local
-    # directory in its layout (config.json + model.safetensors), or in Llama's or Qwen3's: then the shape and the
-    # block options come from the weights (minitrain/hf.py) and a key set here must agree with them.
-    init_from: str = SCRATCH
-    # The shape keys: a preset's (configs/model/, model=tiny by default), or with init_from the weights'.
-    n_layer: Optional[int] = None
-    n_head: Optional[int] = None
-    n_embd: Optional[int] = None
-    block_size: Optional[int] = None  # with init_from: at most the weights' n_positions
-    # None: the tokenizer's vocab rounded up to a multiple of 64 (padded_vocab); with init_from the weights' vocab
-    # rounded up.
-    vocab_size: Optional[int] = None
-    # The first rows of vocab_size that are tokens: the LM head scores these only (in the loss and in
-    # sampling); the rest is padding. None: every row. init_from sets it to the weights' vocab, so the
-    # loss is the one the checkpoint was trained with.
-    head_vocab: Optional[int] = None
-    bias: bool = True
-    dropout: float = 0.0
-    gelu: KernelImpl = KernelImpl.auto  # fused: one Triton pass each way instead of inductor's tanh
-    # The block, one key per choice so that a sweep can set each alone. The defaults are GPT-2's block (the same
-    # weights, init and losses as a model without these keys); configs/model/gpt2-124m-modern.yaml sets the speedrun's.
-    position: PositionEncoding = PositionEncoding.learned
-    rope_base: float = 10000.0  # position=rope: angle pos * rope_base^(-2i / head size) for feature pair i
-    norm: NormKind = NormKind.layernorm
-    qk_norm: bool = False  # an RMSNorm over each head's q and over its k (weights of head size), before rope
-    mlp: MlpActivation = MlpActivation.gelu
-    tie_head: bool = True  # the LM head is the token embedding (GPT-2); false: a (vocab_size, n_embd) head of its own
-    # attn.c_proj and mlp.c_proj (and the head, untied) start at zero instead of GPT-2's small normal draws: each
-    # block starts as the identity on the residual stream
-    zero_init_proj: bool = False
-    # c * tanh(logits / c): the logits bent smoothly into (-c, c), inside the loss (minitrain/ops/); null: as they are
-    logit_softcap: Optional[float] = None
-
-    @property
-    def mlp_hidden(self) -> int:
-        """The MLP's hidden width: 4 * n_embd; with mlp=swiglu, whose c_fc makes a gate and an up projection, the
-        width that keeps the MLP's 8 * n_embd^2 weights in its three matrices, 8/3 * n_embd, rounded up to a
-        multiple of 64 (tensor cores' tiles; 2048 at n_embd=768, exactly the GELU MLP's count)."""
-        if self.mlp == MlpActivation.swiglu:
-            return -(-8 * self.n_embd // (3 * 64)) * 64
-        return 4 * self.n_embd
-
-    def describe_block(self) -> str:
-        """The block's choices in a few words, for the plan's printout."""
-        rope = f" (base {self.rope_base:g})" if self.position == PositionEncoding.rope else ""
-        parts = [f"{self.position.value} positions{rope}", self.norm.value] + ["qk_norm"] * self.qk_norm + \
-            [f"{self.mlp.value} MLP", "tied head" if self.tie_head else "untied head"] + \
-            ["zero-init projections"] * self.zero_init_proj + \
-            ([f"logit soft-cap {self.logit_softcap:g}"] if self.logit_softcap is not None else [])
-        return ", ".join(parts)
-
-    def __post_init__(self):
-        for key in SHAPE_KEYS:  # None: not set yet (Config's check), or the weights' (init_from)
-            value = getattr(self, key)
-            _require(value is None or value >= 1, f"model.{key}", f"must be >= 1, got {value}")
-        if self.n_embd is not None and self.n_head is not None:
-            _require(self.n_embd % self.n_head == 0, "model.n_embd",
-                     f"{self.n_embd} is not divisible by model.n_head={self.n_head}")
-        _require(self.vocab_size is None or self.vocab_size >= 2, "model.vocab_size",
-                 f"must be >= 2, got {self.vocab_size}")
-        _require(self.head_vocab is None or self.head_vocab >= 2, "model.head_vocab",
-                 f"must be >= 2, got {self.head_vocab}")
-        _require(None in (self.head_vocab, self.vocab_size) or self.head_vocab <= self.vocab_size,
-                 "model.head_vocab", f"{self.head_vocab} rows are more than model.vocab_size={self.vocab_size}")
-        _require(0.0 <= self.dropout < 1.0, "model.dropout", f"must be in [0, 1), got {self.dropout}")
-        _require(self.init_from.strip() != "", "model.init_from",
-                 "scratch, a Hugging Face GPT-2 name (gpt2) or a directory, got ''")
-        _require(self.rope_base > 1.0, "model.rope_base", f"must be > 1, got {self.rope_base}")
-        _require(self.logit_softcap is None or self.logit_softcap > 0, "model.logit_softcap",
-                 f"must be > 0 or null, got {self.logit_softcap}")
-        if self.position == PositionEncoding.rope and None not in (self.n_embd, self.n_head):
-            head = self.n_embd // self.n_head
-            _require(head % 2 == 0, "model.position",
-                     f"rope turns pairs of a head's features: model.n_embd={self.n_embd} / model.n_head={self.n_head} "
-                     f"= {head} is odd")
 
 
 @dataclass
@@ -293,18 +135,18 @@ class DataConfig:
 
     def __post_init__(self):
         if self.tokenizer == "train":
-            _require(self.vocab_size >= 260, "data.vocab_size",
-                     f"a byte-level BPE needs >= 260 tokens (256 bytes + specials), got {self.vocab_size}")
-        _require(self.tokenizer.strip() != "", "data.tokenizer",
-                 "train, or a pretrained tokenizer's name (gpt2) or directory, got ''")
-        _require(self.tokenizer_sample_mb >= 1, "data.tokenizer_sample_mb",
-                 f"must be >= 1, got {self.tokenizer_sample_mb}")
-        _require(0.0 < self.val_fraction < 0.5, "data.val_fraction", f"must be in (0, 0.5), got {self.val_fraction}")
-        _require(self.shard_tokens >= 1024, "data.shard_tokens", f"must be >= 1024, got {self.shard_tokens}")
+            require(self.vocab_size >= 260, "data.vocab_size",
+                    f"a byte-level BPE needs >= 260 tokens (256 bytes + specials), got {self.vocab_size}")
+        require(self.tokenizer.strip() != "", "data.tokenizer",
+                "train, or a pretrained tokenizer's name (gpt2) or directory, got ''")
+        require(self.tokenizer_sample_mb >= 1, "data.tokenizer_sample_mb",
+                f"must be >= 1, got {self.tokenizer_sample_mb}")
+        require(0.0 < self.val_fraction < 0.5, "data.val_fraction", f"must be in (0, 0.5), got {self.val_fraction}")
+        require(self.shard_tokens >= 1024, "data.shard_tokens", f"must be >= 1024, got {self.shard_tokens}")
         if self.source == DataSource.files:
-            _require(bool(self.paths), "data.paths", "source=files needs a glob of text files, e.g. data.paths='corpus/**/*.txt'")
+            require(bool(self.paths), "data.paths", "source=files needs a glob of text files, e.g. data.paths='corpus/**/*.txt'")
         if self.source == DataSource.hub:
-            _require(bool(self.hub_name), "data.hub_name", "source=hub needs a dataset name, e.g. data.hub_name=roneneldan/TinyStories")
+            require(bool(self.hub_name), "data.hub_name", "source=hub needs a dataset name, e.g. data.hub_name=roneneldan/TinyStories")
 
 
 @dataclass
@@ -327,33 +169,33 @@ class PrecisionConfig:
     growth_interval: int = LossScaling.growth_interval
 
     def __post_init__(self):
-        _require(self.init_scale > 0 and self.growth_factor > 1.0 and 0.0 < self.backoff_factor < 1.0,
-                 "precision.init_scale/growth_factor/backoff_factor",
-                 "need init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1")
-        _require(self.growth_interval >= 1, "precision.growth_interval", f"must be >= 1, got {self.growth_interval}")
+        require(self.init_scale > 0 and self.growth_factor > 1.0 and 0.0 < self.backoff_factor < 1.0,
+                "precision.init_scale/growth_factor/backoff_factor",
+                "need init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1")
+        require(self.growth_interval >= 1, "precision.growth_interval", f"must be >= 1, got {self.growth_interval}")
         if self.name == "auto":  # the combination is checked once the device's preset is filled in
             return
         low = self.param_dtype != DType.fp32
-        _require(not (self.master_weights and not low), "precision.master_weights",
-                 "fp32 params need no fp32 master copy; set precision.master_weights=false")
-        _require(self.autocast_dtype is None or not low, "precision.autocast_dtype",
-                 f"autocast is for fp32 params; params are already {self.param_dtype.value}")
-        _require(self.autocast_dtype != DType.fp32, "precision.autocast_dtype", "use null, not fp32, for no autocast")
-        _require(self.grad_dtype is None or self.grad_dtype == DType.fp32, "precision.grad_dtype",
-                 f"must be null (param dtype) or fp32, got {self.grad_dtype}")
-        _require(self.grad_dtype is None or self.master_weights, "precision.grad_dtype",
-                 "fp32 main grads go with fp32 master weights (precision.master_weights=true)")
-        _require(self.float8 == Float8Recipe.none or self.param_dtype == DType.bf16, "precision.float8",
-                 f"float8 matmuls cast from bf16 params (precision=fp8); got precision.param_dtype="
-                 f"{self.param_dtype.value}")
-        _require(self.float8 != Float8Recipe.rowwise or self.float8_kernels == Float8Kernels.torchao,
-                 "precision.float8_kernels", "minitrain's float8 kernels scale per tensor; rowwise runs on torchao")
+        require(not (self.master_weights and not low), "precision.master_weights",
+                "fp32 params need no fp32 master copy; set precision.master_weights=false")
+        require(self.autocast_dtype is None or not low, "precision.autocast_dtype",
+                f"autocast is for fp32 params; params are already {self.param_dtype.value}")
+        require(self.autocast_dtype != DType.fp32, "precision.autocast_dtype", "use null, not fp32, for no autocast")
+        require(self.grad_dtype is None or self.grad_dtype == DType.fp32, "precision.grad_dtype",
+                f"must be null (param dtype) or fp32, got {self.grad_dtype}")
+        require(self.grad_dtype is None or self.master_weights, "precision.grad_dtype",
+                "fp32 main grads go with fp32 master weights (precision.master_weights=true)")
+        require(self.float8 == Float8Recipe.none or self.param_dtype == DType.bf16, "precision.float8",
+                f"float8 matmuls cast from bf16 params (precision=fp8); got precision.param_dtype="
+                f"{self.param_dtype.value}")
+        require(self.float8 != Float8Recipe.rowwise or self.float8_kernels == Float8Kernels.torchao,
+                "precision.float8_kernels", "minitrain's float8 kernels scale per tensor; rowwise runs on torchao")
         if self.float8_linears is not None:  # without float8 it is not read, as float8_kernels (a sweep sets both)
-            _require(len(self.float8_linears) > 0, "precision.float8_linears",
-                     "is empty: every matmul in bf16 is precision=bf16")
+            require(len(self.float8_linears) > 0, "precision.float8_linears",
+                    "is empty: every matmul in bf16 is precision=bf16")
             unknown = [name for name in self.float8_linears if name not in BLOCK_LINEARS]
-            _require(not unknown, "precision.float8_linears",
-                     f"{', '.join(map(repr, unknown))} is not one of a block's linears: {', '.join(BLOCK_LINEARS)}")
+            require(not unknown, "precision.float8_linears",
+                    f"{', '.join(map(repr, unknown))} is not one of a block's linears: {', '.join(BLOCK_LINEARS)}")
 
 
 @dataclass
@@ -378,17 +220,18 @@ class MuonConfig:
     ns_eps: float = 1e-7  # the Frobenius norm's floor before Newton–Schulz: torch.optim.Muon's eps
     adjust_lr: MuonAdjustLR = MuonAdjustLR.original  # torch.optim.Muon's default adjust_lr_fn
     # Decoupled, p *= 1 - lr * weight_decay with Muon's lr: Keller Jordan's README (its MuonWithAuxAdam example),
-    # 2e-4 a step at lr 0.02, as AdamW's 0.1 at trainer.lr 1e-3 (torch.optim.Muon's 0.1 goes with its lr of 1e-3).
+    # 2e-4 a step at lr 0.02, the order of AdamW's 1e-4 (0.1 at trainer.lr 1e-3); torch.optim.Muon's 0.1 goes with
+    # its lr of 1e-3.
     weight_decay: float = 0.01
 
     def __post_init__(self):
-        _require(self.lr > 0, "optimizer.muon.lr", f"must be > 0, got {self.lr}")
-        _require(0.0 <= self.momentum < 1.0, "optimizer.muon.momentum", f"must be in [0, 1), got {self.momentum}")
-        _require(1 <= self.ns_steps < 100, "optimizer.muon.ns_steps", f"must be in [1, 100), got {self.ns_steps}")
-        _require(len(self.ns_coefficients) == 3, "optimizer.muon.ns_coefficients",
-                 f"needs the quintic's three coefficients (a, b, c), got {list(self.ns_coefficients)}")
-        _require(self.ns_eps > 0, "optimizer.muon.ns_eps", f"must be > 0, got {self.ns_eps}")
-        _require(self.weight_decay >= 0, "optimizer.muon.weight_decay", f"must be >= 0, got {self.weight_decay}")
+        require(self.lr > 0, "optimizer.muon.lr", f"must be > 0, got {self.lr}")
+        require(0.0 <= self.momentum < 1.0, "optimizer.muon.momentum", f"must be in [0, 1), got {self.momentum}")
+        require(1 <= self.ns_steps < 100, "optimizer.muon.ns_steps", f"must be in [1, 100), got {self.ns_steps}")
+        require(len(self.ns_coefficients) == 3, "optimizer.muon.ns_coefficients",
+                f"needs the quintic's three coefficients (a, b, c), got {list(self.ns_coefficients)}")
+        require(self.ns_eps > 0, "optimizer.muon.ns_eps", f"must be > 0, got {self.ns_eps}")
+        require(self.weight_decay >= 0, "optimizer.muon.weight_decay", f"must be >= 0, got {self.weight_decay}")
 
 
 @dataclass
@@ -404,14 +247,14 @@ class OptimizerConfig:
     muon: MuonConfig = field(default_factory=MuonConfig)  # optimizer=muon only
 
     def __post_init__(self):
-        _require(len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas), "optimizer.betas",
-                 f"need two values in [0, 1), got {list(self.betas)}")
-        _require(self.eps > 0, "optimizer.eps", f"must be > 0, got {self.eps}")
-        _require(self.weight_decay >= 0, "optimizer.weight_decay", f"must be >= 0, got {self.weight_decay}")
-        _require(self.max_grad_norm >= 0, "optimizer.max_grad_norm", f"must be >= 0, got {self.max_grad_norm}")
-        _require(not (self.name == OptimizerName.muon and self.impl == OptimizerImpl.torch), "optimizer.impl",
-                 "torch is the plain-PyTorch AdamW baseline; with optimizer=muon use auto, fused, foreach or loop "
-                 "(scripts/bench_optimizer.py sets Muon beside torch.optim.Muon)")
+        require(len(self.betas) == 2 and all(0.0 <= b < 1.0 for b in self.betas), "optimizer.betas",
+                f"need two values in [0, 1), got {list(self.betas)}")
+        require(self.eps > 0, "optimizer.eps", f"must be > 0, got {self.eps}")
+        require(self.weight_decay >= 0, "optimizer.weight_decay", f"must be >= 0, got {self.weight_decay}")
+        require(self.max_grad_norm >= 0, "optimizer.max_grad_norm", f"must be >= 0, got {self.max_grad_norm}")
+        require(not (self.name == OptimizerName.muon and self.impl == OptimizerImpl.torch), "optimizer.impl",
+                "torch is the plain-PyTorch AdamW baseline; with optimizer=muon use auto, fused, foreach or loop "
+                "(scripts/bench_optimizer.py sets Muon beside torch.optim.Muon)")
 
 
 @dataclass
@@ -421,8 +264,8 @@ class LossConfig:
     low_memory: bool = False  # fused: no fp32 V x H weight-grad accumulator, for a fourth GEMM
 
     def __post_init__(self):
-        _require(self.chunk_bytes is None or self.chunk_bytes > 0, "loss.chunk_bytes",
-                 f"must be a positive number of bytes or null, got {self.chunk_bytes}")
+        require(self.chunk_bytes is None or self.chunk_bytes > 0, "loss.chunk_bytes",
+                f"must be a positive number of bytes or null, got {self.chunk_bytes}")
 
 
 @dataclass
@@ -451,8 +294,8 @@ class DistributedConfig:
     fsdp_float8_all_gather: bool = True
 
     def __post_init__(self):
-        _require(self.timeout_s >= 1, "distributed.timeout_s", f"must be >= 1, got {self.timeout_s}")
-        _require(self.fsdp_unit_blocks >= 1, "distributed.fsdp_unit_blocks", f"must be >= 1, got {self.fsdp_unit_blocks}")
+        require(self.timeout_s >= 1, "distributed.timeout_s", f"must be >= 1, got {self.timeout_s}")
+        require(self.fsdp_unit_blocks >= 1, "distributed.fsdp_unit_blocks", f"must be >= 1, got {self.fsdp_unit_blocks}")
 
 
 SWITCHES = ("auto", "true", "false")
@@ -508,48 +351,48 @@ class TrainerConfig:
 
     def __post_init__(self):
         for key in ("max_steps", "batch_size", "log_every", "eval_every", "save_every", "eval_batches"):
-            _require(getattr(self, key) >= 1, f"trainer.{key}", f"must be >= 1, got {getattr(self, key)}")
+            require(getattr(self, key) >= 1, f"trainer.{key}", f"must be >= 1, got {getattr(self, key)}")
         self.compile = self.compile.lower()
-        _require(self.compile in SWITCHES, "trainer.compile", f"one of {SWITCHES}, got {self.compile!r}")
-        _require(self.micro_batch == "auto" or (self.micro_batch.isdigit() and int(self.micro_batch) >= 1),
-                 "trainer.micro_batch", f"auto or a positive number of sequences, got {self.micro_batch!r}")
+        require(self.compile in SWITCHES, "trainer.compile", f"one of {SWITCHES}, got {self.compile!r}")
+        require(self.micro_batch == "auto" or (self.micro_batch.isdigit() and int(self.micro_batch) >= 1),
+                "trainer.micro_batch", f"auto or a positive number of sequences, got {self.micro_batch!r}")
         if self.micro_batch != "auto":
-            _require(int(self.micro_batch) <= self.batch_size, "trainer.micro_batch",
-                     f"{self.micro_batch} is larger than the global batch, trainer.batch_size={self.batch_size}")
-            _require(self.batch_size % int(self.micro_batch) == 0, "trainer.micro_batch",
-                     f"{self.micro_batch} does not divide trainer.batch_size={self.batch_size}")
-        _require(self.lr > 0, "trainer.lr", f"must be > 0, got {self.lr}")
-        _require(0 <= self.min_lr <= self.lr, "trainer.min_lr",
-                 f"need 0 <= min_lr <= trainer.lr={self.lr}, got {self.min_lr}")
+            require(int(self.micro_batch) <= self.batch_size, "trainer.micro_batch",
+                    f"{self.micro_batch} is larger than the global batch, trainer.batch_size={self.batch_size}")
+            require(self.batch_size % int(self.micro_batch) == 0, "trainer.micro_batch",
+                    f"{self.micro_batch} does not divide trainer.batch_size={self.batch_size}")
+        require(self.lr > 0, "trainer.lr", f"must be > 0, got {self.lr}")
+        require(0 <= self.min_lr <= self.lr, "trainer.min_lr",
+                f"need 0 <= min_lr <= trainer.lr={self.lr}, got {self.min_lr}")
         # The batches' windows are drawn from NumPy generators seeded with (seed, step), which take no negative seed.
-        _require(self.seed >= 0, "trainer.seed", f"must be >= 0, got {self.seed}")
-        _require(self.warmup_steps is None or 0 <= self.warmup_steps <= self.max_steps, "trainer.warmup_steps",
-                 f"must be in [0, trainer.max_steps={self.max_steps}], got {self.warmup_steps}")
-        _require(self.sample_tokens >= 0, "trainer.sample_tokens", f"must be >= 0, got {self.sample_tokens}")
-        _require(self.eval_hellaswag_examples is None or self.eval_hellaswag_examples >= 1,
-                 "trainer.eval_hellaswag_examples", f"must be >= 1 or null, got {self.eval_hellaswag_examples}")
+        require(self.seed >= 0, "trainer.seed", f"must be >= 0, got {self.seed}")
+        require(self.warmup_steps is None or 0 <= self.warmup_steps <= self.max_steps, "trainer.warmup_steps",
+                f"must be in [0, trainer.max_steps={self.max_steps}], got {self.warmup_steps}")
+        require(self.sample_tokens >= 0, "trainer.sample_tokens", f"must be >= 0, got {self.sample_tokens}")
+        require(self.eval_hellaswag_examples is None or self.eval_hellaswag_examples >= 1,
+                "trainer.eval_hellaswag_examples", f"must be >= 1 or null, got {self.eval_hellaswag_examples}")
         # An empty path is the current directory: the run's files would land among the user's own.
-        _require(self.out_dir.strip() != "", "trainer.out_dir",
-                 f"must name the run's directory, got {self.out_dir!r} (leave it out for runs/<date>/<time>/)")
-        _require(self.resume.strip() != "", "trainer.resume", "none, auto or a checkpoint's path, got ''")
-        _require(self.peak_flops is None or self.peak_flops > 0, "trainer.peak_flops", "must be > 0")
-        _require(self.compile_mode in COMPILE_MODES, "trainer.compile_mode",
-                 f"one of {COMPILE_MODES}, got {self.compile_mode!r}")
-        _require(0 < self.memory_budget <= 1, "trainer.memory_budget",
-                 f"a fraction of the device's memory in (0, 1], got {self.memory_budget}")
-        _require(self.max_skipped_steps is None or self.max_skipped_steps >= 1, "trainer.max_skipped_steps",
-                 f"must be >= 1 or null, got {self.max_skipped_steps}")
+        require(self.out_dir.strip() != "", "trainer.out_dir",
+                f"must name the run's directory, got {self.out_dir!r} (leave it out for runs/<date>/<time>/)")
+        require(self.resume.strip() != "", "trainer.resume", "none, auto or a checkpoint's path, got ''")
+        require(self.peak_flops is None or self.peak_flops > 0, "trainer.peak_flops", "must be > 0")
+        require(self.compile_mode in COMPILE_MODES, "trainer.compile_mode",
+                f"one of {COMPILE_MODES}, got {self.compile_mode!r}")
+        require(0 < self.memory_budget <= 1, "trainer.memory_budget",
+                f"a fraction of the device's memory in (0, 1], got {self.memory_budget}")
+        require(self.max_skipped_steps is None or self.max_skipped_steps >= 1, "trainer.max_skipped_steps",
+                f"must be >= 1 or null, got {self.max_skipped_steps}")
 
 
 def check_optimizer_precision(impl: OptimizerImpl, precision: PrecisionConfig) -> None:
     """torch.optim.AdamW (the plain-PyTorch baseline) cannot run every precision."""
     if impl != OptimizerImpl.torch:
         return
-    _require(not precision.master_weights, "optimizer.impl",
-             "torch.optim.AdamW keeps no fp32 master weights; use optimizer.impl=fused|foreach|loop "
-             f"with precision={precision.name}, or a precision without masters (fp32, amp_bf16)")
-    _require(not (precision.loss_scaling and precision.param_dtype != DType.fp32), "optimizer.impl",
-             "torch.amp.GradScaler cannot unscale fp16 gradients; use fp16 autocast over fp32 params")
+    require(not precision.master_weights, "optimizer.impl",
+            "torch.optim.AdamW keeps no fp32 master weights; use optimizer.impl=fused|foreach|loop "
+            f"with precision={precision.name}, or a precision without masters (fp32, amp_bf16)")
+    require(not (precision.loss_scaling and precision.param_dtype != DType.fp32), "optimizer.impl",
+            "torch.amp.GradScaler cannot unscale fp16 gradients; use fp16 autocast over fp32 params")
 
 
 @dataclass
@@ -566,20 +409,20 @@ class Config:
 
     def __post_init__(self):
         for key in SHAPE_KEYS if self.model.init_from == SCRATCH else ():
-            _require(getattr(self.model, key) is not None, f"model.{key}",
-                     "needs a value to build a model from scratch (a model preset sets it, e.g. model=tiny), "
-                     "or weights to take it from (model.init_from=gpt2)")
+            require(getattr(self.model, key) is not None, f"model.{key}",
+                    "needs a value to build a model from scratch (a model preset sets it, e.g. model=tiny), "
+                    "or weights to take it from (model.init_from=gpt2)")
         ck = self.checkpointing
         if ck.policy == CheckpointPolicy.every_k and self.model.n_layer is not None:  # else once init_from's is known
-            _require(1 <= ck.every_k <= self.model.n_layer, "checkpointing.every_k",
-                     f"must be in [1, model.n_layer={self.model.n_layer}], got {ck.every_k}")
+            require(1 <= ck.every_k <= self.model.n_layer, "checkpointing.every_k",
+                    f"must be in [1, model.n_layer={self.model.n_layer}], got {ck.every_k}")
         if self.precision.name != "auto":  # else once the device's preset is known (precision.py)
             check_optimizer_precision(self.optimizer.impl, self.precision)
         graphs = self.trainer.compile_mode in ("reduce-overhead", "max-autotune")
-        _require(not (graphs and self.distributed.mode != DistributedMode.none), "trainer.compile_mode",
-                 f"{self.trainer.compile_mode} replays CUDA graphs, which minitrain supports on one process only "
-                 "(not validated with DDP's or FSDP's hooks and collectives); "
-                 f"use trainer.compile_mode=auto or default with distributed={self.distributed.mode.value}")
+        require(not (graphs and self.distributed.mode != DistributedMode.none), "trainer.compile_mode",
+                f"{self.trainer.compile_mode} replays CUDA graphs, which minitrain supports on one process only "
+                "(not validated with DDP's or FSDP's hooks and collectives); "
+                f"use trainer.compile_mode=auto or default with distributed={self.distributed.mode.value}")
 
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
@@ -601,6 +444,12 @@ def schema_keys(schema: type = Config, prefix: str = "") -> list[str]:
         if is_dataclass(hint):
             keys += schema_keys(hint, f"{prefix}{name}.")
     return keys
+
+
+def schema_defaults() -> dict:
+    """Every setting's default, nested as the configs are (enums by name): what a checkpoint saved before the
+    setting existed was trained with (checkpoint.config_changes)."""
+    return OmegaConf.to_container(OmegaConf.structured(Config), enum_to_str=True)
 
 
 def resolve(cfg: DictConfig | Config) -> Config:
@@ -625,4 +474,4 @@ def _require_finite(node, prefix: str = "") -> None:
         if is_dataclass(value):
             _require_finite(value, key + ".")
         elif isinstance(value, float):
-            _require(math.isfinite(value), key, f"must be a finite number, got {value}")
+            require(math.isfinite(value), key, f"must be a finite number, got {value}")

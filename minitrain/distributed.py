@@ -31,7 +31,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from .config import Config, ConfigError, DistributedConfig, DistributedMode
+from .config import Config, DistributedConfig, DistributedMode
+from .errors import ConfigError
 from .precision import Precision
 
 

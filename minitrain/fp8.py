@@ -1,6 +1,6 @@
 """Float8 matmuls in the blocks' linear layers (`precision=fp8`): minitrain's float8 linear, or torchao's.
 
-Why: fp8 tensor cores run a block's GEMMs up to 1.7x faster than bf16 (docs/benchmarks.md), but every float8
+Why: fp8 tensor cores have twice bf16's peak rate (docs/benchmarks.md measures what a step gets), but every float8
 matmul first casts its operands (an amax, a scale, the cast, a transposed copy: memory passes), which eats the
 gain on narrow layers. torchao's `Float8Linear` casts input, weight and output gradient with a dynamic scale per
 matmul and multiplies with torch's float8 GEMM (compat.scaled_mm). Its weight stays the ordinary parameter it was (bf16 over fp32
@@ -27,7 +27,8 @@ import torch
 import torch.nn as nn
 
 from .compat import auto_filter_for_recipe
-from .config import Float8Kernels, Float8Recipe, ModelConfig
+from .config import Float8Kernels, Float8Recipe
+from .model_config import ModelConfig
 
 FP8_COMPUTE_CAPABILITY = (8, 9)  # Ada, Hopper, Blackwell: the first NVIDIA GPUs with fp8 tensor cores
 INSTALL = "pip install 'minitrain[fp8]'"

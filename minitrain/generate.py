@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from .compat import mark_static_address
-from .config import MlpActivation
 from .model import GPT, KVCache
+from .model_config import MlpActivation
 from .ops.decode import cached_attention, decode_linear
 
 

@@ -34,10 +34,11 @@ from typing import Mapping
 
 import torch
 
-from .config import GPT2_BLOCK, SCRATCH, ConfigError, MlpActivation, ModelConfig, NormKind, PositionEncoding, \
-    as_setting, error_reason, padded_vocab
+from .errors import ConfigError, error_reason
 from .hub import SourceError, source_file
 from .model import RMS_NORM_EPS
+from .model_config import GPT2_BLOCK, SCRATCH, MlpActivation, ModelConfig, NormKind, PositionEncoding, as_setting, \
+    padded_vocab
 
 WEIGHTS, CONFIG, GENERATION = "model.safetensors", "config.json", "generation_config.json"
 TOKENIZER, TOKENIZER_CONFIG, SPECIAL_TOKENS = "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"

@@ -7,7 +7,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from .config import ConfigError, error_reason
+from .errors import ConfigError, error_reason
 
 _HUB_NAME = re.compile(r"[\w.-]+(/[\w.-]+)?")
 

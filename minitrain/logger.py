@@ -16,7 +16,8 @@ from pathlib import Path
 from typing import Any, Optional
 
 from . import files
-from .config import ConfigError, LoggerConfig, LoggerMode, error_reason
+from .config import LoggerConfig, LoggerMode
+from .errors import ConfigError, error_reason
 from .progress import Progress
 from .rundir import METRICS, TRAIN_LOG, RunDir
 

@@ -1,11 +1,11 @@
 """A GPT decoder, readable top to bottom: GPT-2's block by default, today's choices one setting each.
 
 GPT-2: pre-LayerNorm blocks, a GELU MLP, learned positions, causal attention through SDPA (flash attention on the
-GPU), and the LM head tied to the token embedding. Each model.* block option (minitrain/config.py's ModelConfig)
-swaps one part: rotary positions on q and k (`rotate`), RMSNorm (`make_norm`), an RMSNorm of each head's q and k,
-a ReLU^2 or SwiGLU MLP (`activate`), a head of its own, zero-initialised output projections, and a soft-cap on the
-logits (`soft_cap`, which the fused loss applies inside its kernels). `forward_hidden` stops before the LM head so
-the loss can fuse the head matmul with cross-entropy and never hold the tokens x vocab logits.
+GPU), and the LM head tied to the token embedding. Each model.* block option (minitrain/model_config.py's
+ModelConfig) swaps one part: rotary positions on q and k (`rotate`), RMSNorm (`make_norm`), an RMSNorm of each
+head's q and k, a ReLU^2 or SwiGLU MLP (`activate`), a head of its own, zero-initialised output projections, and a
+soft-cap on the logits (`soft_cap`, which the fused loss applies inside its kernels). `forward_hidden` stops before
+the LM head so the loss can fuse the head matmul with cross-entropy and never hold the tokens x vocab logits.
 
 Given a `KVCache`, `forward_hidden` also runs the tokens at given positions of sequences whose earlier keys and
 values the cache holds, writing theirs into it: a prompt once (prefill), then one token per step (decode), the
@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .config import MlpActivation, ModelConfig, NormKind, PositionEncoding
+from .model_config import MlpActivation, ModelConfig, NormKind, PositionEncoding
 from .ops import gelu_tanh, soft_cap
 
 # How a block runs: plainly, or wrapped by an activation-recomputation policy (recompute.py).

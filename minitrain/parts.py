@@ -20,11 +20,12 @@ import torch
 import torch.nn as nn
 
 from . import distributed, fp8, hf, recompute
-from .config import SCRATCH, Config, LossConfig
+from .config import Config, LossConfig
 from .data import DeviceBatches, TokenData
 from .distributed import Dist
 from .evaluate import HellaSwagExample, load_hellaswag
 from .model import GPT
+from .model_config import SCRATCH
 from .plan import Plan
 from .precision import Precision
 from .progress import Progress

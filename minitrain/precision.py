@@ -18,8 +18,8 @@ from typing import Optional
 import torch
 from omegaconf import OmegaConf
 
-from .config import (CONFIG_DIR, ConfigError, Float8Kernels, Float8Recipe, OptimizerImpl, PrecisionConfig,
-                     check_optimizer_precision)
+from .config import CONFIG_DIR, Float8Kernels, Float8Recipe, OptimizerImpl, PrecisionConfig, check_optimizer_precision
+from .errors import ConfigError
 from .loss_scale import LossScaling
 
 AUTO = "auto"

@@ -21,8 +21,9 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import CheckpointPolicy as SavePolicy, checkpoint, create_selective_checkpoint_contexts
 
 from .compat import FUSED_ATTENTION_OPS
-from .config import CheckpointingConfig, CheckpointPolicy, MlpActivation, ModelConfig
+from .config import CheckpointingConfig, CheckpointPolicy
 from .model import GPT, Block, run_block
+from .model_config import MlpActivation, ModelConfig
 
 aten = torch.ops.aten
 

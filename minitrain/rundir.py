@@ -19,7 +19,7 @@ from typing import Any, Optional
 from omegaconf import OmegaConf
 
 from . import files
-from .config import unusable_run_dir
+from .errors import unusable_run_dir
 
 # What a run directory holds, by name (every module that writes or reads one of them names it from here).
 LOCK = ".lock"  # the flock (minitrain/files.py)

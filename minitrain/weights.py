@@ -17,9 +17,10 @@ from typing import Optional
 import torch
 
 from .checkpoint import CheckpointError, locate, read_part
-from .config import ModelConfig, error_reason
+from .errors import error_reason
 from .hf import CONFIG, KEY, load_weights, settle_shape
 from .hub import SourceError, is_hub_name
+from .model_config import ModelConfig
 from .rundir import CHECKPOINTS, JOB_INFO, LATEST, METRICS, PREVIOUS, TOKENIZER
 
 # What tells a run dir or a checkpoint from Hugging Face weights: a checkpoint's own files (DCP's `.metadata`

@@ -15,8 +15,8 @@ from typing import Optional
 import torch
 
 from minitrain.cli import resolve_data
-from minitrain.config import ConfigError
 from minitrain.data import DataError
+from minitrain.errors import ConfigError
 from minitrain.evaluate import VAL_LOSS, VAL_PPL, VAL_TOKENS, evaluate_checkpoint
 from minitrain.rundir import RunDirError
 from minitrain.weights import device_problem

@@ -16,8 +16,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from minitrain.config import ConfigError
 from minitrain.data import DataError
+from minitrain.errors import ConfigError
 from minitrain.hf import export
 from minitrain.rundir import TOKENIZER, RunDirError
 from minitrain.weights import open_weights

@@ -12,8 +12,8 @@ import importlib.util
 import json
 
 from minitrain.tools import optimizer_model as om
-from minitrain.config import ModelConfig
 from minitrain.memory import hidden_shapes, param_numels
+from minitrain.model_config import ModelConfig
 from minitrain.tools.benchmarks.optimizer import MUON_MODELS
 
 

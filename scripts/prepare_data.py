@@ -8,9 +8,9 @@ disk) is continued by running the same command again, and a prepared one is reus
 import sys
 import time
 
-from minitrain.config import ConfigError
 from minitrain.cli import resolve_data_and_block_size
 from minitrain.data import DataError, prepare_data
+from minitrain.errors import ConfigError
 
 USAGE_EXIT_CODE, ABORTED_EXIT_CODE = 2, 130
 

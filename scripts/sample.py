@@ -11,9 +11,10 @@ from pathlib import Path
 
 import torch
 
-from minitrain.config import ConfigError, KernelImpl
 from minitrain.data import DataError
+from minitrain.errors import ConfigError
 from minitrain.generate import DEFAULT_NEW_TOKENS, GenerationError, Sampling, sample_texts
+from minitrain.model_config import KernelImpl
 from minitrain.rundir import TOKENIZER, RunDirError
 from minitrain.weights import device_problem, open_weights
 

@@ -23,7 +23,7 @@ signal.signal(signal.SIGINT, ctrl_c)
 
 try:  # the command line's check first, in the time it takes to read the schema: a typo is refused before torch loads
     from minitrain.cli import command_line
-    from minitrain.config import ConfigError
+    from minitrain.errors import ConfigError
     from minitrain.sweep import FAILED_CELL_EXIT_CODE
 except KeyboardInterrupt:
     print(ABORTED_STARTING, file=sys.stderr)

@@ -13,7 +13,7 @@ import pytest
 import torch
 import yaml
 
-from minitrain.config import ModelConfig
+from minitrain.model_config import ModelConfig
 from minitrain.optim import Muon, MuonHyper, newton_schulz
 from minitrain.tools.benchmarks import optimizer as bench
 

@@ -9,8 +9,8 @@ import pytest
 from conftest import REPO
 
 from minitrain.cli import OWN_TOKENIZER, with_init_from_defaults
-from minitrain.config import ConfigError
 from minitrain.cli import compose_config
+from minitrain.errors import ConfigError
 
 HEAVY = ("torch", "transformers", "minitrain.trainer", "minitrain.data")
 

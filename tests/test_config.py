@@ -8,8 +8,9 @@ from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from minitrain.cli import check_overrides, command_line
-from minitrain.config import ConfigError, resolve, schema_keys
+from minitrain.config import resolve, schema_keys
 from minitrain.cli import compose_config
+from minitrain.errors import ConfigError
 
 
 def test_defaults_resolve():

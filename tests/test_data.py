@@ -140,6 +140,16 @@ def test_windows_reach_the_last_token_and_stay_inside():
     assert firsts == {0, 1}
 
 
+def test_windows_are_gathered_on_the_host_whatever_torchs_default_device():
+    """Under torch.set_default_device (here "meta", which every machine has; a user's is "cuda") the windows are
+    still read into host memory, pinned there for a GPU: made on the default device, they could be neither pinned
+    ("Only dense CPU tensors can be pinned") nor filled through numpy."""
+    T = 8
+    with torch.device("meta"):
+        x, y = Batches(np.arange(T + 1, dtype=np.uint16), T, batch_size=4, seed=0, device=torch.device("cpu")).get(3)
+    assert x.device.type == "cpu" and torch.equal(x, torch.arange(T).expand(4, T)) and torch.equal(y, x + 1)
+
+
 # -- the token cache checks itself at every start ---------------------------------------------------------------
 
 def small_corpus(tmp_path, docs=40, **settings):

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minitrain.config import ModelConfig
 from minitrain.generate import Sampler, Sampling, decode_logits, generate
 from minitrain.model import GPT, KVCache
+from minitrain.model_config import ModelConfig
 from minitrain.ops.decode import cached_attention, decode_linear
 
 from conftest import TEST_DEVICE

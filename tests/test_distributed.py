@@ -395,8 +395,9 @@ def test_ddp_wraps_the_model_without_a_warning(tmp_path):
 
     import torch.distributed as dist
 
-    from minitrain.config import DistributedConfig, DistributedMode, ModelConfig
+    from minitrain.config import DistributedConfig, DistributedMode
     from minitrain.model import GPT
+    from minitrain.model_config import ModelConfig
     from minitrain.ops import linear_cross_entropy_reference
     from minitrain.precision import preset, resolve_precision
 

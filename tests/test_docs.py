@@ -1,6 +1,7 @@
-"""The user's guide and its topic pages: every relative link (`](path)`, `](path#anchor)`) in README.md and
-docs/*.md names a file that exists and, with an anchor, a heading of that file as GitHub anchors it; every page
-of docs/ is reached from the README; the README stays a guide (at most 300 lines). No torch: plain text."""
+"""The user's guide and its topic pages: every relative link (`](path)`, `](path#anchor)`) in README.md, docs/*.md
+and docs/results/*.md (the benchmarks' history) names a file that exists and, with an anchor, a heading of that file
+as GitHub anchors it; every page of docs/ is reached from the README; the README stays a guide (at most 300
+lines). No torch: plain text."""
 
 import re
 from pathlib import Path
@@ -8,7 +9,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 README = REPO / "README.md"
 PAGES = sorted((REPO / "docs").glob("*.md"))
-DOCUMENTS = [README, *PAGES]
+DOCUMENTS = [README, *PAGES, *sorted((REPO / "docs" / "results").glob("*.md"))]
 
 FENCED = re.compile(r"^```.*?^```[^\n]*$", re.S | re.M)  # code blocks: `](` there is code, `#` no heading
 INLINE_CODE = re.compile(r"`[^`\n]*`")

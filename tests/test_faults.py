@@ -408,7 +408,7 @@ def test_a_run_dir_on_a_read_only_filesystem_is_refused_naming_it(tmp_path, monk
     """A read-only mount, faked: making one needs root. Hydra's default run dir, runs/<date>/<time>/, is checked
     by its fixed part (runs/ in the working directory)."""
     from minitrain.cli import command_line
-    from minitrain.config import ConfigError
+    from minitrain.errors import ConfigError
 
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(os, "access", lambda path, mode: False)

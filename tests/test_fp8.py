@@ -22,10 +22,11 @@ import torch.multiprocessing as mp
 from minitrain import checkpoint, fp8
 from minitrain import plan as plan_module
 from minitrain.cli import compose_config
-from minitrain.config import BLOCK_LINEARS, CheckpointingConfig, CheckpointPolicy, ConfigError, Float8Kernels, \
-    Float8Recipe, KernelImpl, MlpActivation, ModelConfig, resolve
+from minitrain.config import BLOCK_LINEARS, CheckpointingConfig, CheckpointPolicy, Float8Kernels, Float8Recipe, resolve
+from minitrain.errors import ConfigError
 from minitrain.memory import GB, Candidate, _float8_saved_delta, _minitrain_float8_block_delta, predict
 from minitrain.model import GPT, Block
+from minitrain.model_config import KernelImpl, MlpActivation, ModelConfig
 from minitrain.ops import Float8Linear as MinitrainFloat8Linear, fused_linear_cross_entropy
 from minitrain.optim import AdamW, Numerics
 from minitrain.optim.dtensor import _is_float8_all_gather_weight
@@ -296,8 +297,11 @@ def test_compiled_minitrain_float8_blocks_save_what_eager_ones_do(linears, gelu,
 
 
 def compiled_block_saves(cfg, linears, B=8, kernels=Float8Kernels.torchao):
-    """Bytes the compiled block saves for backward, beyond its input and the parameters (pack hooks see them)."""
+    """Bytes the compiled block saves for backward, beyond its input and the parameters (pack hooks see them). Each
+    block compiled afresh: Block.forward's earlier graphs would count towards dynamo's recompile limit, past which
+    it runs eagerly."""
     model = bf16_model(cfg, linears, kernels=kernels)
+    torch.compiler.reset()
     block = torch.compile(model.blocks[0])
     x = torch.randn(B, cfg.block_size, cfg.n_embd, dtype=torch.bfloat16, requires_grad=True)
     known = {p.untyped_storage().data_ptr() for p in model.parameters()} | {x.untyped_storage().data_ptr()}

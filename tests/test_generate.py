@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from minitrain.weights import open_weights
-from minitrain.config import ModelConfig
 from minitrain.generate import GenerationError, Sampler, Sampling, filtered_logits, generate, next_token
 from minitrain.model import GPT
+from minitrain.model_config import ModelConfig
 
 from conftest import GPT2_VOCAB
 

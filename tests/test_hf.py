@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from minitrain import hf
-from minitrain.config import ConfigError
 from minitrain.data import EOT
+from minitrain.errors import ConfigError
 from minitrain.ops import fused_linear_cross_entropy, linear_cross_entropy_reference
 from minitrain.data.tokenizer import TokenizerError, pretrained_tokenizer
 from minitrain.trainer import Trainer
@@ -113,8 +113,8 @@ def test_a_model_without_biases_is_exported_with_zero_ones(hf_gpt2, tmp_path):
 
 def imported(folder, block_size=None):
     """GPT-2 weights imported as a run imports them (model.init_from=folder, model.block_size=block_size)."""
-    from minitrain.config import ModelConfig
     from minitrain.model import GPT
+    from minitrain.model_config import ModelConfig
 
     cfg = hf.settle_shape(ModelConfig(init_from=str(folder), block_size=block_size))
     torch.manual_seed(1)  # random weights first: what the import leaves unwritten would show
@@ -401,7 +401,7 @@ def test_a_shape_key_that_contradicts_the_weights_is_refused_naming_both(make_cf
 
 
 def test_a_preset_that_matches_the_weights_is_accepted_and_one_that_does_not_is_refused(make_cfg, hf_gpt2):
-    from minitrain.config import ModelConfig
+    from minitrain.model_config import ModelConfig
 
     matching = ModelConfig(init_from=str(hf_gpt2), n_layer=2, n_head=4, n_embd=64, block_size=128, vocab_size=384)
     assert hf.settle_shape(matching).vocab_size == 384  # more padding is allowed

@@ -12,10 +12,11 @@ import torch
 from minitrain import hf
 from minitrain.checkpoint import JOB_INFO
 from minitrain.cli import compose_config
-from minitrain.config import ConfigError, ModelConfig
 from minitrain.data.tokenizer import pretrained_tokenizer
+from minitrain.errors import ConfigError
 from minitrain.generate import Sampling, generate
 from minitrain.model import GPT
+from minitrain.model_config import ModelConfig
 from minitrain.trainer import Trainer
 from minitrain.weights import open_weights
 
@@ -156,6 +157,19 @@ def llama_dir(tmp_path_factory, hf_gpt2):
     folder = tmp_path_factory.mktemp("llama") / "llama"
     transformers_checkpoint(folder, "llama", hf_gpt2)
     return folder
+
+
+def test_a_transformers_4_config_imports_its_top_level_rope_theta(llama_dir, tmp_path):
+    """transformers 4 wrote the rope base as a top-level rope_theta (Llama 3's 500000) and no rope_parameters;
+    transformers 5 still reads it, and so does the import: the block's base, and transformers' logits within 1e-5."""
+    folder = edited_checkpoint(llama_dir, tmp_path / "v4", rope_parameters=None, rope_theta=500000.0)
+    theirs = transformers.AutoModelForCausalLM.from_pretrained(folder).eval()
+    assert theirs.config.rope_parameters["rope_theta"] == 500000.0
+    weights = open_weights(str(folder))
+    assert weights.cfg.rope_base == 500000.0
+    idx = ids(length=40, rows=300)
+    with torch.no_grad():
+        torch.testing.assert_close(weights.build("cpu")(idx), theirs(idx).logits, rtol=0, atol=1e-5)
 
 
 @pytest.mark.parametrize("changes, message", [

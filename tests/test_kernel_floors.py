@@ -3,9 +3,9 @@
 import pytest
 import torch
 
-from minitrain.config import ModelConfig
 from minitrain.cli import compose_config
 from minitrain.model import GPT
+from minitrain.model_config import ModelConfig
 from minitrain.precision import resolve_precision
 from minitrain.tools import kernel_floors as kf
 

@@ -3,7 +3,8 @@ import json
 import pytest
 
 from minitrain import logger as logger_module
-from minitrain.config import ConfigError, LoggerConfig, LoggerMode
+from minitrain.config import LoggerConfig, LoggerMode
+from minitrain.errors import ConfigError
 from minitrain.logger import RunLogger
 
 QUIET = LoggerConfig(mode=LoggerMode.disabled)

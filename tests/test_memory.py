@@ -8,9 +8,9 @@ from dataclasses import replace
 
 from omegaconf import OmegaConf
 
-from minitrain.config import (GPT2_BLOCK, SHAPE_KEYS, CheckpointingConfig, CheckpointPolicy, DType, MlpActivation,
-                              ModelConfig, NormKind, PositionEncoding)
+from minitrain.config import CheckpointingConfig, CheckpointPolicy, DType
 from minitrain.memory import MLP_WIDTHS, Candidate, compare, predict
+from minitrain.model_config import GPT2_BLOCK, SHAPE_KEYS, MlpActivation, ModelConfig, NormKind, PositionEncoding
 from minitrain.tools.live_bytes import LiveBytes
 from minitrain.model import GPT, activate
 from minitrain.ops import fused_linear_cross_entropy, linear_cross_entropy_reference

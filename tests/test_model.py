@@ -2,8 +2,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from minitrain.config import ModelConfig
 from minitrain.model import GPT
+from minitrain.model_config import ModelConfig
 
 
 def tiny(**kw) -> GPT:
@@ -71,7 +71,7 @@ def test_gpt2_init_scales_residual_projections():
 def test_fused_gelu_model_matches_torch_gelu():
     """model.gelu=fused (the Triton kernel, interpreted on CPU) trains the same function as F.gelu: loss and
     every gradient, with biases that are not zero (the init's zeros hide what the kernel's input is)."""
-    from minitrain.config import KernelImpl
+    from minitrain.model_config import KernelImpl
 
     idx = torch.randint(0, 97, (2, 16))
     outs = []

@@ -10,9 +10,10 @@ import torch
 import torch.nn.functional as F
 
 from minitrain import checkpoint
-from minitrain.config import BLOCK_LINEARS, CheckpointingConfig, CheckpointPolicy, ConfigError, Float8Recipe, \
-    MlpActivation, ModelConfig, NormKind, PositionEncoding, resolve
+from minitrain.config import BLOCK_LINEARS, CheckpointingConfig, CheckpointPolicy, Float8Recipe, resolve
+from minitrain.errors import ConfigError
 from minitrain.model import GPT, KVCache
+from minitrain.model_config import MlpActivation, ModelConfig, NormKind, PositionEncoding
 from minitrain.ops import fused_linear_cross_entropy, linear_cross_entropy_reference
 from minitrain.recompute import apply_policy, recompute_flops_per_token
 from minitrain.trainer import Trainer

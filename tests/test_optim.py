@@ -578,7 +578,7 @@ def test_build_adamw_follows_the_precision():
     """fp16 + loss scaling: a scaler with the precision's parameters. bf16 under FSDP: the stored params are the
     fp32 masters and their grads fp32, so no fp32 main-grad hooks. torch: TorchAdamW, never on shards; our AdamW on
     shards sums their squares through the job's reduction."""
-    from minitrain.config import ConfigError
+    from minitrain.errors import ConfigError
     from minitrain.optim import build_adamw
 
     fp16 = build_adamw([torch.nn.Parameter(torch.randn(3).half())], "foreach",

@@ -57,6 +57,23 @@ def test_muon_costs_per_parameter_beside_adamw():
     assert adamw.step_s(n, gemm_flops=1e15, bandwidth=4e12) == pytest.approx(30 * n / 4e12)  # no GEMMs
 
 
+@pytest.mark.parametrize("steps", [3, 5])
+def test_muon_costs_count_the_gemms_of_optimizer_muon_ns_steps(steps):
+    """For optimizer.muon.ns_steps=3 as for the default 5: muon_costs' FLOPs a param, times the params, are what
+    torch's FLOP counter counts of orthogonalize over the same matrices (wide, tall, square) for that many steps."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from minitrain.optim import newton_schulz
+
+    shapes = [(24, 40), (40, 24), (16, 16)]
+    counter = FlopCounterMode(display=False)
+    with counter:
+        for shape in shapes:
+            newton_schulz.orthogonalize(torch.randn(1, *shape).bfloat16(), steps=steps)
+    n = sum(rows * cols for rows, cols in shapes)
+    assert om.muon_costs(shapes, steps).flops == pytest.approx(counter.get_total_flops() / n, rel=1e-12)
+
+
 def test_optimizer_widget_writes_table_and_plot(tmp_path):
     pytest.importorskip("matplotlib")
     bench = {"cases": {"gpt2-124m": {"tensors": 148, "params": 124_000_000, "rows": [

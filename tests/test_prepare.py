@@ -16,7 +16,7 @@ import numpy as np
 import psutil
 import pytest
 
-from minitrain.config import ConfigError, DataConfig
+from minitrain.config import DataConfig
 from minitrain.cli import resolve_data
 from minitrain.data import DataError, prepare_data
 from minitrain.data import corpus as corpus_mod
@@ -24,6 +24,7 @@ from minitrain.data import prepare as prepare_mod
 from minitrain.data.corpus import cut, is_validation
 from minitrain.data.prepare import EOT
 from minitrain.data.shards import ShardWriter, token_dtype
+from minitrain.errors import ConfigError
 
 from conftest import REPO, ctrl_c_as_in_a_terminal
 

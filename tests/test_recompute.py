@@ -2,8 +2,10 @@ import pytest
 import torch
 
 from minitrain.recompute import apply_policy, recompute_flops_per_token, recomputed_blocks
-from minitrain.config import CheckpointingConfig, CheckpointPolicy, ConfigError, KernelImpl, ModelConfig, resolve
+from minitrain.config import CheckpointingConfig, CheckpointPolicy, resolve
+from minitrain.errors import ConfigError
 from minitrain.model import GPT
+from minitrain.model_config import KernelImpl, ModelConfig
 
 POLICIES = [CheckpointingConfig(CheckpointPolicy.none), CheckpointingConfig(CheckpointPolicy.full),
             CheckpointingConfig(CheckpointPolicy.every_k, every_k=2), CheckpointingConfig(CheckpointPolicy.selective)]

@@ -157,6 +157,40 @@ def test_a_key_on_one_side_only_is_a_change(make_cfg):
     assert gone.breaking["plan.param_dtype"] == ("fp32", checkpoint._ABSENT)
 
 
+def test_a_key_an_older_checkpoint_lacks_is_no_change_at_its_default(make_cfg):
+    """A setting enters the schema with a default that computes what minitrain computed before it."""
+    from minitrain.config import schema_defaults
+
+    saved = config_dict(make_cfg)
+    del saved["optimizer"]["eps"], saved["model"]["qk_norm"], saved["model"]["position"]
+    changes = checkpoint.config_changes(saved, config_dict(make_cfg, "model.position=rope"), schema_defaults())
+    assert changes.added == {"model.qk_norm": False, "optimizer.eps": 1e-8}
+    assert changes.breaking == {"model.position": (checkpoint._ABSENT, "rope")} and changes.allowed == {}
+    assert changes.newer().endswith(": model.qk_norm=False, optimizer.eps=1e-08")
+    eps = checkpoint.config_changes(saved, config_dict(make_cfg, "optimizer.eps=1e-6"), schema_defaults())
+    assert eps.breaking["optimizer.eps"] == (checkpoint._ABSENT, 1e-6)
+
+
+def test_a_checkpoint_saved_before_the_block_options_and_muon_resumes_at_their_defaults(make_cfg, tmp_path, capsys):
+    """The run's own resume, on a checkpoint whose record predates model.position ... model.logit_softcap and
+    optimizer.muon: it resumes, saying so; a run that sets one of them away from its default is refused."""
+    Trainer(make_cfg("trainer.max_steps=2", "trainer.save_every=2", "trainer.sample_tokens=0"), progress=False).fit()
+    job = tmp_path / "run" / "checkpoints" / checkpoint.LATEST / checkpoint.JOB_INFO
+    info = json.loads(job.read_text())
+    newer = ("position", "rope_base", "norm", "qk_norm", "mlp", "tie_head", "zero_init_proj", "logit_softcap")
+    for key in newer:
+        del info["config"]["model"][key]
+    del info["config"]["optimizer"]["muon"]
+    job.write_text(json.dumps(info))
+    capsys.readouterr()
+    Trainer(make_cfg("trainer.max_steps=3", "trainer.sample_tokens=0", "trainer.resume=auto"), progress=False)
+    out = capsys.readouterr().out
+    assert "settings newer than the checkpoint, at their defaults (what it was trained with): " in out
+    assert all(f"model.{key}=" in out for key in newer) and "optimizer.muon.lr=0.02" in out
+    with pytest.raises(checkpoint.CheckpointError, match=r"\n  model\.mlp: saved \(not set\), now relu2\n"):
+        Trainer(make_cfg("trainer.max_steps=3", "trainer.resume=auto", "model.mlp=relu2"), progress=False)
+
+
 def test_nested_values_compare_whole(make_cfg):
     changes = checkpoint.config_changes(config_dict(make_cfg), config_dict(make_cfg, "optimizer.betas=[0.9,0.99]"))
     assert changes.breaking == {"optimizer.betas": ([0.9, 0.95], [0.9, 0.99])}

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from minitrain import checkpoint, rundir
-from minitrain.config import ConfigError
 from minitrain.divergence import NonFiniteLossError
+from minitrain.errors import ConfigError
 from minitrain.progress import Progress
 from minitrain.trainer import Trainer, set_expandable_segments, train
 

@@ -33,12 +33,13 @@ class Batches:
         return rng.integers(0, len(self.tokens) - self.block_size, size=self.batch_size)
 
     def host_windows(self, step: int, part: int = 0, n_parts: int = 1) -> torch.Tensor:
-        """Windows (B/n_parts, T+1) of slice `part` of step `step`'s global batch, int64 on the host; in pinned
-        memory when the batches go to CUDA, so that the copy to the device is asynchronous (from pageable memory
-        it would make the host wait)."""
+        """Windows (B/n_parts, T+1) of slice `part` of step `step`'s global batch, int64 on the host (whatever
+        torch's default device: torch.set_default_device("cuda") must not move them); in pinned memory when the
+        batches go to CUDA, so that the copy to the device is asynchronous (from pageable memory it would make the
+        host wait)."""
         per = self.batch_size // n_parts
         starts = self.starts(step)[part * per:(part + 1) * per]
-        win = torch.empty((len(starts), self.block_size + 1), dtype=torch.int64,
+        win = torch.empty((len(starts), self.block_size + 1), dtype=torch.int64, device="cpu",
                           pin_memory=self.device.type == "cuda")
         ids = win.numpy()
         for row, start in zip(ids, starts):

@@ -23,7 +23,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional
 
-from ..config import DataConfig, DataSource, error_reason
+from ..config import DataConfig, DataSource
+from ..errors import error_reason
 from ..hub import is_local
 
 DOC_CHARS = 1 << 20

@@ -34,7 +34,8 @@ from typing import Any, Callable, Iterator, Optional
 import numpy as np
 
 from .. import files
-from ..config import DataConfig, error_reason
+from ..config import DataConfig
+from ..errors import error_reason
 from .corpus import Batch, DataError, HubStream, LocalFiles, chunks, corpus_identity, open_corpus
 from .shards import (FORMAT, INDEX, TOKENIZER, ShardWriter, TokenData, UnusableCache, open_cache, token_dtype,
                      vocab_size_of)

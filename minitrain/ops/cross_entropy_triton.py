@@ -22,7 +22,7 @@ from minitrain.triton_runtime import round_to_bf16_in_fp32, rounds_bf16
 
 ROWS_PER_SM = 8
 """Rows the row kernel streams at once per multiprocessor (0: one program per row, all at once). Tuned on
-an H200 (scripts/tune_cross_entropy_rows.py, docs/benchmarks.md) with 4 warps and 4096-column blocks."""
+an H200 (scripts/tune_cross_entropy_rows.py, docs/results/history.md) with 4 warps and 4096-column blocks."""
 
 
 @triton.jit
@@ -224,7 +224,7 @@ def logit_grad_block(logits, col0, vocab, targets, lse, grad_scale, *, ignore_in
 
     Default tile (rows, columns): 2048 elements, as wide as divides C evenly (up to 1024), so no lane
     is masked: 8 x 256 for C = 768, 2 x 1024 for C = 2048 (tuned with scripts/tune_cross_entropy_rows.py;
-    figures in docs/benchmarks.md).
+    figures in docs/results/history.md).
     """
     rows, cols = logits.shape
     if tile is None:

@@ -130,7 +130,7 @@ def _linear_kernel(x_ptr, w_ptr, bias_ptr, ln_w_ptr, ln_b_ptr, res_ptr, out_ptr,
 
 def _dependent_launch(device: torch.device) -> dict:
     """Programmatic dependent launch where the GPU has it (sm90 on): a kernel's launch and start overlap the end
-    of the one before, which matters in a step of 5 launches a block (docs/benchmarks.md)."""
+    of the one before, which matters in a step of 5 launches a block (docs/results/history.md, Sampling)."""
     pdl = device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
     return {"PDL": True, "launch_pdl": True} if pdl else {"PDL": False}
 

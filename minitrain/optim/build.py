@@ -1,8 +1,9 @@
 """The optimizer the config and the plan ask for: AdamW, TorchAdamW or Muon, each owning its loss scaler."""
 
 from minitrain import distributed
-from minitrain.config import ConfigError, DistributedMode, OptimizerConfig, OptimizerName
+from minitrain.config import DistributedMode, OptimizerConfig, OptimizerName
 from minitrain.distributed import Dist
+from minitrain.errors import ConfigError
 from minitrain.loss_scale import LossScaling
 
 from .adamw import AdamW

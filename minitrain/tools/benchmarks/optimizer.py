@@ -22,8 +22,8 @@ from pathlib import Path
 import torch
 
 from minitrain.compat import foreach_copy_
-from minitrain.config import ModelConfig
 from minitrain.model import GPT
+from minitrain.model_config import ModelConfig
 from minitrain.optim import AdamW, Muon, MuonHyper, newton_schulz
 from minitrain.optim.adamw_triton import fused_bytes_per_param
 from minitrain.optim.muon_triton import fused_bytes_per_param as muon_bytes_per_param

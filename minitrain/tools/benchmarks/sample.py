@@ -29,9 +29,9 @@ from transformers import GenerationConfig, GPT2Config, GPT2LMHeadModel, StaticCa
 
 from minitrain import hf
 from minitrain.compat import inductor_counter
-from minitrain.config import KernelImpl, ModelConfig
 from minitrain.generate import Sampler, Sampling
 from minitrain.model import GPT
+from minitrain.model_config import KernelImpl, ModelConfig
 from minitrain.tools import bench
 
 SHAPES = {"gpt2-124m": dict(n_layer=12, n_head=12, n_embd=768), "gpt2-1.5b": dict(n_layer=48, n_head=25, n_embd=1600),
