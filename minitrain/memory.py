@@ -39,7 +39,8 @@ from dataclasses import asdict, astuple, dataclass, field
 import torch
 
 from .recompute import recomputed_blocks
-from .config import BLOCK_LINEARS, CheckpointingConfig, CheckpointPolicy, DistributedConfig, Float8Kernels, OptimizerName
+from .config import (BLOCK_LINEARS, CheckpointingConfig, CheckpointPolicy, DistributedConfig, Float8Kernels,
+                     OptimizerName)
 from .model import GPT
 from .model_config import KernelImpl, MlpActivation, ModelConfig, NormKind, PositionEncoding
 from .ops.cross_entropy import DEFAULT_CHUNK_BYTES, fitting

@@ -296,8 +296,9 @@ def saved_bytes(model, run):
     return sum(saved.values()), out
 
 
-# Every option under fp32 and bf16 and each policy, under autocast without one (its weight copies: see KNOWN_OVER), and
-# those that change attention with dropout too: the CPU's math attention, which keeps copies of q, k and v.
+# Every option under fp32 and bf16 and each policy; under autocast without recomputation (the model counts every block's
+# weight copies, which a recomputing block does not save: see KNOWN_OVER); those that change attention with dropout
+# too, where the CPU runs its math attention, which keeps copies of q, k and v.
 SAVED_CASES = [*((option, precision, policy, 0.0) for option in BLOCK_OPTIONS for precision in ("fp32", "bf16")
                  for policy in POLICIES),
                *((option, "amp_bf16", "none", 0.0) for option in BLOCK_OPTIONS),
@@ -364,7 +365,8 @@ def test_the_modern_block_on_cuda_holds_what_an_h100_measured():
 # The modern block's step, its loss soft-capped as the trainer runs it (parts.py): the torch loss keeps tanh's output.
 @pytest.mark.parametrize("option, loss_impl, precision, policy", [
     ("gpt2-124m-modern", "torch", "fp32", "none"), ("gpt2-124m-modern", "torch", "bf16", "selective"),
-    ("gpt2-124m-modern", "fused", "bf16", "none"), ("softcap", "torch", "fp32", "none"), ("swiglu", "torch", "bf16", "none")])
+    ("gpt2-124m-modern", "fused", "bf16", "none"), ("softcap", "torch", "fp32", "none"),
+    ("swiglu", "torch", "bf16", "none")])
 def test_peak_of_whole_training_steps_with_the_block_options(option, loss_impl, precision, policy):
     cfg, prec = with_options(option, vocab=512), PRECISIONS[precision]
     loss_fn = fused_linear_cross_entropy if loss_impl == "fused" else linear_cross_entropy_reference
@@ -373,7 +375,8 @@ def test_peak_of_whole_training_steps_with_the_block_options(option, loss_impl, 
         apply_policy(model, POLICIES[policy])
         opt = optimizer(model, prec)
         train_steps(model, opt, partial(loss_fn, softcap=cfg.logit_softcap), B, T)
-    est = predict(Candidate(cfg, prec, B, POLICIES[policy], loss_impl=loss_impl, device="cpu", optimizer_impl="foreach"))
+    est = predict(Candidate(cfg, prec, B, POLICIES[policy], loss_impl=loss_impl, device="cpu",
+                            optimizer_impl="foreach"))
     assert 0.999 * live.peak <= est.peak <= 1.001 * live.peak, (est.peak, live.peak)
 
 
