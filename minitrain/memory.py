@@ -16,13 +16,16 @@ holds it. Assumptions, checked by tests/test_memory.py on CPU and by the GPU swe
     zero_grad; the fused step reads them in place, loop and foreach gather them into a flat buffer
     (every tensor padded to ALIGN elements, one bucket per dtype and side); fp32 main grads live in that
     buffer from the first backward;
-  - no torch.compile: Inductor's partitioner chooses its own saved set (for bf16 blocks the same bytes), except
-    with torchao's float8 linears (precision.float8_kernels=torchao, `compiled`): there the partitioner keeps
-    float8 copies, or nothing, where eager torchao keeps bf16 inputs (_float8_saved_delta), and fuses the casts that
-    eager runs through fp32 temporaries (_float8_casts); minitrain's float8 op is opaque and saves the same float8
-    copies either way (_minitrain_float8_block_delta);
+  - no torch.compile: Inductor's partitioner chooses its own saved set (for bf16 blocks the same bytes; the modern
+    preset's block, on an H100, 32 bytes a token fewer: rope's cos and sin), except with torchao's float8 linears
+    (precision.float8_kernels=torchao, `compiled`): there the partitioner keeps float8 copies, or nothing, where
+    eager torchao keeps bf16 inputs (_float8_saved_delta), and fuses the casts that eager runs through fp32
+    temporaries (_float8_casts); minitrain's float8 op is opaque and saves the same float8 copies either way
+    (_minitrain_float8_block_delta);
   - SDPA runs a fused kernel (CUDA flash/efficient, CPU flash) that saves q, k, v, the output and an
     fp32 logsumexp; only CPU with attention dropout takes the math path, which saves T x T matrices;
+  - torch's RMSNorm (model.norm=rmsnorm, model.qk_norm) is one fused kernel on CUDA when its input and weight share a
+    dtype, and its composite ops, which keep fp32 copies, on a CPU or under autocast's mixed dtypes (_rms_norm_saved);
   - the allocator is not modelled: reserved exceeds allocated by what it caches, little with expandable segments
     (trainer.expandable_segments, the default), more with fixed blocks; `compare` shows by how much;
   - CUDA context, cuBLAS workspaces and Triton's own buffers are outside torch's counters, and ignored.
@@ -36,9 +39,10 @@ from dataclasses import asdict, astuple, dataclass, field
 import torch
 
 from .recompute import recomputed_blocks
-from .config import CheckpointingConfig, CheckpointPolicy, DistributedConfig, Float8Kernels, OptimizerName
+from .config import (BLOCK_LINEARS, CheckpointingConfig, CheckpointPolicy, DistributedConfig, Float8Kernels,
+                     OptimizerName)
 from .model import GPT
-from .model_config import KernelImpl, ModelConfig
+from .model_config import KernelImpl, MlpActivation, ModelConfig, NormKind, PositionEncoding
 from .ops.cross_entropy import DEFAULT_CHUNK_BYTES, fitting
 from .optim import newton_schulz
 from .optim.layout import padded as _padded
@@ -137,28 +141,76 @@ def hidden_shapes(model_cfg: ModelConfig) -> list[tuple[int, int]]:
     return _model_numels(astuple(model_cfg))[2]
 
 
+def _muon_adamw_numels(model_cfg: ModelConfig) -> list[tuple[list[int], bool]]:
+    """param_numels of the groups AdamW keeps under optimizer=muon (GPT.muon_param_groups): the untied head among
+    them."""
+    return _model_numels(astuple(model_cfg))[3]
+
+
 @functools.lru_cache(maxsize=8)
-def _model_numels(key: tuple) -> tuple[list[tuple[list[int], bool]], dict[str, int], list[tuple[int, int]]]:
+def _model_numels(key: tuple) -> tuple:
     """Built once per shape: the plan predicts many (micro-batch, policy) candidates of one model."""
     with torch.device("meta"):
         model = GPT(ModelConfig(*key))
-    groups = [([p.numel() for p in g["params"]], g["weight_decay"] > 0) for g in model.param_groups(1.0)]
-    return (groups, {name: p.numel() for name, p in model.blocks[0].named_parameters()},
-            [tuple(p.shape) for p in model.hidden_matrices()])
+
+    def numels(groups):
+        return [([p.numel() for p in g["params"]], g.get("weight_decay", 0) > 0) for g in groups]
+
+    return (numels(model.param_groups(1.0)), {name: p.numel() for name, p in model.blocks[0].named_parameters()},
+            [tuple(p.shape) for p in model.hidden_matrices()],
+            numels(g for g in model.muon_param_groups(1.0) if not g.get("use_muon")))
 
 
 def _float8_saved_delta(cfg: ModelConfig, float8_linears: tuple[str, ...], tokens: int, a: int) -> int:
     """What a kept block saves compiled with float8 linears, less what its bf16 twin saves (tests/test_fp8.py reads
-    both off the compiled block). A converted linear's weight gradient needs its input in float8: for a LayerNorm's
-    output (c_attn's, c_fc's input) the partitioner recomputes it from the block's input and the norm's
-    statistics instead of keeping it; GELU's output (mlp.c_proj's input) it recomputes from torch's GELU, or keeps
-    in float8 from our kernel's, which it cannot rerun. Attention's output (attn.c_proj's input) SDPA keeps anyway."""
-    C = cfg.n_embd
+    both off the compiled block). A converted linear's weight gradient needs its input in float8: for a norm's
+    output (c_attn's, c_fc's input) the partitioner recomputes it from the block's input and the norm's statistics
+    instead of keeping it; the activation's output (mlp.c_proj's input, mlp_hidden wide) it recomputes from torch's
+    ops, or keeps in float8 from our GELU kernel's, which it cannot rerun. Attention's output (attn.c_proj's input)
+    SDPA keeps anyway."""
+    C, hidden = cfg.n_embd, cfg.mlp_hidden
     norm_fed = sum(name in float8_linears for name in ("attn.c_attn", "mlp.c_fc"))
-    gelu_out = 0
+    activation_out = 0
     if "mlp.c_proj" in float8_linears:
-        gelu_out = 4 * C * (1 if cfg.gelu == KernelImpl.fused else 0) - 4 * C * a
-    return tokens * (gelu_out - norm_fed * C * a)
+        kernel = cfg.mlp == MlpActivation.gelu and cfg.gelu == KernelImpl.fused
+        activation_out = hidden * (1 if kernel else 0) - hidden * a
+    return tokens * (activation_out - norm_fed * C * a)
+
+
+def _rms_norm_saved(width: int, rows: int, x: int, weight: int, device: str) -> tuple[bool, int]:
+    """What torch's RMSNorm (F.rms_norm) over a token's `rows` rows of `width` features in all keeps for backward:
+    whether it keeps its input (x bytes an element), and the bytes of the tensors it makes. On CUDA, with input and
+    weight of one dtype, one fused kernel keeps its input and an fp32 rstd a row (FusedRmsNormBackward0; read on an
+    H100, torch 2.11); otherwise (a CPU; autocast's bf16 q and k beside fp32 weights) its composite ops keep the fp32
+    upcast (the input itself when fp32), the fp32 rstd and the fp32 normalised input."""
+    if device == "cuda" and x == weight:
+        return True, 4 * rows
+    return x == 4, (0 if x == 4 else 4 * width) + 4 * rows + 4 * width
+
+
+def _norm_bytes(cfg: ModelConfig, r: int, stats: int, device: str) -> int:
+    """Per token, what one norm over the residual stream (r bytes an element, its weight's too) keeps for backward,
+    its input included: model.norm's LayerNorm its input, mean and rstd (stats bytes each), or RMSNorm
+    (_rms_norm_saved)."""
+    C = cfg.n_embd
+    if cfg.norm == NormKind.layernorm:
+        return C * r + 2 * stats
+    keeps_input, made = _rms_norm_saved(C, 1, r, r, device)
+    return keeps_input * C * r + made
+
+
+# By model.mlp, per token in units of the MLP's hidden width (ModelConfig.mlp_hidden), a element bytes each:
+#   kept       what the MLP saves between its linears: GELU its input (c_fc's output) and output (c_proj's input);
+#              ReLU^2 relu's output (relu and the square keep it; c_fc's output is freed) and the square's; SwiGLU
+#              c_fc's gate and up (2 wide: SiLU keeps the gate, the product the up), SiLU's output, the product;
+#   selective  what `selective` keeps there: c_fc's output (recompute.py reruns the activation from it);
+#   rerun      what `selective` makes rerunning the activation in backward: its output(s) (ReLU^2 and SwiGLU two);
+#   grads      the activation's backward at its widest, the incoming gradient included: GELU the incoming and the
+#              outgoing; ReLU^2 the square's (pow's backward: grad * (2 * x.pow(1)), whose temporaries live to the end
+#              of the expression); SwiGLU the gate's and the up's gradients beside their concatenation.
+MLP_WIDTHS = {MlpActivation.gelu: dict(kept=2, selective=1, rerun=1, grads=2),
+              MlpActivation.relu2: dict(kept=2, selective=1, rerun=2, grads=4),
+              MlpActivation.swiglu: dict(kept=4, selective=2, rerun=2, grads=4)}
 
 
 def _block_bytes(cfg: ModelConfig, tokens: int, seq_len: int, r: int, a: int, stats: int, device: str,
@@ -171,20 +223,47 @@ def _block_bytes(cfg: ModelConfig, tokens: int, seq_len: int, r: int, a: int, st
     dropout = cfg.dropout > 0
     # CPU flash attention has no dropout: the math path runs instead, in fp32 whatever the input dtype.
     math_attention = dropout and device == "cpu"
-    # kept: LN inputs x, x1 (r) and both LNs' mean/rstd; LN outputs (a: autocast casts them for the
-    # matmul); qkv (3C, SDPA's q/k/v views); attention output (C, also c_proj's input); fc out (4C, GELU's
-    # input); GELU out (4C, c_proj's input); per head an fp32 logsumexp, or on the math path fp32 q/k/v
-    # copies plus softmax, mask and dropped scores (3·H·T); two residual dropout masks.
+    # kept: both norms (their inputs x, x1 among what they keep: _norm_bytes) and their outputs (a: autocast casts
+    # them for the matmul); qkv (3C, SDPA's q/k/v views); attention output (C, also c_proj's input); the MLP's
+    # (MLP_WIDTHS); per head an fp32 logsumexp, or on the math path fp32 q/k/v copies plus softmax, mask and
+    # dropped scores (3·H·T); two residual dropout masks.
     mask = (1 if device == "cuda" else a) if dropout else 0  # CUDA: bool; CPU: x * mask in x's dtype
     attention = C * a + (4 * 3 * (C + H * seq_len) if math_attention else 3 * C * a + 4 * H)
-    if kind == "selective":  # the same, less what it reruns: both LN outputs and stats, GELU out
-        return tokens * (2 * C * r + attention + 4 * C * a + 2 * C * mask)
-    return tokens * (2 * C * r + 4 * stats + 2 * C * a + attention + 8 * C * a + 2 * C * mask)
+    attention += _qk_bytes(cfg, r, a, device, math_attention)
+    mlp = MLP_WIDTHS[cfg.mlp]
+    rope_tables = _rope_tables(cfg, seq_len)
+    if kind == "selective":  # the same, less what it reruns: both norms' own tensors and outputs, the activation's
+        return tokens * (2 * C * r + attention + mlp["selective"] * cfg.mlp_hidden * a + 2 * C * mask) + rope_tables
+    return (tokens * (2 * _norm_bytes(cfg, r, stats, device) + 2 * C * a + attention
+                      + mlp["kept"] * cfg.mlp_hidden * a + 2 * C * mask) + rope_tables)
 
 
-# Per token, the input width of each block linear, and what a kept bf16 block saves as that linear's input and
-# frees once the linear keeps its own float8 copy: the norms' outputs and GELU's (attention's output SDPA keeps).
-_LINEAR_INPUT = {"attn.c_attn": (1, 1), "attn.c_proj": (1, 0), "mlp.c_fc": (1, 1), "mlp.c_proj": (4, 4)}
+def _qk_bytes(cfg: ModelConfig, r: int, a: int, device: str, math_attention: bool) -> int:
+    """Per token, what model.qk_norm and model.position=rope add to attention's saved tensors: the normalised,
+    rotated q and k that fused SDPA keeps in place of views of c_attn's output (the math path keeps fp32 copies of
+    whatever it is given), and each q and k norm's own tensors (_rms_norm_saved). A norm that keeps its input keeps
+    c_attn's output, which fused SDPA keeps anyway and the math path does not."""
+    C, H = cfg.n_embd, cfg.n_head
+    remade = cfg.qk_norm or cfg.position == PositionEncoding.rope
+    extra = 2 * C * a if remade and not math_attention else 0
+    if cfg.qk_norm:
+        keeps_input, made = _rms_norm_saved(C, H, a, r, device)
+        extra += 2 * made + (3 * C * a if keeps_input and math_attention else 0)
+    return extra
+
+
+def _rope_tables(cfg: ModelConfig, seq_len: int) -> int:
+    """model.position=rope: the fp32 cos and sin (seq_len x head size / 2) that each of q's and k's rotations keeps
+    for backward, whatever the batch."""
+    return 8 * seq_len * (cfg.n_embd // cfg.n_head) if cfg.position == PositionEncoding.rope else 0
+
+
+def _linear_inputs(cfg: ModelConfig) -> dict[str, tuple[int, int]]:
+    """Per token, the input width of each block linear, and what a kept bf16 block saves as that linear's input and
+    frees once the linear keeps its own float8 copy: the norms' outputs and the activation's (attention's output SDPA
+    keeps)."""
+    C, hidden = cfg.n_embd, cfg.mlp_hidden
+    return {"attn.c_attn": (C, C), "attn.c_proj": (C, 0), "mlp.c_fc": (C, C), "mlp.c_proj": (hidden, hidden)}
 
 
 def _minitrain_float8_block_delta(cfg: ModelConfig, float8_linears: tuple[str, ...], tokens: int, a: int,
@@ -195,9 +274,9 @@ def _minitrain_float8_block_delta(cfg: ModelConfig, float8_linears: tuple[str, .
     torch's save tags, which also keep mlp.c_proj's output, as with torchao's linears."""
     if kind == "recomputed":
         return 0
-    C, params = cfg.n_embd, _block_params(cfg)
-    inputs = sum(_LINEAR_INPUT[name][0] for name in float8_linears) * C * tokens
-    freed = sum(_LINEAR_INPUT[name][1] for name in float8_linears) * C * tokens * a if kind == "kept" else 0
+    C, params, widths = cfg.n_embd, _block_params(cfg), _linear_inputs(cfg)
+    inputs = sum(widths[name][0] for name in float8_linears) * tokens
+    freed = sum(widths[name][1] for name in float8_linears) * tokens * a if kind == "kept" else 0
     outputs = C * tokens * a if kind == "selective" and not compiled else 0
     return inputs - freed + outputs + sum(params[f"{name}.weight"] + 8 for name in float8_linears)
 
@@ -217,21 +296,26 @@ def _float8_block_delta(cfg: ModelConfig, float8_linears: tuple[str, ...], token
     return tokens * cfg.n_embd * a if kind == "selective" else 0
 
 
-def _float8_casts(C: int, N: int, float8_linears: tuple[str, ...], a: int) -> int:
+def _float8_casts(cfg: ModelConfig, N: int, float8_linears: tuple[str, ...], a: int) -> int:
     """The MLP's backward in the last block with eager float8 linears, beyond the incoming gradient. torchao casts
     an operand of M elements to float8 through two fp32 temporaries (the upcast times the scale, then its clamp)
-    beside the float8 result: 9·M bytes at the cast. The widest casts (M = 4·C per token) and what is alive then:
-      mlp.c_proj's input (GELU's output, for the weight gradient): the incoming gradient's two float8 copies (one
-        per GEMM), the weight's float8 copy, the gradient of GELU's output;
-      mlp.c_fc's output gradient (GELU's output and the MLP hidden freed by then): that gradient, its first
-        float8 copy, the weight's float8 copy, the gradient of the norm's output.
+    beside the float8 result: 9·M bytes at the cast. The widest casts (M = mlp_hidden or c_fc's output width per
+    token) and what is alive then:
+      mlp.c_proj's input (the activation's output, for the weight gradient): the incoming gradient's two float8
+        copies (one per GEMM), the weight's float8 copy, the gradient of the activation's output;
+      mlp.c_fc's output gradient (the MLP's saved tensors freed by then): that gradient, its first float8 copy, the
+        weight's float8 copy, the gradient of the norm's output.
     Compiled, each cast is one fused kernel with no fp32 temporaries."""
-    casting = 9 * 4 * N * C
+    C, hidden, params = cfg.n_embd, cfg.mlp_hidden, _block_params(cfg)
+    fc_out = params["mlp.c_fc.weight"] // C
+    casting = 9 * N  # a cast's bytes, per element of a token's operand
     moments = [0]
     if "mlp.c_proj" in float8_linears:
-        moments.append(2 * N * C + 4 * C * C + 4 * N * C * a + casting)
+        moments.append(2 * N * C + params["mlp.c_proj.weight"] + N * hidden * a + casting * hidden)
     if "mlp.c_fc" in float8_linears:
-        moments.append(4 * N * C * a + 4 * N * C + 4 * C * C + N * C * a + casting - 8 * N * C * a)
+        mlp_saved = MLP_WIDTHS[cfg.mlp]["kept"] * N * hidden * a
+        moments.append(N * fc_out * a + N * fc_out + params["mlp.c_fc.weight"] + N * C * a + casting * fc_out
+                       - mlp_saved)
     return max(moments)
 
 
@@ -280,7 +364,7 @@ def _persistent_state(precision: Precision, n_params: int, padded: int, world_si
 
 def _fsdp_gathered(cfg: ModelConfig, p: int, n_params: int, unit_blocks: int, reshard_after_forward: bool,
                    float8_gathered: tuple[str, ...]) -> tuple[int, int]:
-    """FSDP2's compute copies, which exist only while gathered: the root's (embeddings, final norm, tied head)
+    """FSDP2's compute copies, which exist only while gathered: the root's (embeddings, final norm, the head)
     through forward and backward, plus two units of blocks (the running one, the prefetched one), or every block
     from forward to backward when reshard_after_forward is false. `float8_gathered`: the linears whose weights
     arrive as 1-byte float8, already cast. Also returns backward's unit gradients: a unit's new grads + the
@@ -301,14 +385,16 @@ def _block_kinds(ckpt_cfg: CheckpointingConfig, n_layer: int) -> list[str]:
 
 
 def _activations(micro: _MicroBatch, kinds: list[str]) -> tuple[list[int], int]:
-    """Saved for backward: each block's bytes, and the embedding's and final LayerNorm's."""
-    C, N, p, a = micro.cfg.n_embd, micro.tokens, micro.p, micro.a
-    # Autocast caches each weight's low-precision copy until the forward + loss region ends: with the
-    # loss's peak inside that region, every block holds its 12·C² copies then, whatever the policy.
-    per_layer = [micro.block(k) + (12 * C * C * a if micro.autocast else 0) for k in kinds]
-    dropout_mask = (1 if micro.device == "cuda" else p) if micro.cfg.dropout > 0 else 0
-    # Embedding saves the token ids (int64) and positions; the final LayerNorm its input and stats.
-    other = N * 8 + micro.seq_len * 8 + N * C * dropout_mask + N * (C * p + 2 * micro.stats)
+    """Saved for backward: each block's bytes, and the embedding's and final norm's."""
+    cfg, N, p, a = micro.cfg, micro.tokens, micro.p, micro.a
+    # Autocast caches each weight's low-precision copy until the forward + loss region ends: with the loss's peak
+    # inside that region, every block holds the copies of its linears' weights then, whatever the policy.
+    weights = sum(_block_params(cfg)[f"{name}.weight"] for name in BLOCK_LINEARS)
+    per_layer = [micro.block(k) + (weights * a if micro.autocast else 0) for k in kinds]
+    dropout_mask = (1 if micro.device == "cuda" else p) if cfg.dropout > 0 else 0
+    # Embedding saves the token ids (int64) and learned positions; the final norm what _norm_bytes says.
+    positions = micro.seq_len * 8 if cfg.position == PositionEncoding.learned else 0
+    other = N * 8 + positions + N * cfg.n_embd * dropout_mask + N * _norm_bytes(cfg, p, micro.stats, micro.device)
     return per_layer, other
 
 
@@ -318,8 +404,10 @@ def _loss_workspace(micro: _MicroBatch, loss_impl: str, chunk_bytes: int | None,
     hidden = N * C * p + (N * C * a if a != p else 0)  # + its autocast copy
     if loss_impl != "fused":
         # F.cross_entropy on full logits: at log_softmax's backward, its fp32 output (saved), the incoming
-        # grad and the outgoing grad coexist (12·N·V); autocast saves a low-precision copy of the head.
-        return hidden + 12 * N * V + (V * C * a if micro.autocast else 0)
+        # grad and the outgoing grad coexist (12·N·V), with model.logit_softcap beside tanh's fp32 output (saved:
+        # 16·N·V); autocast saves a low-precision copy of the head.
+        per_logit = 16 if micro.cfg.logit_softcap is not None else 12
+        return hidden + per_logit * N * V + (V * C * a if micro.autocast else 0)
     # Both gradients are made in forward and kept for backward, which scales them in place.
     cast = V * C * a if a != p else 0  # the weight's autocast copy
     if low_memory:  # row chunks in the memory grad_weight and the block take later; blocks of all N rows
@@ -334,13 +422,17 @@ def _loss_workspace(micro: _MicroBatch, loss_impl: str, chunk_bytes: int | None,
 
 
 def _backward_transient(micro: _MicroBatch, last_kind: str) -> int:
-    """The top of backward in the last block: incoming grad, grads of the MLP hidden (GELU out, fc out),
-    the block's recomputed activations, and the wte gradient produced by the loss before accumulation.
-    selective reruns GELU's output there (then, smaller, each norm's). Eager float8 linears cast there."""
-    C, V, N, p, a = micro.cfg.n_embd, micro.cfg.vocab_size, micro.tokens, micro.p, micro.a
-    recompute = {"recomputed": micro.block("kept"), "selective": N * 4 * C * a, "kept": 0}[last_kind]
+    """The top of backward in the last block: incoming grad, the activation's gradients (MLP_WIDTHS' grads), the
+    block's recomputed activations, and the head's gradient produced by the loss (the tied head's before the
+    embedding's is added). selective reruns the activation there (then, smaller, each norm). Eager float8 linears
+    cast there."""
+    cfg, N, p, a = micro.cfg, micro.tokens, micro.p, micro.a
+    C, V, widths = cfg.n_embd, cfg.vocab_size, MLP_WIDTHS[cfg.mlp]
+    rerun = N * widths["rerun"] * cfg.mlp_hidden * a
+    recompute = {"recomputed": micro.block("kept"), "selective": rerun, "kept": 0}[last_kind]
     torchao_eager = not micro.compiled and micro.float8_kernels == Float8Kernels.torchao
-    mlp_grads = max(8 * N * C * a, _float8_casts(C, N, micro.float8_linears, a) if torchao_eager else 0)
+    mlp_grads = max(N * widths["grads"] * cfg.mlp_hidden * a,
+                    _float8_casts(cfg, N, micro.float8_linears, a) if torchao_eager else 0)
     return N * C * p + mlp_grads + recompute + V * C * p
 
 
@@ -443,9 +535,7 @@ def predict(c: Candidate) -> MemoryEstimate:
     padded = sum(_padded(n) for numels, _ in groups for n in numels)
     muon_shapes = hidden_shapes(model_cfg) if c.optimizer == OptimizerName.muon else []
     muon_padded = sum(_padded(rows * cols) for rows, cols in muon_shapes)
-    adamw_groups = groups
-    if muon_shapes:  # the hidden matrices are AdamW's decayed group: Muon's now
-        adamw_groups = [(numels, decayed) for numels, decayed in groups if not decayed]
+    adamw_groups = _muon_adamw_numels(model_cfg) if muon_shapes else groups
     weights, grads, masters, adam_m, adam_v, muon_momentum = _persistent_state(precision, n_params, padded,
                                                                               world_size, sharded, muon_padded)
     fsdp_gathered = unit_grads = 0

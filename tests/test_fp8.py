@@ -26,7 +26,7 @@ from minitrain.config import BLOCK_LINEARS, CheckpointingConfig, CheckpointPolic
 from minitrain.errors import ConfigError
 from minitrain.memory import GB, Candidate, _float8_saved_delta, _minitrain_float8_block_delta, predict
 from minitrain.model import GPT, Block
-from minitrain.model_config import KernelImpl, ModelConfig
+from minitrain.model_config import KernelImpl, MlpActivation, ModelConfig
 from minitrain.ops import Float8Linear as MinitrainFloat8Linear, fused_linear_cross_entropy
 from minitrain.optim import AdamW, Numerics
 from minitrain.optim.dtensor import _is_float8_all_gather_weight
@@ -51,9 +51,13 @@ FP8 = replace(MINITRAIN_FP8, float8_kernels=Float8Kernels.torchao)  # what the t
 BF16 = resolve_precision(preset("bf16"), CPU)
 
 
-def model_cfg(n_embd=64, n_layer=2, gelu=KernelImpl.torch, block_size=32, vocab_size=512):
+GELU, RELU2, SWIGLU = MlpActivation.gelu, MlpActivation.relu2, MlpActivation.swiglu
+
+
+def model_cfg(n_embd=64, n_layer=2, gelu=KernelImpl.torch, block_size=32, vocab_size=512, mlp=GELU):
+    """mlp=swiglu: a hidden width of 8/3 n_embd (192 at 64), c_fc's output twice that, not GELU's 4 n_embd."""
     return ModelConfig(n_layer=n_layer, n_head=4, n_embd=n_embd, block_size=block_size, vocab_size=vocab_size,
-                       gelu=gelu)
+                       gelu=gelu, mlp=mlp)
 
 
 def bf16_model(cfg, linears=(), seed=0, kernels=Float8Kernels.torchao):
@@ -264,12 +268,12 @@ def test_eager_float8_blocks_save_what_bf16_ones_do(policy):
 
 
 @pytest.mark.parametrize("policy", ["none", "every_k", "selective", "full"])
-@pytest.mark.parametrize("linears, gelu", [(ALL, KernelImpl.torch), (ALL, KernelImpl.fused),
-                                           (GPT2_124M, KernelImpl.fused)])
-def test_minitrain_float8_blocks_save_what_the_model_says(policy, linears, gelu):
+@pytest.mark.parametrize("linears, gelu, mlp", [(ALL, KernelImpl.torch, GELU), (ALL, KernelImpl.fused, GELU),
+                                                (GPT2_124M, KernelImpl.fused, GELU), (ALL, KernelImpl.torch, SWIGLU)])
+def test_minitrain_float8_blocks_save_what_the_model_says(policy, linears, gelu, mlp):
     """Each linear keeps its input's and its weight's transposed float8 copies; a kept block frees the bf16 inputs
-    (the norms' and GELU's outputs) it held for bf16 linears."""
-    cfg, B, T = model_cfg(gelu=gelu), 8, 32
+    (the norms' and the activation's outputs, mlp.c_proj's SwiGLU's narrower one) it held for bf16 linears."""
+    cfg, B, T = model_cfg(gelu=gelu, mlp=mlp), 8, 32
     ckpt = CheckpointingConfig(CheckpointPolicy[policy])
     model = bf16_model(cfg, linears, kernels=Float8Kernels.minitrain)
     apply_policy(model, ckpt)
@@ -280,11 +284,11 @@ def test_minitrain_float8_blocks_save_what_the_model_says(policy, linears, gelu)
     assert est.activations_total + hidden.nbytes == live.current
 
 
-@pytest.mark.parametrize("linears, gelu", [(GPT2_124M, KernelImpl.fused), (ALL, KernelImpl.fused),
-                                           (ALL, KernelImpl.torch)])
-def test_compiled_minitrain_float8_blocks_save_what_eager_ones_do(linears, gelu):
+@pytest.mark.parametrize("linears, gelu, mlp", [(GPT2_124M, KernelImpl.fused, GELU), (ALL, KernelImpl.fused, GELU),
+                                                (ALL, KernelImpl.torch, GELU), (ALL, KernelImpl.torch, SWIGLU)])
+def test_compiled_minitrain_float8_blocks_save_what_eager_ones_do(linears, gelu, mlp):
     """The float8 op is opaque to Inductor: the partitioner keeps its float8 copies and frees the bf16 inputs."""
-    cfg, B = model_cfg(gelu=gelu, n_layer=1), 8
+    cfg, B = model_cfg(gelu=gelu, n_layer=1, mlp=mlp), 8
     N = B * cfg.block_size
     measured = compiled_block_saves(cfg, linears, B, Float8Kernels.minitrain) - compiled_block_saves(cfg, (), B)
     # beside the modelled bytes: the norms' statistics, which the bf16 block saves in bf16 on a CPU (8 bytes a token)
@@ -293,8 +297,11 @@ def test_compiled_minitrain_float8_blocks_save_what_eager_ones_do(linears, gelu)
 
 
 def compiled_block_saves(cfg, linears, B=8, kernels=Float8Kernels.torchao):
-    """Bytes the compiled block saves for backward, beyond its input and the parameters (pack hooks see them)."""
+    """Bytes the compiled block saves for backward, beyond its input and the parameters (pack hooks see them). Each
+    block compiled afresh: Block.forward's earlier graphs would count towards dynamo's recompile limit, past which
+    it runs eagerly."""
     model = bf16_model(cfg, linears, kernels=kernels)
+    torch.compiler.reset()
     block = torch.compile(model.blocks[0])
     x = torch.randn(B, cfg.block_size, cfg.n_embd, dtype=torch.bfloat16, requires_grad=True)
     known = {p.untyped_storage().data_ptr() for p in model.parameters()} | {x.untyped_storage().data_ptr()}
@@ -310,11 +317,13 @@ def compiled_block_saves(cfg, linears, B=8, kernels=Float8Kernels.torchao):
     return sum(saved.values())
 
 
-@pytest.mark.parametrize("linears, gelu", [(GPT2_124M, KernelImpl.fused), (ALL, KernelImpl.fused),
-                                           (ALL, KernelImpl.torch)])
-def test_compiled_float8_blocks_save_what_the_model_says(linears, gelu):
-    """Inductor's partitioner recomputes the norms' outputs and keeps GELU's in float8 (our kernel) or not at all."""
-    cfg, B = model_cfg(gelu=gelu, n_layer=1), 8
+@pytest.mark.parametrize("linears, gelu, mlp", [(GPT2_124M, KernelImpl.fused, GELU), (ALL, KernelImpl.fused, GELU),
+                                                (ALL, KernelImpl.torch, GELU), (ALL, KernelImpl.fused, RELU2),
+                                                (ALL, KernelImpl.torch, SWIGLU)])
+def test_compiled_float8_blocks_save_what_the_model_says(linears, gelu, mlp):
+    """Inductor's partitioner recomputes the norms' outputs and keeps GELU's in float8 (our kernel) or not at all;
+    ReLU^2's and SwiGLU's (torch's ops, whatever model.gelu says) it recomputes."""
+    cfg, B = model_cfg(gelu=gelu, n_layer=1, mlp=mlp), 8
     N, C = B * cfg.block_size, cfg.n_embd
     measured = compiled_block_saves(cfg, linears, B) - compiled_block_saves(cfg, (), B)
     # beside the modelled bytes: the casts' 0-d scales, and the norms' statistics, which the bf16 block saves in
@@ -322,11 +331,12 @@ def test_compiled_float8_blocks_save_what_the_model_says(linears, gelu):
     assert abs(measured - _float8_saved_delta(cfg, linears, N, 2)) <= 8 * N + 256, measured / (N * C)
 
 
-@pytest.mark.parametrize("policy, linears", [("none", ALL), ("none", GPT2_124M), ("full", ALL), ("selective", ALL)])
-def test_eager_float8_steps_peak_where_the_model_says(policy, linears):
+@pytest.mark.parametrize("policy, linears, mlp", [("none", ALL, GELU), ("none", GPT2_124M, GELU), ("full", ALL, GELU),
+                                                 ("selective", ALL, GELU), ("none", ALL, SWIGLU)])
+def test_eager_float8_steps_peak_where_the_model_says(policy, linears, mlp):
     """Model, optimizer and two steps under LiveBytes: the casts' fp32 temporaries in the MLP's backward set the
-    peak."""
-    cfg, B, T = model_cfg(n_embd=32, vocab_size=128), 32, 32  # small: the real float8 GEMMs, slow on a CPU
+    peak (SwiGLU's: c_fc's output twice its hidden width)."""
+    cfg, B, T = model_cfg(n_embd=32, vocab_size=128, mlp=mlp), 32, 32  # small: the real float8 GEMMs, slow on a CPU
     ckpt = CheckpointingConfig(CheckpointPolicy[policy])
     with LiveBytes() as live:
         model = bf16_model(cfg, linears)
