@@ -43,9 +43,14 @@ class Checkpointer:
         self.kept: Optional[Kept] = None
         self._guarded_step: Optional[int] = None
 
+    @property
+    def saves(self) -> bool:
+        """False with trainer.save_every=0: the run writes no checkpoint, not even on a stop request."""
+        return self.t.save_every > 0
+
     def due(self, step: int) -> bool:
         """Whether the step that made the count `step` ends with a save: every trainer.save_every, and the last."""
-        return step % self.t.save_every == 0 or step == self.t.max_steps
+        return self.saves and (step % self.t.save_every == 0 or step == self.t.max_steps)
 
     def guard(self) -> None:
         """Stop a diverged run, naming the checkpoint kept (divergence.check, which reads device values): once a

@@ -319,7 +319,7 @@ class TrainerConfig:
     eval_hellaswag: Optional[str] = None
     eval_hellaswag_examples: Optional[int] = None  # the first N examples; null: all (10042 in the validation set)
     log_every: int = 10
-    save_every: int = 100
+    save_every: int = 100  # and at the last step; 0: no checkpoints at all (a benchmark's run)
     sample_tokens: int = 64
     seed: int = 1337
     out_dir: str = MISSING  # configs/config.yaml: the run dir Hydra made (runs/<date>/<time>/, or hydra.run.dir)
@@ -350,8 +350,9 @@ class TrainerConfig:
     peak_flops: Optional[float] = None
 
     def __post_init__(self):
-        for key in ("max_steps", "batch_size", "log_every", "eval_every", "save_every", "eval_batches"):
+        for key in ("max_steps", "batch_size", "log_every", "eval_every", "eval_batches"):
             require(getattr(self, key) >= 1, f"trainer.{key}", f"must be >= 1, got {getattr(self, key)}")
+        require(self.save_every >= 0, "trainer.save_every", f"must be >= 0 (0: no checkpoints), got {self.save_every}")
         self.compile = self.compile.lower()
         require(self.compile in SWITCHES, "trainer.compile", f"one of {SWITCHES}, got {self.compile!r}")
         require(self.micro_batch == "auto" or (self.micro_batch.isdigit() and int(self.micro_batch) >= 1),

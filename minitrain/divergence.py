@@ -47,6 +47,8 @@ def check(progress: Progress, plan: Plan, dist: Dist, kept: Optional[Kept], t: T
 def _kept(kept: Optional[Kept], t: TrainerConfig) -> str:
     """Which checkpoint a diverged run leaves, with the loss it was trained to: a finite loss can still be an
     exploded one, which the user judges from the number."""
+    if kept is None and t.save_every == 0:
+        return "with no checkpoint saved (trainer.save_every=0)"
     if kept is None:
         first = f"{t.save_every}" if t.save_every < t.max_steps else f"{t.max_steps}, the last"
         return f"with no checkpoint saved (the first was due at step {first})"

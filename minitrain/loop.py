@@ -90,12 +90,14 @@ def fit(parts: Parts, services: Services, settings: Settings) -> dict[str, Any]:
                     logger.log(record)
                     bar.set_postfix(loss=f"{record.get('train/loss', float('nan')):.3f}")
                 stop = interrupts.agreed(logging)
-                if saving or stop:
+                if saving or (stop and checkpointer.saves):
                     path = checkpointer.save()
                 if stop:
                     raise TrainingInterrupted(
-                        f"stopped at step {p.step} of {t.max_steps}; checkpoint saved to {path} — continue "
-                        f"with: {run_dir.continue_command(settings.dist.enabled)}",
+                        f"stopped at step {p.step} of {t.max_steps}; " + (
+                            f"checkpoint saved to {path} — continue with: "
+                            f"{run_dir.continue_command(settings.dist.enabled)}" if checkpointer.saves else
+                            "no checkpoint saved (trainer.save_every=0)"),
                         main=settings.dist.is_main, exit_code=interrupts.exit_code)
                 if logging or evaluating or saving:
                     meter.restart()  # eval and saving are not training time

@@ -16,6 +16,7 @@ def test_a_runs_overrides_compose_into_its_mode_world_batch_and_steps(mode, worl
     assert cfg.distributed.mode == DistributedMode(mode) and cfg.distributed.fsdp_unit_blocks == 1
     assert (cfg.trainer.batch_size, cfg.trainer.max_steps, cfg.trainer.log_every) == (3 * world, 9, 3)
     assert cfg.trainer.out_dir == str(tmp_path) and cfg.logger.mode.value == "disabled"
+    assert cfg.trainer.save_every == 0  # timing the step, not the disk (a gpt2-1.5b checkpoint is ~20 GB)
 
 
 def row(model, mode, gpus, tokens_per_s, peaks=(1.0,)):

@@ -57,6 +57,7 @@ def test_bad_type_fails_naming_key(make_cfg, override, names):
     (["trainer.compile=sometimes"], "trainer.compile"),
     (["trainer.memory_budget=1.5"], "trainer.memory_budget"),
     (["trainer.max_skipped_steps=0"], "trainer.max_skipped_steps"),
+    (["trainer.save_every=-1"], "trainer.save_every: must be >= 0"),
     (["trainer.warmup_steps=11"], "trainer.warmup_steps"),
     (["trainer.max_steps=0"], "trainer.max_steps"),
     (["trainer.min_lr=1"], "trainer.min_lr"),

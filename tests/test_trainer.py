@@ -602,6 +602,31 @@ def test_ctrl_c_saves_a_checkpoint_after_the_step_and_the_run_continues_from_it(
     resumed.close()
 
 
+def test_save_every_0_writes_no_checkpoint_at_the_cadence_the_end_or_a_ctrl_c(make_cfg, monkeypatch):
+    """trainer.save_every=0 (a benchmark's run): no checkpoint at the last step, nor at a stop request, whose
+    message then names the setting instead of a continue command."""
+    import os
+    import signal
+
+    from minitrain.interrupts import TrainingInterrupted
+
+    t = Trainer(make_cfg("trainer.max_steps=4", "trainer.save_every=0", "trainer.sample_tokens=0"), progress=False)
+    assert t.fit()["step"] == 4 and not checkpoint.checkpoint_dir(t.out_dir).exists()
+    t = Trainer(make_cfg("trainer.max_steps=10", "trainer.save_every=0", "trainer.resume=auto"), progress=False)
+    real_step = t.train_step
+
+    def interrupted_at_3(step):
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+        return real_step(step)
+
+    monkeypatch.setattr(t.parts, "train_step", interrupted_at_3)
+    with pytest.raises(TrainingInterrupted, match=r"stopped at step 4 of 10; no checkpoint saved "
+                                                  r"\(trainer\.save_every=0\)$"):
+        t.fit()
+    assert not checkpoint.checkpoint_dir(t.out_dir).exists()
+
+
 def test_the_trainers_batches_check_token_ids_against_the_tokenizer(make_cfg, monkeypatch):
     t = Trainer(make_cfg(), progress=False)
     try:

@@ -5,8 +5,8 @@ For each model, three runs of `minitrain.trainer.Trainer` (precision=bf16, fused
 launched by torchrun: 1 GPU (distributed=none), N GPUs with ddp, N GPUs with fsdp. The micro-batch per GPU is fixed
 (weak scaling: the global batch is N x the micro-batch), so N x the single-GPU tokens/s is perfect scaling. Each rank
 reports its peak allocated memory and the bytes its optimizer state occupies (fp32 masters + Adam m, v as allocated),
-beside the memory model's prediction of the same terms. Checkpoints are not written (a 1.5b one is ~20 GB): the
-worker's checkpointer saves nothing.
+beside the memory model's prediction of the same terms. Checkpoints are not written (a 1.5b one is ~20 GB):
+trainer.save_every=0.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ def overrides(model: str, mode: str, world: int, micro_batch: int, steps: int, o
     return [f"model={model}", "precision=bf16", "loss=fused", "optimizer.impl=fused", f"distributed={mode}",
             f"trainer.batch_size={micro_batch * world}", f"trainer.max_steps={steps}",
             f"trainer.log_every={log_every}", f"trainer.eval_every={steps}", "trainer.eval_batches=1",
-            f"trainer.save_every={steps}", "trainer.sample_tokens=0", "trainer.warmup_steps=2", "trainer.lr=3e-4",
+            "trainer.save_every=0", "trainer.sample_tokens=0", "trainer.warmup_steps=2", "trainer.lr=3e-4",
             "trainer.min_lr=3e-5", "logger.mode=disabled", f"trainer.out_dir={out_dir}", *extra]
 
 
@@ -46,7 +46,6 @@ def worker(part: str, run_overrides: list[str]) -> None:
     from minitrain.trainer import Trainer
 
     trainer = Trainer(compose_config(run_overrides), progress=False)
-    trainer.checkpointer.save = lambda: None  # timing the step, not the disk
     record = trainer.fit()
     # fp32 masters + Adam m, v as allocated; under fsdp the fp32 param shards are the masters.
     state = sum(b.state.exp_avg.nbytes + b.state.exp_avg_sq.nbytes
