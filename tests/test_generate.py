@@ -114,7 +114,7 @@ def test_sample_texts_never_draw_the_padding_past_the_tokenizers_vocabulary(hf_g
     """A model whose vocabulary is padded past its tokenizer's 320 ids (to 384, as model.vocab_size pads GPT-2's
     50257): every hidden state is ln_f's bias, the padding rows (320..383) that bias times 100 and the tokenizer's
     last ids (300..319) that bias times 50, so a padding id would win every draw if sample_texts let it take part,
-    and the tokenizer's last ids win where it does not (an id past the vocabulary would vanish from the decoded text)."""
+    and the tokenizer's last ids win where it does not (an id past the vocabulary would vanish from the text)."""
     from minitrain.data.tokenizer import pretrained_tokenizer
     from minitrain.generate import sample_texts
 
