@@ -129,11 +129,12 @@ def test_a_run_dir_that_holds_a_run_is_not_run_into(tmp_path):
 
 
 def test_the_script_runs_both_recipes_and_compares_them(tmp_path, data_cache):
-    """Both sides at the tiny model's scale, 4 steps of 4 x 64 tokens evaluated every 2: each run's settings as the
-    script sets them, the lines it prints, its record and plot; then --compare on the same dirs prints the same."""
+    """Both sides at the tiny model's scale, 4 steps of 8 x 32 tokens evaluated every 2 on 1 batch (each option a
+    value of its own, so that one passed as another is seen): each run's settings as the script sets them, the lines
+    it prints, its record and plot; then --compare on the same dirs prints the same."""
     work, out = tmp_path / "work", tmp_path / "r.json"
-    args = ["--work", str(work), "--tokens", "1100", "--batch-size", "4", "--block-size", "64", "--eval-every", "2",
-            "--eval-batches", "2", "--gpt2", "model=tiny", "--modern", "model=tiny", "optimizer=muon",
+    args = ["--work", str(work), "--tokens", "1100", "--batch-size", "8", "--block-size", "32", "--eval-every", "2",
+            "--eval-batches", "1", "--gpt2", "model=tiny", "--modern", "model=tiny", "optimizer=muon",
             "model.position=rope", "--gpt2-lrs", "1e-3,2e-3", "--modern-lrs", "0.02", "--data", "data=stdlib",
             "--extra", f"data.cache_dir={data_cache}", "logger.mode=disabled", "--out", str(out)]
     run = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=600)
@@ -143,8 +144,9 @@ def test_the_script_runs_both_recipes_and_compares_them(tmp_path, data_cache):
     for cell, (group, key, lr) in cells.items():
         config = yaml.safe_load((work / cell / ".hydra" / "config.yaml").read_text())
         t = config["trainer"]
-        assert (t["max_steps"], t["batch_size"], config["model"]["block_size"]) == (4, 4, 64)  # 1100 // 256 steps
-        assert (t["eval_every"], t["log_every"], t["eval_batches"], t["deterministic"]) == (2, 2, 2, True)
+        assert (t["max_steps"], t["batch_size"], config["model"]["block_size"]) == (4, 8, 32)  # 1100 // 256 steps
+        assert (t["eval_every"], t["log_every"], t["eval_batches"], t["save_every"], t["deterministic"]) == \
+            (2, 2, 1, 4, True)
         assert (config[group][key] if key == "lr" else config[group][key]["lr"]) == lr
     assert yaml.safe_load((work / "modern/0.02/.hydra/config.yaml").read_text())["model"]["position"] == "rope"
     finals = {cell: recipe.read_run(work / cell) for cell in cells}

@@ -21,6 +21,17 @@ def test_defaults_resolve():
         ("auto", "auto", "auto", "auto") and cfg.trainer.warmup_steps is None
 
 
+def test_each_data_option_reads_the_source_of_its_own_name():
+    """data=<option> sets data.source to the source of that name, one source per option: a source whose value
+    repeated another's would be an alias of it (Enum), and its option would silently read the other corpus."""
+    from minitrain.config import DataSource
+
+    options = sorted(p.stem for p in (REPO / "configs" / "data").glob("*.yaml"))
+    sources = {o: compose_config(["trainer.out_dir=.", f"data={o}"]).data.source for o in options}
+    assert {o: (s.name, s.value) for o, s in sources.items()} == {o: (o, o) for o in options}
+    assert sorted(source.name for source in DataSource) == options
+
+
 @pytest.mark.parametrize("group", ["model=gpt2-124m", "model=gpt2-1.5b", "precision=bf16", "precision=fp16",
                                    "precision=bf16_no_master", "precision=amp_bf16", "precision=fp32", "checkpointing=full",
                                    "checkpointing=auto", "checkpointing=selective", "checkpointing=every_k",

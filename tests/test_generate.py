@@ -110,6 +110,30 @@ def test_padding_rows_and_ids_beyond_the_tokenizer_are_never_drawn():
         assert generate(model, prompt, 20, replace(s, vocab=40), seed=0).tokens[:, 2:].max() < 40
 
 
+def test_sample_texts_never_draw_the_padding_past_the_tokenizers_vocabulary(hf_gpt2):
+    """A model whose vocabulary is padded past its tokenizer's 320 ids (to 384, as model.vocab_size pads GPT-2's
+    50257): every hidden state is ln_f's bias, the padding rows (320..383) that bias times 100 and the tokenizer's
+    last ids (300..319) that bias times 50, so a padding id would win every draw if sample_texts let it take part,
+    and the tokenizer's last ids win where it does not (an id past the vocabulary would vanish from the text)."""
+    from minitrain.data.tokenizer import pretrained_tokenizer
+    from minitrain.generate import sample_texts
+
+    tokenizer = pretrained_tokenizer(str(hf_gpt2))
+    assert tokenizer.get_vocab_size() == GPT2_VOCAB == 320
+    torch.manual_seed(0)
+    model = GPT(ModelConfig(n_layer=1, n_head=2, n_embd=16, block_size=32, vocab_size=384)).eval()
+    with torch.no_grad():
+        model.ln_f.weight.zero_()
+        model.ln_f.bias.normal_()
+        model.wte.weight[300:320] = 50 * model.ln_f.bias
+        model.wte.weight[320:] = 100 * model.ln_f.bias
+    for s in (Sampling(temperature=0), Sampling(temperature=1.0), Sampling(temperature=1.0, top_k=5),
+              Sampling(temperature=2.0, top_p=0.99)):
+        _, out = sample_texts(model, tokenizer, "def wrap(", 4, 12, s, seed=0)
+        drawn = out.tokens[:, len(tokenizer.encode("def wrap(").ids):]
+        assert drawn.min() >= 300 and drawn.max() < 320, s
+
+
 def test_settings_and_lengths_that_cannot_work_are_refused(gpt2):
     model, _ = gpt2
     for bad, message in [(dict(temperature=-1), "temperature must be >= 0"), (dict(top_k=0), "top_k must be >= 1"),

@@ -109,25 +109,63 @@ def test_data_paths_and_cache_dir_are_the_corpus_and_where_its_cache_goes(capsys
     assert not touched.prepared and touched.data.path == first.data.path
 
 
-def test_data_packages_is_every_py_file_of_the_interpreters_site_directories_once(capsys, tmp_path, monkeypatch):
-    """data=packages reads the .py files under each site directory (site.getsitepackages, purelib, platlib), each
-    once however many of them name its directory or one above it, and nothing else: not other files there, not
-    PYTHONPATH's."""
+def fake_site(tmp_path, monkeypatch) -> list[str]:
+    """A site directory holding a package's .py sources, a third each one, two and three directories down
+    (pkg/, pkg/sub/, pkg/sub/deeper/), beside a file that is no source and a symlink to a source; the interpreter's
+    site directories (site.getsitepackages, purelib, platlib) pointed at it, twice, once with a slash, once at the
+    package inside it, and at a directory that is gone; PYTHONPATH at other .py files. The sources' texts."""
     texts = text_corpus(tmp_path / "site" / "pkg", docs=30)
-    (tmp_path / "site" / "pkg" / "sub").mkdir()
-    for i, f in enumerate(sorted((tmp_path / "site" / "pkg").glob("*.txt"))):  # half of them a directory down
-        f.rename(f.with_suffix(".py") if i % 2 else f.parent / "sub" / f.with_suffix(".py").name)
+    deeper = tmp_path / "site" / "pkg" / "sub" / "deeper"
+    deeper.mkdir(parents=True)
+    for i, f in enumerate(sorted((tmp_path / "site" / "pkg").glob("*.txt"))):
+        f.rename([f.parent, f.parent / "sub", deeper][i % 3] / f.with_suffix(".py").name)
     (tmp_path / "site" / "pkg" / "README.txt").write_text("not a source\n" * 40)
+    (tmp_path / "site" / "pkg" / "alias.py").symlink_to(deeper / "doc029.py")  # the same file twice
     text_corpus(tmp_path / "pythonpath", docs=3)  # on sys.path only: not the packages'
+    for f in (tmp_path / "pythonpath").glob("*.txt"):
+        f.rename(f.with_suffix(".py"))
     monkeypatch.syspath_prepend(str(tmp_path / "pythonpath"))
     site_dir = str(tmp_path / "site")
-    monkeypatch.setattr(corpus_mod.site, "getsitepackages", lambda: [site_dir, site_dir + "/", f"{site_dir}/pkg", str(tmp_path / "gone")])
+    monkeypatch.setattr(corpus_mod.site, "getsitepackages",
+                        lambda: [site_dir, site_dir + "/", f"{site_dir}/pkg", str(tmp_path / "gone")])
     paths = dict(corpus_mod.sysconfig.get_paths(), purelib=site_dir, platlib=site_dir)
     monkeypatch.setattr(corpus_mod.sysconfig, "get_paths", lambda: paths)
-    run = prepare(capsys, "data=packages", f"data.cache_dir={tmp_path / 'cache'}", "data.vocab_size=400",
-                  "data.val_fraction=0.2", "data.shard_tokens=1024", "model.block_size=16")
+    return texts
+
+
+PACKAGES = ("data=packages", "data.vocab_size=400", "data.val_fraction=0.2", "data.shard_tokens=1024",
+            "model.block_size=16")
+
+
+def test_data_packages_is_every_py_file_of_the_interpreters_site_directories_once(capsys, tmp_path, monkeypatch):
+    """data=packages reads the .py files under each site directory, however deep, each once however many of the
+    directories name its directory or one above it and however many links lead to it, and nothing else: not other
+    files there, not PYTHONPATH's, not the standard library."""
+    texts = fake_site(tmp_path, monkeypatch)
+    run = prepare(capsys, *PACKAGES, f"data.cache_dir={tmp_path / 'cache'}")
     assert run.prepared and run.data.path.name.startswith("packages-")
     assert sorted(run.documents["train"] + run.documents["val"]) == sorted(texts)
+
+
+def test_data_packages_is_keyed_by_the_sources_contents(capsys, tmp_path, monkeypatch):
+    """The packages' cache is reused while their sources are unchanged; a source rewritten in place to the same size
+    and times (a package upgraded by a patch) is prepared again, with its new text."""
+    texts = fake_site(tmp_path, monkeypatch)
+    settings = (*PACKAGES, f"data.cache_dir={tmp_path / 'cache'}")
+    first = prepare(capsys, *settings)
+    again = prepare(capsys, *settings)
+    assert first.prepared and not again.prepared and again.data.path == first.data.path
+    source = tmp_path / "site" / "pkg" / "sub" / "deeper" / "doc008.py"
+    times, size = (source.stat().st_atime_ns, source.stat().st_mtime_ns), source.stat().st_size
+    edited = texts[8].swapcase()
+    assert source.read_text() == texts[8] and edited != texts[8] and len(edited.encode()) == size
+    with open(source, "r+") as f:  # in place: the same inode, size and times
+        f.write(edited)
+    os.utime(source, ns=times)
+    upgraded = prepare(capsys, *settings)
+    assert upgraded.prepared and upgraded.data.path != first.data.path
+    documents = upgraded.documents["train"] + upgraded.documents["val"]
+    assert edited in documents and texts[8] not in documents
 
 
 def test_a_file_rewritten_in_place_to_the_same_size_and_times_or_renamed_is_prepared_again(capsys, tmp_path, corpus):
