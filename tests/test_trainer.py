@@ -101,6 +101,17 @@ def test_logged_lr_is_the_lr_each_step_ran_at(make_cfg, tmp_path, monkeypatch):
     assert logged == ran_at
 
 
+
+def test_an_eval_step_between_log_steps_logs_its_evaluation_alone(make_cfg, tmp_path):
+    """log_every=2, eval_every=3 over 4 steps: step 3 evaluates without logging, so its record holds the evaluation
+    only, not step 2's training numbers again under step 3; the last step logs and evaluates."""
+    train(make_cfg(*SMALL_MODEL, "trainer.max_steps=4", "trainer.log_every=2", "trainer.eval_every=3",
+                   "trainer.save_every=100"), progress=False)
+    records = [r for r in read_jsonl(tmp_path / "run" / "metrics.jsonl") if "step" in r]
+    assert [r["step"] for r in records] == [2, 3, 4]
+    assert set(records[1]) == {"step", "val/loss", "val/ppl"}
+    assert "val/loss" not in records[0] and {"train/loss", "val/loss"} <= set(records[2])
+
 @pytest.mark.parametrize("precision", ["bf16", "fp16", "bf16_no_master", "amp_bf16"])
 def test_precision_modes_train(make_cfg, precision, tmp_path):
     t = Trainer(make_cfg(f"precision={precision}", "trainer.max_steps=5", "trainer.log_every=5", "trainer.lr=3e-3"),
@@ -275,6 +286,15 @@ def test_trainer_out_dir_is_the_only_dir_a_run_makes(data_cache, tmp_path, out_d
     assert sorted(p.name for p in tmp_path.iterdir()) == made and not list((tmp_path / "runs").glob("*"))
     assert (tmp_path / run_dir / "metrics.jsonl").exists() and (tmp_path / run_dir / "checkpoints").is_dir()
 
+
+
+def test_a_trainer_out_dir_under_the_home_directory_is_expanded(make_cfg, tmp_path, monkeypatch):
+    """trainer.out_dir=~/runs/a is $HOME/runs/a (where Hydra's run dir follows it), not ./~/runs/a: a resume looks
+    where the run wrote."""
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    Trainer(make_cfg(*SMALL_MODEL, "trainer.out_dir='~/runs/a'"), progress=False).close()
+    assert (tmp_path / "home" / "runs" / "a" / rundir.TOKENIZER).exists() and not (tmp_path / "~").exists()
 
 @pytest.mark.parametrize("override, error", [
     ("trainer.batch_size=0", "trainer.batch_size: must be >= 1, got 0"),
