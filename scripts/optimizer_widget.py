@@ -2,7 +2,7 @@
 Muon costs beside AdamW per parameter of a model's hidden matrices (FLOPs, bytes moved, state) and its floor.
 
 `python scripts/optimizer_widget.py [--params N] [--tensors K] [--launch-us U] [--host-us-per-tensor H]
-[--bandwidth-tbs B] [--gemm-tflops G] [--model gpt2-124m] [--measured bench_optimizer.json]
+[--bandwidth-tbs B] [--gemm-tflops G] [--model gpt2-124m] [--ns-steps S] [--measured bench_optimizer.json]
 [--out optimizer_widget.png]`; defaults: GPT-2 124M, H200 values. The model is minitrain/tools/optimizer_model.py;
 the plot needs matplotlib (the `plots` extra).
 """
@@ -12,6 +12,7 @@ import importlib.util
 import json
 
 from minitrain.tools import optimizer_model as om
+from minitrain.config import MuonConfig
 from minitrain.memory import hidden_shapes, param_numels
 from minitrain.model_config import ModelConfig
 from minitrain.tools.benchmarks.optimizer import MUON_MODELS
@@ -36,6 +37,8 @@ def main() -> None:
                     help="the bf16 GEMM rate Muon's Newton-Schulz runs at")
     ap.add_argument("--model", default="gpt2-124m", choices=list(MUON_MODELS),
                     help="whose hidden matrices Muon's costs are counted over")
+    ap.add_argument("--ns-steps", type=int, default=MuonConfig.ns_steps,
+                    help="Muon's Newton-Schulz steps (optimizer.muon.ns_steps)")
     ap.add_argument("--measured", default=None, help="scripts/bench_optimizer.py's JSON, overlaid on the plot")
     ap.add_argument("--out", default="optimizer_widget.png")
     args = ap.parse_args()
@@ -45,7 +48,8 @@ def main() -> None:
         with open(args.measured) as f:
             measured = om.measured_points(json.load(f))
     print(om.table(args.params, args.tensors, launch_s, bandwidth, per_tensor))
-    print(om.cost_table(hidden_shapes(MUON_MODELS[args.model]), args.gemm_tflops * 1e12, bandwidth))
+    print(om.cost_table(hidden_shapes(MUON_MODELS[args.model]), args.gemm_tflops * 1e12, bandwidth,
+                       args.ns_steps))
     if importlib.util.find_spec("matplotlib") is None:
         print("plot skipped: matplotlib is not installed (pip install -e '.[plots]')")
         return

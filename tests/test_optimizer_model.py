@@ -86,3 +86,6 @@ def test_optimizer_widget_writes_table_and_plot(tmp_path):
     assert "fused" in out.stdout and "148 tensors" in out.stdout and "16 B/param" in out.stdout
     assert "48 matrices (84.9M params)" in out.stdout and "Muon          17,920         32       12" in out.stdout
     assert (tmp_path / "w.png").read_bytes()[:4] == b"\x89PNG"
+    three = subprocess.run([sys.executable, str(REPO / "scripts" / "optimizer_widget.py"), "--ns-steps", "3",
+                            "--out", "w3.png"], check=True, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert "Muon at 3 Newton-Schulz steps" in three.stdout and "Muon          10,752" in three.stdout

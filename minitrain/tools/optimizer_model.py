@@ -134,14 +134,15 @@ def adamw_costs() -> Costs:
 
 
 def cost_table(shapes: list[tuple[int, int]], gemm_flops: float = DEFAULT_GEMM_FLOPS,
-               bandwidth: float = DEFAULT_BANDWIDTH) -> str:
-    """AdamW's and Muon's costs per parameter of the matrices `shapes` (a model's hidden matrices), and each one's
-    step over them at `gemm_flops` and `bandwidth`."""
+               bandwidth: float = DEFAULT_BANDWIDTH, ns_steps: int = newton_schulz.NS_STEPS) -> str:
+    """AdamW's and Muon's costs per parameter of the matrices `shapes` (a model's hidden matrices), Muon at
+    `ns_steps` Newton-Schulz steps, and each one's step over them at `gemm_flops` and `bandwidth`."""
     n = sum(rows * cols for rows, cols in shapes)
     lines = [f"per parameter and step, {len(shapes)} matrices ({n / 1e6:.1f}M params), bf16 + fp32 masters; "
-             f"GEMMs at {gemm_flops / 1e12:.0f} TFLOP/s, {bandwidth / 1e12:.2f} TB/s",
+             f"Muon at {ns_steps} Newton-Schulz steps; GEMMs at {gemm_flops / 1e12:.0f} TFLOP/s, "
+             f"{bandwidth / 1e12:.2f} TB/s",
              f"{'optimizer':<10} {'FLOPs':>9} {'HBM bytes':>10} {'state B':>8} {'step ms':>9}"]
-    for c in (adamw_costs(), muon_costs(shapes)):
+    for c in (adamw_costs(), muon_costs(shapes, ns_steps)):
         lines.append(f"{c.name:<10} {c.flops:>9,.0f} {c.hbm_bytes:>10.0f} {c.state_bytes:>8.0f} "
                      f"{c.step_s(n, gemm_flops, bandwidth) * 1e3:>9.3f}")
     return "\n".join(lines)
