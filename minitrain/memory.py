@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import asdict, astuple, dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -128,27 +129,34 @@ def compare(estimate: MemoryEstimate, measured_peak_allocated_bytes: int, measur
 def param_numels(model_cfg: ModelConfig) -> list[tuple[list[int], bool]]:
     """(numel of each parameter in one param group..., is the group decayed): the exact tensors the
     optimizer sees, from the model itself built on the meta device (no memory, no duplicated shape math)."""
-    return _model_numels(astuple(model_cfg))[0]
+    return _model_numels(astuple(model_cfg)).param_groups
 
 
 def _block_params(model_cfg: ModelConfig) -> dict[str, int]:
     """The numel of each parameter of one block, by name (attn.c_attn.weight, ...)."""
-    return _model_numels(astuple(model_cfg))[1]
+    return _model_numels(astuple(model_cfg)).block
 
 
 def hidden_shapes(model_cfg: ModelConfig) -> list[tuple[int, int]]:
     """The shape of each matrix Muon orthogonalizes (GPT.hidden_matrices), in the model's order."""
-    return _model_numels(astuple(model_cfg))[2]
+    return _model_numels(astuple(model_cfg)).hidden
 
 
 def _muon_adamw_numels(model_cfg: ModelConfig) -> list[tuple[list[int], bool]]:
     """param_numels of the groups AdamW keeps under optimizer=muon (GPT.muon_param_groups): the untied head among
     them."""
-    return _model_numels(astuple(model_cfg))[3]
+    return _model_numels(astuple(model_cfg)).muon_adamw_groups
+
+
+class _ModelNumels(NamedTuple):
+    param_groups: list[tuple[list[int], bool]]  # param_numels
+    block: dict[str, int]  # _block_params
+    hidden: list[tuple[int, int]]  # hidden_shapes
+    muon_adamw_groups: list[tuple[list[int], bool]]  # _muon_adamw_numels
 
 
 @functools.lru_cache(maxsize=8)
-def _model_numels(key: tuple) -> tuple:
+def _model_numels(key: tuple) -> _ModelNumels:
     """Built once per shape: the plan predicts many (micro-batch, policy) candidates of one model."""
     with torch.device("meta"):
         model = GPT(ModelConfig(*key))
@@ -156,9 +164,10 @@ def _model_numels(key: tuple) -> tuple:
     def numels(groups):
         return [([p.numel() for p in g["params"]], g.get("weight_decay", 0) > 0) for g in groups]
 
-    return (numels(model.param_groups(1.0)), {name: p.numel() for name, p in model.blocks[0].named_parameters()},
-            [tuple(p.shape) for p in model.hidden_matrices()],
-            numels(g for g in model.muon_param_groups(1.0) if not g.get("use_muon")))
+    return _ModelNumels(numels(model.param_groups(1.0)),
+                        {name: p.numel() for name, p in model.blocks[0].named_parameters()},
+                        [tuple(p.shape) for p in model.hidden_matrices()],
+                        numels(g for g in model.muon_param_groups(1.0) if not g.get("use_muon")))
 
 
 def _float8_saved_delta(cfg: ModelConfig, float8_linears: tuple[str, ...], tokens: int, a: int) -> int:
