@@ -132,6 +132,20 @@ TARGETED = (*SMALL, "precision=fp32", "trainer.deterministic=true", "trainer.max
             "trainer.log_every=5", "trainer.save_every=100")
 
 
+def test_an_evaluation_reaches_the_target_at_or_below_it_and_never_with_a_nan_loss(make_cfg):
+    """The rule alone: equal reaches (and marks the record), one ulp above does not, nor does NaN, nor any loss
+    without a target."""
+    from minitrain.config import resolve
+    from minitrain.loop import reached_target
+
+    t, off = (resolve(make_cfg(*overrides)).trainer for overrides in (["trainer.target_loss=3.5"], []))
+    for loss, reached in ((3.5, True), (1.0, True), (math.nextafter(3.5, 4), False), (math.nan, False)):
+        record = {"step": 2, "val/loss": loss}
+        assert (reached_target(record, t), record) == (reached, {"step": 2, "val/loss": loss,
+                                                                 **({TARGET_REACHED: 3.5} if reached else {})}), loss
+    assert not reached_target({"step": 2, "val/loss": 1.0}, off)
+
+
 def targeted_run(make_cfg, out_dir, *overrides) -> tuple[dict, list[dict]]:
     """A run of TARGETED's settings in `out_dir`: what fit returns, and metrics.jsonl's step records."""
     returned = Trainer(make_cfg(*TARGETED, f"trainer.out_dir={out_dir}", *overrides), progress=False).fit()
