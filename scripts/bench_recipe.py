@@ -50,7 +50,8 @@ def main(argv=None):
     ap.add_argument("--eval-every", type=int, default=50, help="steps between evaluations (and log records)")
     ap.add_argument("--eval-batches", type=int, default=20, help="trainer.eval_batches")
     ap.add_argument("--extra", nargs="+", default=[], metavar="OVERRIDE", help="more overrides for every run")
-    ap.add_argument("--compare", nargs="+", metavar="RUN_DIR", help="compare these runs (finished, or stopped at their target) instead of running")
+    ap.add_argument("--compare", nargs="+", metavar="RUN_DIR",
+                    help="compare these runs (finished, or stopped at their target) instead of running")
     ap.add_argument("--out", default="bench_recipe.json")
     ap.add_argument("--plot", help="the loss curves' PNG (default: --out's name with .png)")
     args = ap.parse_args(argv)

@@ -15,7 +15,7 @@ import yaml
 from minitrain.loop import TARGET_REACHED, UNTIMED_STEPS_COMPILED, UNTIMED_STEPS_EAGER
 from minitrain.tools.benchmarks import recipe
 
-from conftest import REPO
+from conftest import REPO, run_script
 
 SCRIPT = str(REPO / "scripts" / "bench_recipe.py")
 
@@ -177,6 +177,16 @@ def test_runs_of_different_token_budgets_are_refused(tmp_path):
                           str(tmp_path / "r.json")], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and out.stderr.startswith("error: --compare: the runs' token budgets differ: ")
     assert len(out.stderr.strip().splitlines()) == 1 and not (tmp_path / "r.json").exists()
+
+
+@pytest.mark.parametrize("target", ["0", "-1", "nan", "inf"])
+def test_a_target_that_is_no_loss_above_0_is_refused(tmp_path, monkeypatch, capsys, target):
+    """Refused before any run is made or read (--compare here: a bad target must not start a GPT-2 run)."""
+    argv = ["--target", target, "--compare", tmp_path / "none", "--out", tmp_path / "r.json"]
+    code, out, err = run_script("bench_recipe", argv, monkeypatch, capsys)
+    assert (code, out) == (2, "") and err.endswith(f"error: --target must be a validation loss > 0, got "
+                                                   f"{float(target)}\n")
+    assert list(tmp_path.iterdir()) == []
 
 
 def test_a_run_dir_that_holds_a_run_is_not_run_into(tmp_path):

@@ -132,8 +132,8 @@ def _target_run(gpt2_runs: list[dict]) -> Optional[dict]:
 
 def reach(run: dict, target: float) -> Optional[int]:
     """The step of a modern run's first evaluation at or below `target`, None if none is. Only a run with finite
-    losses that finished its budget or stopped at its own target reaches anything: either made every evaluation
-    up to its end that it was to make; a run stopped otherwise is no candidate."""
+    losses that finished its budget or stopped at its own target reaches anything: each made every evaluation it
+    was to make up to its end; a run stopped otherwise is no candidate."""
     counts = run["finite"] and (run["finished"] or run["stopped_at_target"])
     return steps_to_reach(run, target) if counts else None
 
@@ -210,6 +210,8 @@ def _ratio(value: Optional[float]) -> str:
 
 
 def _run_end(run: dict) -> str:
+    """How a run ended, as its report line says it: its final loss, or where it stopped and why (a run stopped at
+    its target has no loss at the end of its budget)."""
     if run["finite"] and run["stopped_at_target"] and not run["finished"]:
         return (f"stopped at its target (trainer.target_loss) at step {run['last_step']} of {run['max_steps']}, "
                 f"validation loss {final_loss(run):.4f}")
