@@ -385,6 +385,7 @@ ALLOWED_CHANGES: dict[str, str] = {
     "trainer.expandable_segments": "how the allocator lays out the same tensors",
     "trainer.micro_batch": "how the global batch is split into micro-batches; the sum is the same",
     "trainer.max_skipped_steps": "when a diverging run is stopped, not what a step computes",
+    "trainer.target_loss": "when the run stops at its validation loss, not what a step computes",
     "checkpointing.*": "which activations are recomputed in backward instead of kept; the same values",
     "logger.*": "where and under which names metrics are reported",
     "data.cache_dir": "where the token cache lives; its contents are the same",

@@ -2,10 +2,11 @@
 resume that fills every part from trainer.resume's checkpoint. The format, its files and its checks are
 checkpoint.py's; the divergence rule is divergence.py's.
 
-It saves every trainer.save_every steps and at the last one, and on a stop request (the loop's). It keeps the last
-checkpoint it loaded or saved (`kept`): the one a diverged run names to resume from. The guard reads the loss and
-skip counts on the host, so it runs where the host reads anyway — at log steps, and before every save — at most
-once a step: a step that logs and saves reads them once.
+It saves every trainer.save_every steps and at the run's last step (trainer.max_steps, or the evaluation that reached
+trainer.target_loss), and on a stop request (the loop's). It keeps the last checkpoint it loaded or saved (`kept`):
+the one a diverged run names to resume from. The guard reads the loss and skip counts on the host, so it runs where
+the host reads anyway — at log steps, and before every save — at most once a step: a step that logs and saves reads
+them once.
 """
 
 from __future__ import annotations
@@ -48,9 +49,10 @@ class Checkpointer:
         """False with trainer.save_every=0: the run writes no checkpoint, not even on a stop request."""
         return self.t.save_every > 0
 
-    def due(self, step: int) -> bool:
-        """Whether the step that made the count `step` ends with a save: every trainer.save_every, and the last."""
-        return self.saves and (step % self.t.save_every == 0 or step == self.t.max_steps)
+    def due(self, step: int, ending: bool = False) -> bool:
+        """Whether the step that made the count `step` ends with a save: every trainer.save_every, and the run's
+        last — trainer.max_steps, or a step `ending` it (its target reached, a stop request)."""
+        return self.saves and (ending or step % self.t.save_every == 0 or step == self.t.max_steps)
 
     def guard(self) -> None:
         """Stop a diverged run, naming the checkpoint kept (divergence.check, which reads device values): once a

@@ -314,6 +314,9 @@ class TrainerConfig:
     warmup_steps: Optional[int] = None  # linear warmup, then cosine decay; None: 10% of max_steps
     eval_every: int = 100
     eval_batches: int = 10
+    # Stop after the first evaluation whose validation loss (val/loss) is at or below this, as at max_steps (its
+    # checkpoint saved, its record marked: loop.TARGET_REACHED); null: off. A resume goes on to the next evaluation.
+    target_loss: Optional[float] = None
     # HellaSwag accuracy at every eval: null (off), hub (its validation set from the Hugging Face hub, needs
     # network once), or a local copy's path (hellaswag_val.jsonl: activity_label, ctx_a, ctx_b, endings, label per line).
     eval_hellaswag: Optional[str] = None
@@ -383,6 +386,9 @@ class TrainerConfig:
                 f"a fraction of the device's memory in (0, 1], got {self.memory_budget}")
         require(self.max_skipped_steps is None or self.max_skipped_steps >= 1, "trainer.max_skipped_steps",
                 f"must be >= 1 or null, got {self.max_skipped_steps}")
+        # A validation loss (a cross-entropy) is above 0 in any real run: a target at or below 0 never stops one.
+        require(self.target_loss is None or self.target_loss > 0, "trainer.target_loss",
+                f"must be a validation loss > 0 or null, got {self.target_loss}")
 
 
 def check_optimizer_precision(impl: OptimizerImpl, precision: PrecisionConfig) -> None:

@@ -1,6 +1,7 @@
 """The training loop, top to bottom: a step; then, each at its cadence, a log record (with the divergence guard),
 an evaluation, a checkpoint (the checkpointer says when); a stop request (Ctrl-C, SIGTERM) saves and ends the run;
-at the end a sample and the run's records. Device values reach the host at log steps only.
+an evaluation at or below trainer.target_loss ends it as its last step would; at the end a sample and the run's
+records. Device values reach the host at log steps only.
 
 It reads what it is given — the parts (minitrain/parts.py), the services it writes through, the settings — and calls
 back into nothing that holds them: whoever made them owns them (minitrain/trainer.py).
@@ -32,6 +33,9 @@ from .rundir import MEMORY, SAMPLE, RunDir
 # call and warms up and records its CUDA graphs on the next two; any step's first run makes the allocator's
 # first requests.
 UNTIMED_STEPS_COMPILED, UNTIMED_STEPS_EAGER = 3, 1
+# The key that marks the record of the evaluation that reached trainer.target_loss (its value: the target), the
+# run's last: it tells a run that stopped at its target from one that stopped otherwise (scripts/bench_recipe.py).
+TARGET_REACHED = "stop/target_loss"
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,8 @@ class Services:
 
 
 def fit(parts: Parts, services: Services, settings: Settings) -> dict[str, Any]:
-    """Train from the parts' progress to trainer.max_steps; returns the last logged record."""
+    """Train from the parts' progress to trainer.max_steps, or to the first evaluation at or below
+    trainer.target_loss (a resumed run: the first after its checkpoint); returns the last logged record."""
     from tqdm.auto import tqdm
 
     t, plan, p = settings.trainer, settings.plan, parts.progress
@@ -77,7 +82,7 @@ def fit(parts: Parts, services: Services, settings: Settings) -> dict[str, Any]:
                 bar.update(1)
                 logging, evaluating = (p.step % every == 0 or p.step == t.max_steps
                                        for every in (t.log_every, t.eval_every))
-                saving = checkpointer.due(p.step)
+                logging |= evaluating and t.target_loss is not None  # a step the run may end at logs as its last
                 if logging:
                     checkpointer.guard()  # once this step: a save below does not read the device again
                     record = log_record(parts, meter, settings)
@@ -86,12 +91,16 @@ def fit(parts: Parts, services: Services, settings: Settings) -> dict[str, Any]:
                         compared = True
                 if evaluating:
                     record = {**(record if logging else {"step": p.step}), **eval_record(parts, settings)}
+                reached = evaluating and reached_target(record, t)
                 if logging or evaluating:
                     logger.log(record)
                     bar.set_postfix(loss=f"{record.get('train/loss', float('nan')):.3f}")
                 stop = interrupts.agreed(logging)
-                if saving or (stop and checkpointer.saves):
+                saving = checkpointer.due(p.step, ending=stop or reached)
+                if saving:
                     path = checkpointer.save()
+                if reached:
+                    break
                 if stop:
                     raise TrainingInterrupted(
                         f"stopped at step {p.step} of {t.max_steps}; " + (
@@ -196,6 +205,15 @@ def eval_record(parts: Parts, settings: Settings) -> dict[str, Any]:
     return record
 
 
+def reached_target(record: dict[str, Any], t: TrainerConfig) -> bool:
+    """Whether an evaluation's validation loss is at or below trainer.target_loss (a NaN one never is); if so, its
+    record says so (TARGET_REACHED)."""
+    if t.target_loss is None or not record["val/loss"] <= t.target_loss:
+        return False
+    record[TARGET_REACHED] = t.target_loss
+    return True
+
+
 def memory_comparison(plan: Plan) -> str:
     s = torch.cuda.memory_stats(plan.device)
     return memory.compare(plan.memory, s["allocated_bytes.all.peak"], s["reserved_bytes.all.peak"],
@@ -204,9 +222,14 @@ def memory_comparison(plan: Plan) -> str:
 
 def finish(parts: Parts, services: Services, settings: Settings, record: dict[str, Any],
            checkpoint: Optional[Path]) -> dict[str, Any]:
-    """The run's end: memory.json (the predicted terms beside the measured peaks, which scripts/report.py reads
-    per sweep cell), a sample, the last console line saying where the results are."""
+    """The run's end: why it ends before trainer.max_steps (its target reached), memory.json (the predicted terms
+    beside the measured peaks, which scripts/report.py reads per sweep cell), a sample, the last console line saying
+    where the results are."""
     logger, run_dir, plan = services.logger, services.run_dir, settings.plan
+    if TARGET_REACHED in record:
+        logger.print(f"target reached: validation loss {record['val/loss']:.4f} <= trainer.target_loss="
+                     f"{record[TARGET_REACHED]!r} at step {record['step']} of {settings.trainer.max_steps}; the run "
+                     "ends here")
     measured = {k: v for k, v in record.items() if k.startswith("mem/")}
     run_dir.write(MEMORY, json.dumps({**plan.memory.as_dict(), **measured}, indent=1))
     record["sample"] = sample(parts, services, settings)

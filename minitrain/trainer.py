@@ -89,7 +89,7 @@ class Trainer:
     settings = property(lambda self: loop.Settings(self.plan, self.cfg.trainer, self.dist, self.show_progress))
 
     def fit(self) -> dict[str, Any]:
-        """Train to trainer.max_steps, then free the run dir (for a resume in this process too)."""
+        """Train to trainer.max_steps (or trainer.target_loss), then free the run dir (for a resume here too)."""
         with self._held:
             return loop.fit(self.parts, loop.Services(self.run_dir, self.logger, self.checkpointer), self.settings)
 

@@ -1,18 +1,21 @@
 """Time to a target loss on one GPU: the GPT-2 recipe (model=gpt2-124m, AdamW) at its best trainer.lr of a sweep runs
---tokens; its final validation loss is the target; the modern recipe (model=gpt2-124m-modern optimizer=muon) at its
-best optimizer.muon.lr, with the same budget as its ceiling, is timed to the first evaluation at or below it. Prints
-both wall times (compile excluded and included), the tokens and the ratio; writes the record (--out) and the runs'
-loss curves (--plot). Every run is a `scripts/train.py` process (WORK/<recipe>/<lr>), deterministic, on the
-installed packages' sources by default (--data; GPT-2's tokenizer: --data data=packages data.tokenizer=gpt2).
-`--compare RUN_DIR...` only reads finished runs (run dirs, or dirs of them), wherever they were made
-(minitrain/tools/benchmarks/recipe.py says how the times are read).
+--tokens; its final validation loss is the target; the modern recipe (model=gpt2-124m-modern optimizer=muon), over a
+sweep of optimizer.muon.lr with the same budget as its ceiling, stops at its first evaluation at or below the target
+where it is known (--target, or the GPT-2 runs in WORK/gpt2, which run first), and its run fastest to the target is
+timed to it. Prints both wall times (compile excluded and included), the tokens and the ratio; writes the record
+(--out) and the runs' loss curves (--plot). Every run is a `scripts/train.py` process (WORK/<recipe>/<lr>),
+deterministic, on the installed packages' sources by default (--data; GPT-2's tokenizer: --data data=packages
+data.tokenizer=gpt2). `--compare RUN_DIR...` only reads finished runs or runs stopped at their target (run dirs, or
+dirs of them), wherever they were made (minitrain/tools/benchmarks/recipe.py says how the times are read).
 
     python scripts/bench_recipe.py --work runs/recipe --out recipe.json
-    python scripts/bench_recipe.py --work runs/recipe --recipes gpt2        # one side per call
+    python scripts/bench_recipe.py --work runs/recipe --recipes gpt2        # one side per call: the modern side
+    python scripts/bench_recipe.py --work runs/recipe --recipes modern      # reads its target from runs/recipe/gpt2
     python scripts/bench_recipe.py --compare runs/recipe/gpt2 runs/recipe/modern --out recipe.json
 """
 
 import argparse
+import math
 import sys
 from pathlib import Path
 
@@ -38,30 +41,44 @@ def main(argv=None):
                     help="the GPT-2 recipe's overrides")
     ap.add_argument("--modern", nargs="+", default=list(recipe.RECIPES["modern"]), metavar="OVERRIDE",
                     help="the modern recipe's overrides")
+    ap.add_argument("--target", type=float, metavar="LOSS",
+                    help="the validation loss the modern recipe's runs stop at (trainer.target_loss); default: the "
+                         "GPT-2 recipe's best final one among its finished runs in WORK/gpt2, none there: no stop")
     ap.add_argument("--data", nargs="+", default=list(recipe.DATA), metavar="OVERRIDE", help="the corpus")
     ap.add_argument("--batch-size", type=int, default=32, help="trainer.batch_size of every run")
     ap.add_argument("--block-size", type=int, default=1024, help="model.block_size of every run")
     ap.add_argument("--eval-every", type=int, default=50, help="steps between evaluations (and log records)")
     ap.add_argument("--eval-batches", type=int, default=20, help="trainer.eval_batches")
     ap.add_argument("--extra", nargs="+", default=[], metavar="OVERRIDE", help="more overrides for every run")
-    ap.add_argument("--compare", nargs="+", metavar="RUN_DIR", help="compare these finished runs instead of running")
+    ap.add_argument("--compare", nargs="+", metavar="RUN_DIR",
+                    help="compare these runs (finished, or stopped at their target) instead of running")
     ap.add_argument("--out", default="bench_recipe.json")
     ap.add_argument("--plot", help="the loss curves' PNG (default: --out's name with .png)")
     args = ap.parse_args(argv)
     for name in ("tokens", "batch_size", "block_size", "eval_every", "eval_batches"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
+    if args.target is not None and not (math.isfinite(args.target) and args.target > 0):
+        ap.error(f"--target must be a validation loss > 0, got {args.target}")
     steps = args.tokens // (args.batch_size * args.block_size)
     if steps < 1:
         ap.error(f"--tokens {args.tokens} is less than one step of {args.batch_size} x {args.block_size}")
     run_dirs = args.compare
     if not run_dirs:
         sweeps = {"gpt2": (args.gpt2, args.gpt2_lrs), "modern": (args.modern, args.modern_lrs)}
-        run_dirs = []
-        for side in args.recipes:
+        run_dirs, work = [], Path(args.work).resolve()
+        for side in sorted(set(args.recipes), key=list(recipe.RECIPES).index):  # the GPT-2 side first: its target
             overrides, side_lrs = sweeps[side]
+            if side == "modern":
+                try:
+                    stop, said = recipe.modern_target(args.target, work / "gpt2", steps * args.batch_size *
+                                                      args.block_size)
+                except recipe.RecipeError as e:
+                    ap.exit(2, f"error: {e}\n")
+                print(said, flush=True)
+                overrides = [*overrides, *stop]
             for lr in side_lrs:
-                run_dir = Path(args.work).resolve() / side / f"{lr:g}"
+                run_dir = work / side / f"{lr:g}"
                 cell = recipe.cell_overrides(overrides, recipe.LR_KEYS[side], lr, steps, args.batch_size,
                                              args.block_size, args.eval_every, args.eval_batches, args.data,
                                              args.extra)

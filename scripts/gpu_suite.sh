@@ -281,7 +281,8 @@ PY
       ;;
     recipe)  # time to a target loss (scripts/bench_recipe.py): the GPT-2 recipe (gpt2-124m, AdamW) over trainer.lr in
       # RECIPE_GPT2_LRS, its best final validation loss the target; the modern recipe (gpt2-124m-modern, Muon) over
-      # optimizer.muon.lr in RECIPE_MODERN_LRS, timed to its first evaluation at or below it. RECIPE_TOKENS
+      # optimizer.muon.lr in RECIPE_MODERN_LRS, stopped at and timed to its first evaluation at or below it (the
+      # target read from the GPT-2 runs already in OUT/recipe/gpt2, copied into the work dir). RECIPE_TOKENS
       # (163840000: 5000 steps of 32 x 1024) per run on data=packages (prepared first), deterministic, evaluated every
       # 50 steps; RECIPE_SIDES (gpt2 modern): the sides this call runs (at gpt2-124m's default budget a run takes
       # minutes: one side and one lr a call, the calls sharing OUT/recipe); then the comparison of every run in
@@ -290,6 +291,9 @@ PY
       timeout 300 python3 scripts/prepare_data.py data=packages model.vocab_size=null 2>&1 | tail -1
       for side in ${RECIPE_SIDES:-gpt2 modern}; do
         rm -rf $work/$side
+        if [ "$side" = modern ] && [ -d "$out/recipe/gpt2" ]; then
+          rm -rf $work/gpt2; mkdir -p $work; cp -r "$out/recipe/gpt2" $work/
+        fi
         timeout 590 python3 scripts/bench_recipe.py --work $work --recipes $side --tokens ${RECIPE_TOKENS:-163840000} \
           --gpt2-lrs ${RECIPE_GPT2_LRS:-6e-4,1.2e-3} --modern-lrs ${RECIPE_MODERN_LRS:-0.01,0.02} 2>&1 | tail -4
         rm -rf $work/$side/*/checkpoints

@@ -1,6 +1,8 @@
 """scripts/bench_recipe.py without a GPU (minitrain.tools.benchmarks.recipe): the target, the step that reaches it and
-the wall times to it on run dirs written as the trainer writes them, the refusals, and the script end to end at the
-tiny model's scale (its runs, their settings, the comparison's lines and record)."""
+the wall times to it on run dirs written as the trainer writes them (a run made before trainer.target_loss existed
+among them), which modern run is timed (the fastest to the target; a run stopped at its target counts, one stopped
+otherwise not), where the modern runs' target comes from, the refusals, and the script end to end at the tiny
+model's scale (its runs, their settings and targets, the comparison's lines and record)."""
 
 import json
 import math
@@ -10,18 +12,19 @@ import sys
 import pytest
 import yaml
 
-from minitrain.loop import UNTIMED_STEPS_COMPILED, UNTIMED_STEPS_EAGER
+from minitrain.loop import TARGET_REACHED, UNTIMED_STEPS_COMPILED, UNTIMED_STEPS_EAGER
 from minitrain.tools.benchmarks import recipe
 
-from conftest import REPO
+from conftest import REPO, run_script
 
 SCRIPT = str(REPO / "scripts" / "bench_recipe.py")
 
 
 def write_run(root, name, optimizer, val, lr=6e-4, muon_lr=0.02, step_ms=100.0, warmup_s=30.0, max_steps=None,
-              batch_size=4, block_size=64, compiled=True):
+              batch_size=4, block_size=64, compiled=True, stopped_at=None):
     """A run dir as the trainer leaves it: .hydra/config.yaml, and metrics.jsonl's plan then a record at each of
-    `val`'s steps, logged and evaluated (step_ms: one figure for every interval, or a figure per step)."""
+    `val`'s steps, logged and evaluated (step_ms: one figure for every interval, or a figure per step); the record of
+    step `stopped_at` marked as the one that reached the run's target."""
     run = root / name
     (run / ".hydra").mkdir(parents=True)
     steps = sorted(val)
@@ -37,7 +40,7 @@ def write_run(root, name, optimizer, val, lr=6e-4, muon_lr=0.02, step_ms=100.0, 
             r["perf/warmup_s"] = warmup_s
         if s > untimed:
             r["perf/step_ms"] = step_ms[s] if isinstance(step_ms, dict) else step_ms
-        records.append({**r, "val/loss": val[s]})
+        records.append({**r, "val/loss": val[s], **({TARGET_REACHED: val[s]} if s == stopped_at else {})})
     (run / "metrics.jsonl").write_text("\n".join(map(json.dumps, records)) + "\n")
     return run
 
@@ -59,12 +62,68 @@ def test_the_target_is_the_best_gpt2_runs_final_loss_and_a_loss_equal_to_it_reac
     assert compare(*gpt2, above)["modern"]["step"] == 30  # one ulp above the target does not reach it
 
 
-def test_the_modern_recipes_best_run_is_the_lowest_final_loss_of_its_sweep(tmp_path):
-    gpt2 = write_run(tmp_path, "g", "adamw", {10: 4.0, 20: 3.5})
-    early = write_run(tmp_path, "m1", "muon", {10: 3.4, 20: 3.3}, muon_lr=0.04)  # reaches it first, ends higher
-    best = write_run(tmp_path, "m2", "muon", {10: 3.6, 20: 3.0}, muon_lr=0.02)
-    result = compare(gpt2, early, best)
-    assert (result["modern"]["dir"], result["modern"]["lr"], result["modern"]["step"]) == (str(best), 0.02, 20)
+def test_the_modern_recipes_best_run_reaches_the_target_in_the_least_wall_time_else_it_ends_lowest(tmp_path):
+    """Target 3.5. Compile excluded: `slow` reaches it at step 10 in 10 s (1 s steps), `fast` at step 20 in 2 s (after
+    the longest compile: 100 s), `low` at step 30 in 3 s and ends lowest: `fast` is timed, neither the fewest steps,
+    the least time with the compile nor the lowest final loss. Where no run reaches the target, the lowest final loss
+    is the run reported."""
+    gpt2 = write_run(tmp_path, "g", "adamw", {10: 4.0, 20: 3.8, 30: 3.5})
+    slow = write_run(tmp_path, "slow", "muon", {10: 3.4, 20: 3.3, 30: 3.2}, muon_lr=0.04, step_ms=1000.0)
+    fast = write_run(tmp_path, "fast", "muon", {10: 3.9, 20: 3.45, 30: 3.3}, muon_lr=0.02, warmup_s=100.0)
+    low = write_run(tmp_path, "low", "muon", {10: 3.9, 20: 3.6, 30: 2.0}, muon_lr=0.01)
+    result = compare(gpt2, slow, fast, low)
+    assert (result["modern"]["dir"], result["modern"]["lr"], result["modern"]["step"]) == (str(fast), 0.02, 20)
+    assert result["modern"]["wall_s_compile_excluded"] == pytest.approx(2.0)
+    above = [write_run(tmp_path, f"a{i}", "muon", {10: 3.9, 20: final, 30: final}, muon_lr=lr)
+             for i, (final, lr) in enumerate([(3.7, 0.04), (3.6, 0.02), (3.8, 0.01)])]
+    result = compare(gpt2, *above)
+    assert (result["modern"]["dir"], result["modern"]["step"], result["modern"]["final"]) == (str(above[1]), None, 3.6)
+
+
+def test_a_modern_run_stopped_at_its_target_is_a_candidate_and_one_stopped_otherwise_is_not(tmp_path):
+    """Budget 30 steps, target 3.5 (the GPT-2 run's). `at_target` stopped at step 20 at its own target (marked): it
+    reaches the target there, before `full` (which ran its budget, as every run made before trainer.target_loss did).
+    The same run unmarked (a crash, a stop request), marked but logging on after (resumed, then stopped), or stopped
+    at a higher target of its own that this one is below is no candidate; nor sets a GPT-2 run stopped short of its
+    budget the target, marked or not."""
+    gpt2 = write_run(tmp_path, "g", "adamw", {10: 4.0, 20: 3.8, 30: 3.5})
+    full = write_run(tmp_path, "full", "muon", {10: 3.9, 20: 3.6, 30: 3.4}, muon_lr=0.01)
+    at_target = write_run(tmp_path, "at_target", "muon", {10: 3.9, 20: 3.45}, max_steps=30, stopped_at=20)
+    result = compare(gpt2, full, at_target)
+    assert (result["modern"]["dir"], result["modern"]["step"], result["modern"]["loss"]) == (str(at_target), 20, 3.45)
+    runs = [recipe.read_run(r) for r in (gpt2, full, at_target)]
+    assert recipe.compare_report(runs, recipe.compare(runs))[2] == (
+        "modern recipe optimizer.muon.lr=0.02: stopped at its target (trainer.target_loss) at step 20 of 30, "
+        "validation loss 3.4500")
+    not_candidates = {"killed": dict(val={10: 3.9, 20: 3.45}),
+                      "resumed_then_killed": dict(val={10: 3.9, 20: 3.45, 25: 3.44}, stopped_at=20),
+                      "higher_target": dict(val={10: 3.55}, stopped_at=10)}
+    for name, kw in not_candidates.items():
+        run = write_run(tmp_path, name, "muon", max_steps=30, **kw)
+        assert compare(gpt2, full, run)["modern"]["dir"] == str(full), name
+    short = write_run(tmp_path, "g_short", "adamw", {10: 3.0}, max_steps=30, stopped_at=10, lr=1.2e-3)
+    assert compare(gpt2, short, full)["target"] == 3.5
+
+
+def test_the_modern_runs_target_is_given_else_the_gpt2_runs_in_work_set_it(tmp_path):
+    """--target wins; else the best final loss of the finished GPT-2 runs in WORK/gpt2, exact (a stopped one lower
+    sets nothing), passed as trainer.target_loss; none there, no target; GPT-2 runs of another budget are refused."""
+    budget = 30 * 4 * 64
+    gpt2 = tmp_path / "work" / "gpt2"
+    assert recipe.modern_target(None, gpt2, budget) == ([], (
+        f"modern recipe: no target known (no finished run of the GPT-2 recipe in {gpt2}, no --target): its runs run "
+        "their whole budget"))
+    write_run(gpt2, "stopped", "adamw", {10: 3.0}, max_steps=30)
+    assert recipe.modern_target(None, gpt2, budget)[0] == []
+    best = write_run(gpt2, "best", "adamw", {10: 4.0, 20: 3.8, 30: 3.4999999999999996})
+    write_run(gpt2, "worse", "adamw", {10: 4.0, 20: 3.8, 30: 3.6}, lr=1.2e-3)
+    assert recipe.modern_target(None, gpt2, budget) == (["trainer.target_loss=3.4999999999999996"], (
+        f"modern recipe: its runs stop at their first evaluation at or below 3.4999999999999996 (the GPT-2 recipe's "
+        f"best final validation loss, {best})"))
+    assert recipe.modern_target(3.25, gpt2, budget) == (["trainer.target_loss=3.25"], (
+        "modern recipe: its runs stop at their first evaluation at or below 3.25 (--target)"))
+    with pytest.raises(recipe.RecipeError, match=r"ran a budget of 7,680 tokens, not this one's 15,360"):
+        recipe.modern_target(None, gpt2, 2 * budget)
 
 
 def test_wall_times_to_a_step_sum_the_timed_intervals_and_count_the_warm_up_either_way(tmp_path):
@@ -120,6 +179,16 @@ def test_runs_of_different_token_budgets_are_refused(tmp_path):
     assert len(out.stderr.strip().splitlines()) == 1 and not (tmp_path / "r.json").exists()
 
 
+@pytest.mark.parametrize("target", ["0", "-1", "nan", "inf"])
+def test_a_target_that_is_no_loss_above_0_is_refused(tmp_path, monkeypatch, capsys, target):
+    """Refused before any run is made or read (--compare here: a bad target must not start a GPT-2 run)."""
+    argv = ["--target", target, "--compare", tmp_path / "none", "--out", tmp_path / "r.json"]
+    code, out, err = run_script("bench_recipe", argv, monkeypatch, capsys)
+    assert (code, out) == (2, "") and err.endswith(f"error: --target must be a validation loss > 0, got "
+                                                   f"{float(target)}\n")
+    assert list(tmp_path.iterdir()) == []
+
+
 def test_a_run_dir_that_holds_a_run_is_not_run_into(tmp_path):
     """A second run there would be refused by the trainer's lock only while the first runs; a finished one stays."""
     done = write_run(tmp_path, "done", "adamw", {10: 4.0})
@@ -130,13 +199,15 @@ def test_a_run_dir_that_holds_a_run_is_not_run_into(tmp_path):
 
 def test_the_script_runs_both_recipes_and_compares_them(tmp_path, data_cache):
     """Both sides at the tiny model's scale, 4 steps of 8 x 32 tokens evaluated every 2 on 1 batch (each option a
-    value of its own, so that one passed as another is seen): each run's settings as the script sets them, the lines
-    it prints, its record and plot; then --compare on the same dirs prints the same."""
+    value of its own, so that one passed as another is seen; --recipes in the other order: the GPT-2 side still runs
+    first): each run's settings as the script sets them, the modern run's the GPT-2 runs' target, the lines it
+    prints, its record and plot; then --compare on the same dirs prints the same."""
     work, out = tmp_path / "work", tmp_path / "r.json"
     args = ["--work", str(work), "--tokens", "1100", "--batch-size", "8", "--block-size", "32", "--eval-every", "2",
             "--eval-batches", "1", "--gpt2", "model=tiny", "--modern", "model=tiny", "optimizer=muon",
             "model.position=rope", "--gpt2-lrs", "1e-3,2e-3", "--modern-lrs", "0.02", "--data", "data=stdlib",
-            "--extra", f"data.cache_dir={data_cache}", "logger.mode=disabled", "--out", str(out)]
+            "--extra", f"data.cache_dir={data_cache}", "logger.mode=disabled", "--out", str(out), "--recipes", "modern",
+            "gpt2"]
     run = subprocess.run([sys.executable, SCRIPT, *args], capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     cells = {"gpt2/0.001": ("trainer", "lr", 1e-3), "gpt2/0.002": ("trainer", "lr", 2e-3),
@@ -151,6 +222,16 @@ def test_the_script_runs_both_recipes_and_compares_them(tmp_path, data_cache):
     assert yaml.safe_load((work / "modern/0.02/.hydra/config.yaml").read_text())["model"]["position"] == "rope"
     finals = {cell: recipe.read_run(work / cell) for cell in cells}
     target = min(finals["gpt2/0.001"]["val"][4], finals["gpt2/0.002"]["val"][4])
+    targets = {cell: yaml.safe_load((work / cell / ".hydra" / "config.yaml").read_text())["trainer"]["target_loss"]
+               for cell in cells}
+    assert targets == {"gpt2/0.001": None, "gpt2/0.002": None, "modern/0.02": target}
+    modern = finals["modern/0.02"]
+    reached = recipe.steps_to_reach(modern, target)  # the run's first evaluation at or below the target: its last
+    assert (modern["last_step"], modern["stopped_at_target"]) == ((reached, True) if reached else (4, False))
+    best = min(("gpt2/0.001", "gpt2/0.002"), key=lambda cell: finals[cell]["val"][4])
+    assert run.stdout.splitlines()[2] == ("modern recipe: its runs stop at their first evaluation at or below "
+                                          f"{target!r} (the GPT-2 recipe's best final validation loss, {work / best})")
+    assert "exit code" not in run.stdout
     saved = json.loads(out.read_text())
     assert saved["target"] == target and saved["budget_tokens"] == 1024 and len(saved["runs"]) == 3
     assert all(r["warmup_s"] > 0 for r in saved["runs"])  # the trainer's first log record holds its warm-up's time
@@ -162,4 +243,32 @@ def test_the_script_runs_both_recipes_and_compares_them(tmp_path, data_cache):
                             str(tmp_path / "again.json"), "--plot", str(tmp_path / "again.png")],
                            capture_output=True, text=True, timeout=120)
     assert again.returncode == 0, again.stderr[-2000:]
-    assert again.stdout.splitlines()[:-1] == run.stdout.splitlines()[3:-1]  # the same lines, after the runs' own
+    assert again.stdout.splitlines()[:-1] == run.stdout.splitlines()[4:-1]  # the same lines, after the runs' own
+
+
+def test_the_script_stops_the_modern_runs_at_the_target_of_the_gpt2_runs_in_work_or_at_target(tmp_path, data_cache):
+    """The modern side alone, after GPT-2 runs of the same budget (4 steps of 8 x 32) in WORK/gpt2 whose best final
+    loss is 9.0, above the tiny model's first evaluation (about ln 4096 = 8.3): its run stops there, at step 2 of 4,
+    with its checkpoint; a second call's --target 8.75 wins over WORK/gpt2's. --compare then times those runs, each
+    stopped at its target."""
+    work = tmp_path / "work"
+    write_run(work / "gpt2", "6e-04", "adamw", {2: 9.5, 4: 9.0}, batch_size=8, block_size=32)
+    args = ["--work", str(work), "--recipes", "modern", "--tokens", "1100", "--batch-size", "8", "--block-size", "32",
+            "--eval-every", "2", "--eval-batches", "1", "--modern", "model=tiny", "optimizer=muon", "--data",
+            "data=stdlib", "--extra", f"data.cache_dir={data_cache}", "logger.mode=disabled"]
+    for lr, given, target in (("0.02", [], 9.0), ("0.01", ["--target", "8.75"], 8.75)):
+        run = subprocess.run([sys.executable, SCRIPT, *args, "--modern-lrs", lr, *given], capture_output=True,
+                             text=True, timeout=600)
+        assert run.returncode == 0 and "exit code" not in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
+        assert run.stdout.splitlines()[0].startswith(f"modern recipe: its runs stop at their first evaluation at or "
+                                                     f"below {target} (")
+        cell = work / "modern" / lr
+        assert yaml.safe_load((cell / ".hydra" / "config.yaml").read_text())["trainer"]["target_loss"] == target
+        ran = recipe.read_run(cell)
+        assert (ran["last_step"], ran["stopped_at_target"], ran["finished"]) == (2, True, False)
+        assert (cell / "checkpoints" / "latest").is_dir()
+    again = subprocess.run([sys.executable, SCRIPT, "--compare", str(work / "gpt2"), str(work / "modern"), "--out",
+                            str(tmp_path / "r.json")], capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0, again.stderr[-2000:]
+    saved = json.loads((tmp_path / "r.json").read_text())
+    assert (saved["target"], saved["modern"]["step"]) == (9.0, 2)

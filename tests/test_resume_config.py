@@ -25,7 +25,8 @@ MAY_CHANGE = {
     "distributed": {"timeout_s", "mode", "fsdp_unit_blocks", "reshard_after_forward"},  # the same global batch
     "trainer": {"max_steps", "log_every", "eval_every", "eval_batches", "save_every", "sample_tokens", "out_dir",
                 "device", "compile", "compile_mode", "compile_check", "deterministic", "peak_flops", "memory_budget",
-                "expandable_segments", "micro_batch", "max_skipped_steps", "eval_hellaswag", "eval_hellaswag_examples"},
+                "expandable_segments", "micro_batch", "max_skipped_steps", "eval_hellaswag", "eval_hellaswag_examples",
+                "target_loss"},
     # what the plan resolved from `auto` on this device: precision, world size, mode, vocabulary, the params' dtype,
     # the float8 linears
     "plan": {"world_size", "distributed"},

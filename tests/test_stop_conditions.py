@@ -1,13 +1,16 @@
 """When a run stops as diverged, and what it leaves: the skipped-step limit at its exact value, a divergence
 between two log steps with a save due before the next one, and the message naming the checkpoint kept (its step
-and the loss it was trained to) or saying there is none; when the checkpointer saves and guards."""
+and the loss it was trained to) or saying there is none; when the checkpointer saves and guards; a run that stops at
+its target validation loss (trainer.target_loss), at the limit, and resumed."""
 
+import json
 import math
 
 import pytest
 
 from minitrain import checkpoint, checkpointer, divergence
 from minitrain.divergence import NonFiniteLossError
+from minitrain.loop import TARGET_REACHED
 from minitrain.trainer import Trainer
 
 from conftest import saved_state
@@ -121,3 +124,84 @@ def test_the_checkpointer_saves_at_its_cadence_and_the_last_step_and_guards_each
                         save(*a, **kw))
     t.fit()
     assert (saved, guarded) == ([3, 6, 7], [2, 3, 4, 6, 7])
+
+
+# -- trainer.target_loss: the run ends at its first evaluation at or below it -------------------------------------
+# Evaluated every 2 steps of 8, logged every 5: an evaluation the run may stop at falls between log steps.
+TARGETED = (*SMALL, "precision=fp32", "trainer.deterministic=true", "trainer.max_steps=8", "trainer.eval_every=2",
+            "trainer.log_every=5", "trainer.save_every=100")
+
+
+def test_an_evaluation_reaches_the_target_at_or_below_it_and_never_with_a_nan_loss(make_cfg):
+    """The rule alone: equal reaches (and marks the record), one ulp above does not, nor does NaN, nor any loss
+    without a target."""
+    from minitrain.config import resolve
+    from minitrain.loop import reached_target
+
+    t, off = (resolve(make_cfg(*overrides)).trainer for overrides in (["trainer.target_loss=3.5"], []))
+    for loss, reached in ((3.5, True), (1.0, True), (math.nextafter(3.5, 4), False), (math.nan, False)):
+        record = {"step": 2, "val/loss": loss}
+        assert (reached_target(record, t), record) == (reached, {"step": 2, "val/loss": loss,
+                                                                 **({TARGET_REACHED: 3.5} if reached else {})}), loss
+    assert not reached_target({"step": 2, "val/loss": 1.0}, off)
+
+
+def targeted_run(make_cfg, out_dir, *overrides) -> tuple[dict, list[dict]]:
+    """A run of TARGETED's settings in `out_dir`: what fit returns, and metrics.jsonl's step records."""
+    returned = Trainer(make_cfg(*TARGETED, f"trainer.out_dir={out_dir}", *overrides), progress=False).fit()
+    lines = (out_dir / "metrics.jsonl").read_text().splitlines()
+    return returned, [r for r in map(json.loads, lines) if "step" in r]
+
+
+def val_losses(records: list[dict]) -> dict[int, float]:
+    return {r["step"]: r["val/loss"] for r in records if "val/loss" in r}
+
+
+def first_at_or_below(val: dict[int, float], target: float, after: int = 0) -> int:
+    """The step an uncut run's evaluations say a run with this target stops at: the first at or below it, else the
+    last."""
+    return next((s for s, v in sorted(val.items()) if s > after and v <= target), max(val))
+
+
+def test_a_run_stops_at_its_first_evaluation_at_or_below_the_target_and_ends_as_at_its_last_step(make_cfg, tmp_path):
+    """The uncut run's evaluations (2, 4, 6, 8) set the targets. Its loss at step 4 exactly stops a run there: that
+    step's record, complete as a last step's (the training columns too, though 4 is no log step) and marked, the
+    checkpoint of step 4, the same losses as the uncut run, the console's line; one ulp lower goes on to the next
+    evaluation below it (with trainer.save_every=0: no checkpoint), and below every evaluation the run is the uncut
+    one. Resumed with its target, the stopped run trains to its next evaluation and stops there again."""
+    _, uncut = targeted_run(make_cfg, tmp_path / "uncut")
+    val = val_losses(uncut)
+    assert sorted(val) == [2, 4, 6, 8] and not any(TARGET_REACHED in r for r in uncut)
+    assert "train/loss" not in next(r for r in uncut if r["step"] == 2)  # without a target, evaluations log alone
+    target = val[4]
+    stop = first_at_or_below(val, target)
+    assert stop < 8
+    returned, cut = targeted_run(make_cfg, tmp_path / "cut", f"trainer.target_loss={target!r}")
+    last = cut[-1]
+    assert (last["step"], returned["step"], last[TARGET_REACHED], returned[TARGET_REACHED]) == (stop, stop, target,
+                                                                                                target)
+    assert val_losses(cut) == {s: v for s, v in val.items() if s <= stop}
+    assert not any(TARGET_REACHED in r for r in cut[:-1])
+    assert "train/loss" in last and "mem/peak_rss_gb" in last
+    assert "mem/peak_rss_gb" in json.loads((tmp_path / "cut" / "memory.json").read_text())
+    latest = checkpoint.checkpoint_dir(tmp_path / "cut") / checkpoint.LATEST
+    assert step_of(latest) == stop
+    said = (tmp_path / "cut" / "train.log").read_text()
+    assert (f"target reached: validation loss {val[stop]:.4f} <= trainer.target_loss={target!r} at step {stop} of 8; "
+            "the run ends here\n") in said
+    assert f"finished: step {stop} of 8, " in said
+
+    lower = math.nextafter(target, 0)
+    _, below = targeted_run(make_cfg, tmp_path / "below", f"trainer.target_loss={lower!r}", "trainer.save_every=0")
+    assert below[-1]["step"] == first_at_or_below(val, lower) > stop
+    assert not checkpoint.checkpoint_dir(tmp_path / "below").exists()
+
+    never = math.nextafter(min(val.values()), 0)
+    _, whole = targeted_run(make_cfg, tmp_path / "never", f"trainer.target_loss={never!r}")
+    assert whole[-1]["step"] == 8 and val_losses(whole) == val and not any(TARGET_REACHED in r for r in whole)
+    assert step_of(checkpoint.checkpoint_dir(tmp_path / "never") / checkpoint.LATEST) == 8
+
+    _, resumed = targeted_run(make_cfg, tmp_path / "cut", f"trainer.target_loss={target!r}", "trainer.resume=auto")
+    again = first_at_or_below(val, target, after=stop)
+    assert resumed[-1]["step"] == again and val_losses(resumed) == {s: v for s, v in val.items() if s <= again}
+    assert (TARGET_REACHED in resumed[-1]) == (val[again] <= target) and step_of(latest) == again

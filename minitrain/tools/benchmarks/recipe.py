@@ -3,11 +3,16 @@ is its command line).
 
 The GPT-2 recipe (`model=gpt2-124m`, AdamW, the project's defaults) runs a fixed number of tokens at each lr of a
 small sweep of trainer.lr; the lowest final validation loss among them is the target. The modern recipe
-(`model=gpt2-124m-modern optimizer=muon`) runs the same number of tokens (the ceiling) at each lr of a sweep of
-optimizer.muon.lr; its best run (the lowest final loss) is timed to the first evaluation step whose validation loss
-is at most the target. Every run is a `scripts/train.py` process of its own, deterministic, with the same batch and
-context, evaluated (and logged) every `eval_every` steps; the comparison reads only the runs' records, so it can be
-run again anywhere on runs made elsewhere.
+(`model=gpt2-124m-modern optimizer=muon`) runs at each lr of a sweep of optimizer.muon.lr with the same number of
+tokens as its ceiling, and where the target is known when it starts (given, or set by the GPT-2 runs already made)
+stops at its first evaluation at or below it (trainer.target_loss): the comparison needs no step past that one. Its
+best run is the one reaching the target in the least wall time (compile excluded), timed to its first evaluation at
+or below the target; where none reaches it, the lowest final loss says by how much it misses. A modern run counts
+when it finished its budget or stopped at its target (runs made without one ran their budget: both compare alike);
+one stopped otherwise (a crash, a stop request) does not, nor does a GPT-2 run short of its budget. Every run is a
+`scripts/train.py` process of its own, deterministic, with the same batch and context, evaluated (and logged) every
+`eval_every` steps; the comparison reads only the runs' records, so it can be run again anywhere on runs made
+elsewhere.
 
 Wall time to a step, from the run's metrics.jsonl: each log interval's mean step time (perf/step_ms) times its
 steps, from the end of the process's warm-up steps (minitrain.loop's UNTIMED_STEPS_*: the compile and CUDA-graph
@@ -26,10 +31,10 @@ from typing import Optional
 
 import yaml
 
-from minitrain.loop import UNTIMED_STEPS_COMPILED, UNTIMED_STEPS_EAGER
+from minitrain.loop import TARGET_REACHED, UNTIMED_STEPS_COMPILED, UNTIMED_STEPS_EAGER
 from minitrain.rundir import CONFIG_RECORD, METRICS, RECORD
 from minitrain.tools import report
-from minitrain.tools.benchmarks.optimizer import final_loss, read_quality_run, steps_to_reach
+from minitrain.tools.benchmarks.optimizer import final_loss, quality_run_dirs, read_quality_run, steps_to_reach
 
 TRAIN = Path(__file__).resolve().parents[3] / "scripts" / "train.py"
 # Each recipe's overrides and the key its lr sweep sets. The comparison tells the sides apart by optimizer: AdamW's
@@ -79,7 +84,8 @@ def timed_seconds(records: list[dict], untimed_steps: int) -> dict[int, float]:
 
 
 def read_run(run_dir) -> dict:
-    """A run's side (by its optimizer), lr, validation losses, planned budget and the wall times to its log steps."""
+    """A run's side (by its optimizer), lr, validation losses, planned budget, whether it finished it or stopped at
+    its target (its last record marked: minitrain.loop.TARGET_REACHED), and the wall times to its log steps."""
     run_dir = Path(run_dir)
     run = read_quality_run(run_dir)
     config = yaml.safe_load((run_dir / RECORD / CONFIG_RECORD).read_text())
@@ -96,8 +102,9 @@ def read_run(run_dir) -> dict:
     return {**run, "side": side, "model": config["model"]["name"],
             "recipe_lr": run["muon_lr"] if side == "modern" else run["lr"], "max_steps": t["max_steps"],
             "tokens_per_step": tokens_per_step, "budget": t["max_steps"] * tokens_per_step,
-            "finished": run["last_step"] == t["max_steps"], "untimed_steps": untimed, "warmup_s": warmup,
-            "timed_s": timed_seconds(records, untimed)}
+            "finished": run["last_step"] == t["max_steps"],
+            "stopped_at_target": bool(records) and TARGET_REACHED in records[-1],
+            "untimed_steps": untimed, "warmup_s": warmup, "timed_s": timed_seconds(records, untimed)}
 
 
 def wall_times(run: dict, step: int) -> tuple[float, Optional[float]]:
@@ -116,9 +123,56 @@ def _best(runs: list[dict]) -> dict:
     return min(runs, key=lambda r: final_loss(r) if r["finished"] else math.inf)
 
 
+def _target_run(gpt2_runs: list[dict]) -> Optional[dict]:
+    """The GPT-2 recipe's best run, whose final validation loss is the target; None if none finished with finite
+    losses."""
+    best = _best(gpt2_runs) if gpt2_runs else None
+    return best if best is not None and best["finished"] and math.isfinite(final_loss(best)) else None
+
+
+def reach(run: dict, target: float) -> Optional[int]:
+    """The step of a modern run's first evaluation at or below `target`, None if none is. Only a run with finite
+    losses that finished its budget or stopped at its own target reaches anything: each made every evaluation it
+    was to make up to its end; a run stopped otherwise is no candidate."""
+    counts = run["finite"] and (run["finished"] or run["stopped_at_target"])
+    return steps_to_reach(run, target) if counts else None
+
+
+def _fastest(runs: list[dict], target: float) -> dict:
+    """The modern recipe's best run: the one reaching the target in the least wall time (compile excluded); where
+    none reaches it, the lowest final loss (_best)."""
+    reaching = [r for r in runs if reach(r, target) is not None]
+    if not reaching:
+        return _best(runs)
+    return min(reaching, key=lambda r: wall_times(r, reach(r, target))[0])
+
+
+def modern_target(given: Optional[float], gpt2_dir: Path, budget: int) -> tuple[list[str], str]:
+    """The overrides that stop the modern recipe's runs at the target (trainer.target_loss) and the line that says
+    which: `given` (--target), else the one the GPT-2 recipe's finished runs in `gpt2_dir` set (WORK/gpt2: made
+    earlier, or by this call first); none known, none (its runs run their whole budget). GPT-2 runs there of another
+    budget than `budget` tokens are refused: theirs would be another budget's target."""
+    if given is not None:
+        target, source = given, "--target"
+    else:
+        runs = [r for r in map(read_run, quality_run_dirs([gpt2_dir])) if r["side"] == "gpt2"]
+        other = next((r for r in runs if r["budget"] != budget), None)
+        if other is not None:
+            raise RecipeError(f"--work: {other['dir']} ran a budget of {other['budget']:,} tokens, not this one's "
+                              f"{budget:,}: its target is another budget's; give another --work, or --target")
+        best = _target_run(runs)
+        if best is None:
+            return [], (f"{NAMES['modern']}: no target known (no finished run of the GPT-2 recipe in {gpt2_dir}, no "
+                        "--target): its runs run their whole budget")
+        target, source = final_loss(best), f"the GPT-2 recipe's best final validation loss, {best['dir']}"
+    return [f"trainer.target_loss={target!r}"], (f"{NAMES['modern']}: its runs stop at their first evaluation at or "
+                                                 f"below {target!r} ({source})")
+
+
 def compare(runs: list[dict]) -> dict:
     """The target (the GPT-2 recipe's best final validation loss), and each recipe's best run's tokens and wall times:
-    the GPT-2 recipe's to its end, the modern recipe's to the first evaluation at or below the target."""
+    the GPT-2 recipe's to its end, the modern recipe's (the fastest to the target) to its first evaluation at or
+    below the target."""
     sides = {side: [r for r in runs if r["side"] == side] for side in NAMES}
     missing = [NAMES[side] for side, found in sides.items() if not found]
     if missing:
@@ -126,13 +180,13 @@ def compare(runs: list[dict]) -> dict:
                           "modern one's Muon)")
     if len({r["budget"] for r in runs}) != 1:
         raise RecipeError("the runs' token budgets differ: " + ", ".join(f"{r['dir']}: {r['budget']:,}" for r in runs))
-    gpt2, modern = _best(sides["gpt2"]), _best(sides["modern"])
-    target = final_loss(gpt2) if gpt2["finished"] else math.inf
-    if not math.isfinite(target):
+    gpt2 = _target_run(sides["gpt2"])
+    if gpt2 is None:
         raise RecipeError("no run of the GPT-2 recipe finished with finite losses: there is no target")
-    reached = steps_to_reach(modern, target) if math.isfinite(final_loss(modern)) and modern["finished"] else None
+    target = final_loss(gpt2)
+    modern = _fastest(sides["modern"], target)
     result = {"target": target, "budget_tokens": gpt2["budget"], "gpt2": _side(gpt2, gpt2["max_steps"]),
-              "modern": _side(modern, reached)}
+              "modern": _side(modern, reach(modern, target))}
     for kind in ("excluded", "included"):
         g, m = result["gpt2"][f"wall_s_compile_{kind}"], result["modern"][f"wall_s_compile_{kind}"]
         result[f"ratio_compile_{kind}"] = None if g is None or m is None else m / g
@@ -155,12 +209,20 @@ def _ratio(value: Optional[float]) -> str:
     return "—" if value is None else f"{value:.3f}x"
 
 
+def _run_end(run: dict) -> str:
+    """How a run ended, as its report line says it: its final loss, or where it stopped and why (a run stopped at
+    its target has no loss at the end of its budget)."""
+    if run["finite"] and run["stopped_at_target"] and not run["finished"]:
+        return (f"stopped at its target (trainer.target_loss) at step {run['last_step']} of {run['max_steps']}, "
+                f"validation loss {final_loss(run):.4f}")
+    return "final validation loss " + (
+        f"{final_loss(run):.4f}" if run["finished"] and math.isfinite(final_loss(run)) else
+        "NON-FINITE" if not run["finite"] else f"none (stopped at step {run['last_step']} of {run['max_steps']})")
+
+
 def compare_report(runs: list[dict], result: dict) -> list[str]:
     """Each run's lr and final loss, then both recipes' wall times, tokens and the ratio."""
-    lines = [f"{NAMES[r['side']]} {LR_KEYS[r['side']]}={r['recipe_lr']:g}: final validation loss "
-             + (f"{final_loss(r):.4f}" if r["finished"] and math.isfinite(final_loss(r)) else
-                "NON-FINITE" if not r["finite"] else f"none (stopped at step {r['last_step']} of {r['max_steps']})")
-             for r in runs]
+    lines = [f"{NAMES[r['side']]} {LR_KEYS[r['side']]}={r['recipe_lr']:g}: " + _run_end(r) for r in runs]
     g, m = result["gpt2"], result["modern"]
     lines.append(f"target: {result['target']:.4f}, the GPT-2 recipe's best final validation loss "
                  f"({LR_KEYS['gpt2']}={g['lr']:g})")
