@@ -23,10 +23,12 @@ from torch import Tensor
 
 from minitrain.triton_runtime import interpreted, round_to_bf16_in_fp32, rounds_bf16
 
-CONFIGS = [  # square output tiles (a tile and its mirror), K steps of 32 or 64 bf16
+# Square output tiles (a tile and its mirror), K steps of 32 or 64 bf16. A 128 x 128 fp32 tile takes 8 warps: with 4,
+# sm90's compiles of the tall Gram and of the polynomial spill registers. 64 x 64 tiles: more programs at m = 768.
+CONFIGS = [
     triton.Config({"BLOCK": 128, "BLOCK_K": 64}, num_warps=8, num_stages=3),
-    triton.Config({"BLOCK": 128, "BLOCK_K": 64}, num_warps=4, num_stages=4),
-    triton.Config({"BLOCK": 128, "BLOCK_K": 32}, num_warps=4, num_stages=5),
+    triton.Config({"BLOCK": 128, "BLOCK_K": 64}, num_warps=8, num_stages=4),
+    triton.Config({"BLOCK": 128, "BLOCK_K": 32}, num_warps=8, num_stages=5),
     triton.Config({"BLOCK": 64, "BLOCK_K": 64}, num_warps=4, num_stages=4),
 ]
 INTERPRETER_CONFIG = triton.Config({"BLOCK": 64, "BLOCK_K": 32}, num_warps=4, num_stages=1)
@@ -37,9 +39,9 @@ def _syrk_kernel(y_ptr, z_ptr, out_ptr, m, k, count, y_batch, y_row, y_col, z_ba
                  alpha, beta, ADD: tl.constexpr, INTERPRETED: tl.constexpr, ROUND_BF16: tl.constexpr,
                  BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[b] = alpha·Y[b] Y[b]ᵀ (+ beta·Z[b] with ADD), Y[b] m x k with its (i, j) at y_batch·b + y_row·i +
-    y_col·j, Z[b] and out[b] m x m with unit column strides. Program (ti, tj, b) computes output tile (ti, tj) of
-    matrix b when ti <= tj and stores it there (the part on and above the diagonal) and its transpose at (tj, ti)
-    (the part below)."""
+    y_col·j, Z[b] and out[b] m x m with unit column strides (`count`, the matrices, only keys the autotuning).
+    Program (ti, tj, b) computes output tile (ti, tj) of matrix b when ti <= tj and stores it there (the part on and
+    above the diagonal) and its transpose at (tj, ti) (the part below)."""
     ti, tj, b = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     if ti <= tj:
         rows = ti * BLOCK + tl.arange(0, BLOCK)
@@ -73,7 +75,8 @@ def _syrk_kernel(y_ptr, z_ptr, out_ptr, m, k, count, y_batch, y_row, y_col, z_ba
         tl.store(out + cols[:, None] * out_row + rows[None, :], tl.trans(acc), mask=lower)
 
 
-_syrk_autotuned = triton.autotune(configs=CONFIGS, key=["m", "k", "count", "ADD"])(_syrk_kernel)
+# Tuned per shape, batch size, orientation (a tall X's Gram reads it along its columns) and product.
+_syrk_autotuned = triton.autotune(configs=CONFIGS, key=["m", "k", "count", "y_row", "y_col", "ADD"])(_syrk_kernel)
 
 
 def fixed_config() -> triton.Config | None:
