@@ -84,6 +84,28 @@ def test_symmetric_polynomial_is_the_fp32_result_rounded_once_and_exactly_symmet
     assert whole[COUNT].isnan().all()
 
 
+@pytest.mark.parametrize("config", nst.CONFIGS, ids=lambda c: "{BLOCK}x{BLOCK_K}".format(**c.kwargs)
+                         + f"-w{c.num_warps}-s{c.num_stages}")
+def test_every_autotuned_config_gives_the_products_rounded_once(config, monkeypatch):
+    """Each config autotuning may pick (here forced), on sides past its tile: the wide and the tall Gram, then the
+    polynomial of the first."""
+    monkeypatch.setattr(nst, "fixed_config", lambda: config)
+    torch.manual_seed(4)
+    for shape in [(130, 200), (200, 130)]:
+        x = torch.randn(2, *shape).bfloat16()
+        whole, out = with_sentinel(2, 130)
+        nst.gram(x, out=out)
+        ref, magnitude, k = products(x)
+        assert_rounded_once(out, ref, magnitude, k)
+        assert torch.equal(out, out.mT) and whole[2].isnan().all()
+    a = (out.float() / 200).bfloat16()
+    _, b, c = ns.NS_COEFFICIENTS
+    nst.symmetric_polynomial(a, b, c, out=out)
+    af = a.float()
+    assert_rounded_once(out, b * af + c * (af @ af), abs(b) * af.abs() + abs(c) * (af.abs() @ af.abs()), 131)
+    assert torch.equal(out, out.mT)
+
+
 def test_the_kernels_refuse_an_output_of_another_shape():
     x = torch.randn(2, 5, 9).bfloat16()
     with pytest.raises(ValueError, match=r"out must be \(2, 5, 5\)"):
