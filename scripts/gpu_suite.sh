@@ -283,7 +283,7 @@ PY
       # RECIPE_GPT2_LRS, its best final validation loss the target; the modern recipe (gpt2-124m-modern, Muon) over
       # optimizer.muon.lr in RECIPE_MODERN_LRS, stopped at and timed to its first evaluation at or below it (the
       # target read from the GPT-2 runs already in OUT/recipe/gpt2, copied into the work dir). RECIPE_TOKENS
-      # (163840000: 5000 steps of 32 x 1024) per run on data=packages (prepared first), deterministic, evaluated every
+      # (196608000: 6000 steps of 32 x 1024) per run on data=packages (prepared first), deterministic, evaluated every
       # 50 steps; RECIPE_SIDES (gpt2 modern): the sides this call runs (at gpt2-124m's default budget a run takes
       # minutes: one side and one lr a call, the calls sharing OUT/recipe); then the comparison of every run in
       # OUT/recipe (the record and the loss curves)
@@ -294,7 +294,7 @@ PY
         if [ "$side" = modern ] && [ -d "$out/recipe/gpt2" ]; then
           rm -rf $work/gpt2; mkdir -p $work; cp -r "$out/recipe/gpt2" $work/
         fi
-        timeout 590 python3 scripts/bench_recipe.py --work $work --recipes $side --tokens ${RECIPE_TOKENS:-163840000} \
+        timeout 590 python3 scripts/bench_recipe.py --work $work --recipes $side --tokens ${RECIPE_TOKENS:-196608000} \
           --gpt2-lrs ${RECIPE_GPT2_LRS:-6e-4,1.2e-3} --modern-lrs ${RECIPE_MODERN_LRS:-0.01,0.02} 2>&1 | tail -4
         rm -rf $work/$side/*/checkpoints
         tar -C $work -cf - $side | tar -C "$out/recipe" -xf -
