@@ -34,7 +34,8 @@ def main(argv=None):
     ap.add_argument("--work", default="runs/bench_recipe", help="the runs' dirs go beneath: WORK/<recipe>/<lr>")
     ap.add_argument("--recipes", nargs="+", choices=list(recipe.RECIPES), default=list(recipe.RECIPES),
                     help="the sides to run (then --compare both sides' dirs)")
-    ap.add_argument("--tokens", type=int, default=163_840_000, help="every run's budget (5000 steps of 32 x 1024)")
+    ap.add_argument("--tokens", type=int, default=196_608_000,
+                    help="every run's budget (6000 steps of 32 x 1024: the GPT-2 recipe's run over 5 minutes on an H100)")
     ap.add_argument("--gpt2-lrs", type=lrs, default=[6e-4, 1.2e-3], help="trainer.lr of the GPT-2 recipe's runs")
     ap.add_argument("--modern-lrs", type=lrs, default=[0.01, 0.02], help="optimizer.muon.lr of the modern recipe's")
     ap.add_argument("--gpt2", nargs="+", default=list(recipe.RECIPES["gpt2"]), metavar="OVERRIDE",

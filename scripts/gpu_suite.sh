@@ -5,7 +5,7 @@
 #        [attention] [diverge15b] [compile15b] [compile_check] [determinism] [determinism_cost]
 #        [determinism_cost15b] [allocator] [sample] [sample_run] [prepare_corpus] [prepare_many] [prepare_one]
 #        [fp8_tests] [fp8_speed] [fp8_sizes] [fp8_defaults15b] [fp8_quality] [muon] [muon_bench] [ns_kernel]
-#        [muon_step] [muon_quality] [recipe] [smoke]
+#        [muon_step] [muon_quality] [step_modern] [recipe] [smoke]
 # smoke: every benchmark script once in its quickest mode (the tiny model, one small shape), a few minutes: each
 #   still runs end to end on this GPU; its figures are not results
 # plan: PLAN_MODELS and PLAN_BATCHES (space-separated) pick the grid, default gpt2-124m at 16 64 512; it starts no
@@ -59,6 +59,12 @@ for what in "$@"; do
       timeout 500 python3 scripts/bench_step.py --models gpt2-124m --batch 16 --rounds 8 \
         --ablate trainer.compile_mode=default model.gelu=torch loss.chunk_bytes=536870912 \
         --out "$out/bench_step_124m_ablate.json" 2>&1 | grep -v "^{" | tail -12 ;;
+    step_modern)  # the modern block's step, one option undone at a time, beside GPT-2's block (docs/benchmarks.md,
+      # "Time to target"): AdamW on every row, compiled with CUDA graphs
+      timeout 590 python3 scripts/bench_step.py --models gpt2-124m --batch 16 --rounds 4 --steps 24 \
+        --no-reference-compiled --minitrain-extra model=gpt2-124m-modern --ablate model.logit_softcap=null \
+        model.qk_norm=false model.position=learned model.mlp=gelu model.norm=layernorm model.tie_head=true \
+        model=gpt2-124m --out "$out/bench_step_modern.json" 2>&1 | grep -v "^{" | tail -14 ;;
     step15b)  # each recipe at the largest batch it runs (probed: a process per try), no checkpointing (the plan
       # grid's best for gpt2-1.5b); the compiled reference fails the first-loss check at this width (diverge15b)
       timeout 590 python3 scripts/bench_step.py --models gpt2-1.5b --batch auto --warmup 2 --steps 4 \
@@ -295,7 +301,7 @@ PY
       # RECIPE_GPT2_LRS, its best final validation loss the target; the modern recipe (gpt2-124m-modern, Muon) over
       # optimizer.muon.lr in RECIPE_MODERN_LRS, stopped at and timed to its first evaluation at or below it (the
       # target read from the GPT-2 runs already in OUT/recipe/gpt2, copied into the work dir). RECIPE_TOKENS
-      # (163840000: 5000 steps of 32 x 1024) per run on data=packages (prepared first), deterministic, evaluated every
+      # (196608000: 6000 steps of 32 x 1024) per run on data=packages (prepared first), deterministic, evaluated every
       # 50 steps; RECIPE_SIDES (gpt2 modern): the sides this call runs (at gpt2-124m's default budget a run takes
       # minutes: one side and one lr a call, the calls sharing OUT/recipe); then the comparison of every run in
       # OUT/recipe (the record and the loss curves)
@@ -306,7 +312,7 @@ PY
         if [ "$side" = modern ] && [ -d "$out/recipe/gpt2" ]; then
           rm -rf $work/gpt2; mkdir -p $work; cp -r "$out/recipe/gpt2" $work/
         fi
-        timeout 590 python3 scripts/bench_recipe.py --work $work --recipes $side --tokens ${RECIPE_TOKENS:-163840000} \
+        timeout 590 python3 scripts/bench_recipe.py --work $work --recipes $side --tokens ${RECIPE_TOKENS:-196608000} \
           --gpt2-lrs ${RECIPE_GPT2_LRS:-6e-4,1.2e-3} --modern-lrs ${RECIPE_MODERN_LRS:-0.01,0.02} 2>&1 | tail -4
         rm -rf $work/$side/*/checkpoints
         tar -C $work -cf - $side | tar -C "$out/recipe" -xf -

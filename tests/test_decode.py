@@ -65,6 +65,21 @@ def test_decode_linear_is_its_torch_composition(rows, K, norm, bias, gelu, resid
     torch.testing.assert_close(got.float(), expected, **TOL)
 
 
+@pytest.mark.skipif(DTYPE == torch.bfloat16, reason="the test above is this one on a GPU")
+@pytest.mark.parametrize("rows", [1, 17])  # the reduction over K; tl.dot over row tiles
+def test_decode_linear_in_bf16_is_its_torch_composition(rows):
+    """The bf16 weights a GPU samples with, on the CPU too: the interpreter's tl.dot of bf16 tiles is not the GPU's
+    (decode.py multiplies them in fp32 there), so only this test sees a bf16 slip in the kernel on the CPU."""
+    K, N = 300, 90
+    x = (torch.randn(rows, K, generator=torch.Generator().manual_seed(1)) * 3.0 + 1.5).bfloat16()
+    weight = (torch.randn(N, K, generator=torch.Generator().manual_seed(2)) * 0.1).bfloat16()
+    b = torch.randn(N, generator=torch.Generator().manual_seed(3)).bfloat16()
+    with torch.no_grad():
+        got = decode_linear(x, weight, b, gelu=True)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), composed(x, weight, b, gelu=True), rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.parametrize("K", [200, 300])  # one K step; two slices, each program normalising the row itself
 @pytest.mark.parametrize("row", ["constant", "variance below eps"])
 def test_decode_linear_layer_norm_prologue_keeps_eps(row, K):

@@ -26,7 +26,7 @@ import triton.language as tl
 from torch import Tensor
 
 from minitrain.ops.gelu import _Z1, _Z3, tanh_gelu_fp32
-from minitrain.triton_runtime import check_runnable
+from minitrain.triton_runtime import check_runnable, interpreted
 
 ROWS = 16  # sequences per program when there are several: tl.dot's smallest tile (fewer run masked to it)
 WAVES = 4  # programs per SM a linear aims for: enough weight loads in flight to keep HBM busy
@@ -75,7 +75,7 @@ def _linear_kernel(x_ptr, w_ptr, bias_ptr, ln_w_ptr, ln_b_ptr, res_ptr, out_ptr,
                    GELU: tl.constexpr, RESIDUAL: tl.constexpr, DOT_PRECISION: tl.constexpr, Z1: tl.constexpr,
                    Z3: tl.constexpr,
                    ROWS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, STAT_K: tl.constexpr,
-                   SPLIT: tl.constexpr, PDL: tl.constexpr):
+                   SPLIT: tl.constexpr, PDL: tl.constexpr, DOT_IN_FP32: tl.constexpr):
     """out[m, n] = epilogue(sum_k prologue(x)[m, k] * w[n, k]) (the prologue a LayerNorm, with RMS an RMSNorm) for
     ROWS rows, BLOCK_N columns and the K_SPLIT wide slice `program_id(1)` of K: w (N, K) is read once in all,
     coalesced along K; the rows of x (M, K) are few and stay in cache. With SPLIT slices, each program leaves its
@@ -109,7 +109,10 @@ def _linear_kernel(x_ptr, w_ptr, bias_ptr, ln_w_ptr, ln_b_ptr, res_ptr, out_ptr,
         if ROWS == 1:  # a matrix-vector product: too narrow for tl.dot, a reduction over K
             acc += tl.sum(tl.reshape(x.to(w.dtype).to(tl.float32), [BLOCK_K, 1]) * w.to(tl.float32), 0)[None, :]
         else:
-            acc += tl.dot(x.to(w.dtype), w, input_precision=DOT_PRECISION)
+            xw = x.to(w.dtype)
+            if DOT_IN_FP32:  # the interpreter's dot multiplies bf16 tiles' raw bits; in fp32 their products are exact
+                xw, w = xw.to(tl.float32), w.to(tl.float32)
+            acc += tl.dot(xw, w, input_precision=DOT_PRECISION)
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
     if SPLIT == 1:
@@ -176,14 +179,15 @@ def decode_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
     partial = torch.empty((split, M, N) if split > 1 else (1,), dtype=torch.float32, device=x.device)
     arrivals = _arrival_counters(x.device, grid[0] * grid[2])
     rms = isinstance(norm, torch.nn.RMSNorm)
+    dot_in_fp32 = interpreted() and weight.dtype == torch.bfloat16
     ln_w, ln_b = (norm.weight, getattr(norm, "bias", None)) if norm is not None else (None, None)
     _linear_kernel[grid](
         x, weight, *(t if t is not None else out for t in (bias, ln_w, ln_b, residual)), out, partial, arrivals,
         M, N, K, width, norm.eps if norm is not None else 0.0, LN=norm is not None, RMS=rms,
         LN_BIAS=ln_b is not None, BIAS=bias is not None, GELU=gelu, RESIDUAL=residual is not None,
-        DOT_PRECISION="ieee" if weight.dtype == torch.float32 else "tf32", Z1=_Z1, Z3=_Z3,
+        DOT_PRECISION="ieee" if weight.dtype == torch.float32 or dot_in_fp32 else "tf32", Z1=_Z1, Z3=_Z3,
         ROWS=rows, BLOCK_N=block_n, BLOCK_K=block_k, STAT_K=triton.next_power_of_2(K),
-        SPLIT=split, num_warps=4, num_stages=4, **_dependent_launch(x.device))
+        SPLIT=split, DOT_IN_FP32=dot_in_fp32, num_warps=4, num_stages=4, **_dependent_launch(x.device))
     return out
 
 
