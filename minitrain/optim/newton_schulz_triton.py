@@ -21,7 +21,7 @@ import triton
 import triton.language as tl
 from torch import Tensor
 
-from minitrain.triton_runtime import interpreted, round_to_bf16_in_fp32, rounds_bf16
+from minitrain.triton_runtime import dots_in_fp32, interpreted, round_to_bf16_in_fp32, rounds_bf16
 
 # Square output tiles (a tile and its mirror), K steps of 32 or 64 bf16. A 128 x 128 fp32 tile takes 8 warps: with 4,
 # sm90's compiles of the tall Gram and of the polynomial spill registers. 64 x 64 tiles: more programs at m = 768.
@@ -36,7 +36,7 @@ INTERPRETER_CONFIG = triton.Config({"BLOCK": 64, "BLOCK_K": 32}, num_warps=4, nu
 
 @triton.jit
 def _syrk_kernel(y_ptr, z_ptr, out_ptr, m, k, count, y_batch, y_row, y_col, z_batch, z_row, out_batch, out_row,
-                 alpha, beta, ADD: tl.constexpr, INTERPRETED: tl.constexpr, ROUND_BF16: tl.constexpr,
+                 alpha, beta, ADD: tl.constexpr, DOT_IN_FP32: tl.constexpr, ROUND_BF16: tl.constexpr,
                  BLOCK: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[b] = alpha·Y[b] Y[b]ᵀ (+ beta·Z[b] with ADD), Y[b] m x k with its (i, j) at y_batch·b + y_row·i +
     y_col·j, Z[b] and out[b] m x m with unit column strides (`count`, the matrices, only keys the autotuning).
@@ -57,7 +57,7 @@ def _syrk_kernel(y_ptr, z_ptr, out_ptr, m, k, count, y_batch, y_row, y_col, z_ba
                            other=0.0)
             right = tl.load(y + cols[:, None] * y_row + kk[None, :] * y_col, mask=col_ok[:, None] & k_ok[None, :],
                             other=0.0)
-            if INTERPRETED:  # the interpreter's dot multiplies bf16 tiles' raw bits; in fp32 their products are exact
+            if DOT_IN_FP32:  # triton_runtime.dots_in_fp32
                 left, right = left.to(tl.float32), right.to(tl.float32)
             acc = tl.dot(left, tl.trans(right), acc)
         acc *= alpha
@@ -103,7 +103,7 @@ def _syrk(y: Tensor, row_dim: int, out: Tensor, alpha: float, z: Tensor | None =
     kernel, meta = (_syrk_autotuned, {}) if config is None else (_syrk_kernel, config.all_kwargs())
     kernel[grid](y, zz, out, m, k, count, y.stride(0), y.stride(row_dim), y.stride(3 - row_dim), zz.stride(0),
                  zz.stride(1), out.stride(0), out.stride(1), alpha, beta, ADD=z is not None,
-                 INTERPRETED=interpreted(), ROUND_BF16=rounds_bf16(out.dtype), **meta)
+                 DOT_IN_FP32=dots_in_fp32(y.dtype), ROUND_BF16=rounds_bf16(out.dtype), **meta)
     return out
 
 
