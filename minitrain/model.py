@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .model_config import MlpActivation, ModelConfig, NormKind, PositionEncoding
-from .ops import gelu_tanh, soft_cap
+from .ops import gelu_tanh, rope_tables, soft_cap
 
 # How a block runs: plainly, or wrapped by an activation-recomputation policy (recompute.py).
 BlockRunner = Callable[[nn.Module, torch.Tensor], torch.Tensor]
@@ -45,12 +45,9 @@ def rotate(x: torch.Tensor, pos: torch.Tensor, base: float) -> torch.Tensor:
     (i, i + D/2) turned by the angle pos * base^(-2i/D) (transformers' Llama layout, rotate_half's). In fp32 (the
     angles of late positions need it), returned in x's dtype. Positions, not an offset: a cached decode step passes
     its own. Applied before the heads are transposed, so that q and k reach attention in the projection's own
-    layout, as v does (rotating them into the transposed layout cost the step most of the modern block's extra
-    time: docs/benchmarks.md, "Time to target")."""
-    D = x.shape[-1]
-    inv_freq = 1.0 / (base ** (torch.arange(0, D, 2, device=x.device, dtype=torch.float32) / D))
-    angle = pos.to(torch.float32)[:, None] * inv_freq  # (T, D/2)
-    cos, sin = angle.cos()[:, None], angle.sin()[:, None]  # (T, 1, D/2): the same angle for every head
+    layout, as v does. The tables come from one op (ops/rope.py), which the compiled step computes once."""
+    cos, sin = rope_tables(pos, x.shape[-1], base)
+    cos, sin = cos[:, None], sin[:, None]  # (T, 1, D/2): the same angle for every head
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
 

@@ -151,6 +151,23 @@ def test_a_cached_prefill_then_one_token_steps_compute_the_full_forward(options)
     torch.testing.assert_close(torch.cat(steps, 1), full, rtol=1e-5, atol=1e-5)
 
 
+def test_the_compiled_forward_takes_rope_tables_from_their_op_and_computes_no_cos_or_sin_itself():
+    """Traced as Inductor receives it, the rotations' cos and sin come from minitrain::rope_tables (one node per
+    rotation, which Inductor runs once per forward) and no cos or sin is left for it to fuse into the rotating kernels,
+    where it would be computed per element of q and k."""
+    graphs = []
+
+    def capture(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    model = GPT(model_cfg(**CASES["rope"]))
+    torch.compile(model.forward_hidden, backend=capture, fullgraph=True)(torch.randint(0, 64, (2, 16)))
+    targets = [str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"]
+    assert sum("rope_tables" in t for t in targets) == 2 * model.cfg.n_layer  # q's and k's in every block
+    assert not [t for t in targets if "cos" in t or "sin" in t]
+
+
 # -- transformers' Llama (rope + rmsnorm + swiglu + untied head) and Qwen3 (and qk_norm) ---------------------------
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3"])
