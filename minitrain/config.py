@@ -226,8 +226,8 @@ class MuonConfig:
     ns_coefficients: List[float] = field(default_factory=lambda: [3.4445, -4.7750, 2.0315])
     ns_eps: float = 1e-7  # the Frobenius norm's floor before Newton–Schulz: torch.optim.Muon's eps
     adjust_lr: MuonAdjustLR = MuonAdjustLR.original  # torch.optim.Muon's default adjust_lr_fn
-    # cublas, the measured one: the triton kernels skip half of X Xᵀ and A·A but are not yet timed against it on a
-    # GPU (docs/benchmarks.md, Muon); on a CPU they need Triton's interpreter (TRITON_INTERPRET=1).
+    # cublas: the triton kernels skip half of X Xᵀ and A·A, faster on gpt2-1.5b's matrices, slower on gpt2-124m's
+    # (docs/benchmarks.md, Muon); on a CPU they need Triton's interpreter (TRITON_INTERPRET=1).
     ns_kernel: MuonNSKernel = MuonNSKernel.cublas
     # Decoupled, p *= 1 - lr * weight_decay with Muon's lr: Keller Jordan's README (its MuonWithAuxAdam example),
     # 2e-4 a step at lr 0.02, the order of AdamW's 1e-4 (0.1 at trainer.lr 1e-3); torch.optim.Muon's 0.1 goes with
