@@ -84,6 +84,13 @@ class MuonAdjustLR(str, Enum):
     match_rms_adamw = "match_rms_adamw"  # Moonshot's 0.2 * sqrt(max(rows, cols)): an AdamW-sized update
 
 
+class MuonNSKernel(str, Enum):
+    """Who computes Newton–Schulz's symmetric products, X Xᵀ and b·A + c·A·A (minitrain/optim/newton_schulz.py)."""
+
+    cublas = "cublas"  # torch's batched GEMMs (cuBLAS on a GPU): every tile of both
+    triton = "triton"  # minitrain's Triton kernels: the tiles on and above the diagonal, mirrored (half the FLOPs)
+
+
 class DataSource(str, Enum):
     stdlib = "stdlib"
     packages = "packages"
@@ -219,6 +226,9 @@ class MuonConfig:
     ns_coefficients: List[float] = field(default_factory=lambda: [3.4445, -4.7750, 2.0315])
     ns_eps: float = 1e-7  # the Frobenius norm's floor before Newton–Schulz: torch.optim.Muon's eps
     adjust_lr: MuonAdjustLR = MuonAdjustLR.original  # torch.optim.Muon's default adjust_lr_fn
+    # cublas: the triton kernels skip half of X Xᵀ and A·A, faster on gpt2-1.5b's matrices, slower on gpt2-124m's
+    # (docs/benchmarks.md, Muon); on a CPU they need Triton's interpreter (TRITON_INTERPRET=1).
+    ns_kernel: MuonNSKernel = MuonNSKernel.cublas
     # Decoupled, p *= 1 - lr * weight_decay with Muon's lr: Keller Jordan's README (its MuonWithAuxAdam example),
     # 2e-4 a step at lr 0.02, the order of AdamW's 1e-4 (0.1 at trainer.lr 1e-3); torch.optim.Muon's 0.1 goes with
     # its lr of 1e-3.

@@ -14,7 +14,9 @@ the hardware happens to finish them, and some are picked by timing. With the swi
                                                      (CUBLAS_WORKSPACE_CONFIG, before the first GEMM)
 
 minitrain's own Triton kernels need nothing: the loss's softmax rows, the optimizer's norm and the decode
-linears' split sums reduce in a fixed order, with atomics for counters only (tests/test_determinism.py checks).
+linears' split sums reduce in a fixed order, with atomics for counters only (tests/test_determinism.py checks);
+Muon's Newton–Schulz kernels (optimizer.muon.ns_kernel=triton) take one config by rule, not by timing, under the
+switch (minitrain/optim/newton_schulz_triton.py).
 """
 
 from __future__ import annotations

@@ -24,6 +24,12 @@ def rounds_bf16(dtype: torch.dtype) -> bool:
     return interpreted() and dtype == torch.bfloat16
 
 
+def dots_in_fp32(dtype: torch.dtype) -> bool:
+    """The DOT_IN_FP32 flag of a kernel multiplying `dtype` tiles with tl.dot: under the interpreter, for bf16 only,
+    whose dot multiplies bf16 tiles' raw bits (products of bf16 values are exact in fp32, so the result is the GPU's)."""
+    return interpreted() and dtype == torch.bfloat16
+
+
 @triton.jit
 def round_to_bf16_in_fp32(x):
     """The interpreter truncates fp32 -> bf16 where the GPU rounds to nearest even: kernels round

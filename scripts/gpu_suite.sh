@@ -4,8 +4,8 @@
 #        [step] [step_ablate] [step15b] [step_sizes] [curve] [sweep] [sweep_alone] [defaults] [defaults15b] [plan]
 #        [attention] [diverge15b] [compile15b] [compile_check] [determinism] [determinism_cost]
 #        [determinism_cost15b] [allocator] [sample] [sample_run] [prepare_corpus] [prepare_many] [prepare_one]
-#        [fp8_tests] [fp8_speed] [fp8_sizes] [fp8_defaults15b] [fp8_quality] [muon] [muon_bench] [muon_step]
-#        [muon_quality] [step_modern] [recipe] [smoke]
+#        [fp8_tests] [fp8_speed] [fp8_sizes] [fp8_defaults15b] [fp8_quality] [muon] [muon_bench] [ns_kernel]
+#        [muon_step] [muon_quality] [step_modern] [recipe] [smoke]
 # smoke: every benchmark script once in its quickest mode (the tiny model, one small shape), a few minutes: each
 #   still runs end to end on this GPU; its figures are not results
 # plan: PLAN_MODELS and PLAN_BATCHES (space-separated) pick the grid, default gpt2-124m at 16 64 512; it starts no
@@ -168,9 +168,19 @@ for what in "$@"; do
           hydra.run.dir=/tmp/muon-124m-$precision 2>&1 | grep -aE "^(step|error|finished)" | tail -5
       done ;;
     muon_bench)  # Muon's step against torch.optim.Muon + our fused AdamW at gpt2-124m and gpt2-1.5b shapes (each
-      # first update checked, alternating rounds), beside the floor: Newton-Schulz at the bf16 GEMM rate of this run
+      # first update checked, alternating rounds), with optimizer.muon.ns_kernel=cublas and =triton, beside the floor:
+      # Newton-Schulz at the bf16 GEMM rate of this run
       timeout 500 python3 scripts/bench_optimizer.py --cases muon-gpt2-124m muon-gpt2-1.5b \
         --out "$out/bench_muon.json" 2>&1 | tail -20 ;;
+    ns_kernel)  # Newton-Schulz's symmetric Triton kernels (optimizer.muon.ns_kernel=triton): their tests with compiled,
+      # autotuned kernels (and the Muon step's with them: no host sync, replayed as a CUDA graph), then orthogonalize
+      # alone on gpt2-124m's and gpt2-1.5b's Muon batches, each kernel first checked against the fp32 iteration, in
+      # alternating rounds, beside the FLOP floors (every FLOP; only the upper triangles of X X^T and A A) at the
+      # bf16 GEMM rate of this run
+      MINITRAIN_TEST_DEVICE=cuda timeout 500 python3 -m pytest -q tests/test_newton_schulz_triton.py tests/test_muon.py \
+        -k "triton and not ns_kernel_is_the_kernel" 2>&1 | grep -E "^(E  |FAILED|[0-9]+ (passed|failed))" | tail -20
+      timeout 400 python3 scripts/bench_optimizer.py --cases ns-gpt2-124m ns-gpt2-1.5b \
+        --out "$out/bench_ns_kernel.json" 2>&1 | tail -24 ;;
     muon_step)  # Muon's share of the gpt2-124m step: minitrain's recipe with optimizer=muon against the reference, with
       # minitrain on AdamW interleaved (--ablate), and the profile's optimizer phase
       timeout 500 python3 scripts/bench_step.py --models gpt2-124m --batch 16 --rounds 6 --profile \
@@ -211,6 +221,8 @@ for what in "$@"; do
       timeout 90 python3 scripts/bench_gelu.py --shape 4096x3072 --out "$s/gelu.json" 2>&1 | tail -4
       timeout 90 python3 scripts/bench_attention.py --shapes 4x12x1024x64 --out "$s/attention.json" 2>&1 | tail -6
       timeout 120 python3 scripts/bench_optimizer.py --cases gpt2-124m --out "$s/optimizer.json" 2>&1 | tail -8
+      timeout 120 python3 scripts/bench_optimizer.py --cases ns-gpt2-124m --rounds 2 --calls 1 \
+        --out "$s/ns_kernel.json" 2>&1 | tail -12
       python3 scripts/optimizer_widget.py --measured "$s/optimizer.json" --out "$s/optimizer_widget.png" 2>&1 | tail -2
       timeout 150 python3 scripts/bench_cross_entropy.py --shapes 2048x768x50304 --out "$s/cross_entropy.json" 2>&1 | tail -9
       timeout 120 python3 scripts/tune_cross_entropy_rows.py --shapes 2560x50304 --blocks 16384x768 \

@@ -1,6 +1,7 @@
 """The optimizer benchmark's Muon half that runs without a GPU (minitrain.tools.benchmarks.optimizer): each row's
-check before timing (on a tiny model, the fused row through the interpreter), the floor's arithmetic, the targets
-and the report, and `scripts/bench_optimizer.py --quality` on run directories as a sweep leaves them."""
+check before timing (on a tiny model, the fused rows through the interpreter), the floor's arithmetic, the targets
+and the report; Newton-Schulz alone: its batches, each kernel's check, its floors and report; and
+`scripts/bench_optimizer.py --quality` on run directories as a sweep leaves them."""
 
 import json
 import os
@@ -15,6 +16,7 @@ import yaml
 
 from minitrain.model_config import ModelConfig
 from minitrain.optim import Muon, MuonHyper, newton_schulz
+from minitrain.optim import newton_schulz_triton
 from minitrain.tools.benchmarks import optimizer as bench
 
 from conftest import REPO
@@ -36,6 +38,13 @@ def test_muon_rows_pass_their_check_and_a_wrong_one_fails(tiny_case, monkeypatch
     assert n == 4 and [tuple(w.shape) for w in weights[:n]] == [(96, 32), (32, 32), (128, 32), (32, 128)]
     steps = bench.checked_muon_rows(tiny_case, weights, grads, n)
     assert list(steps) == list(bench.MUON_ROWS)
+    calls = []
+    gram = newton_schulz_triton.gram
+    monkeypatch.setattr(newton_schulz_triton, "gram", lambda x, out: calls.append(x.shape) or gram(x, out))
+    steps["muon fused (ours)"]()
+    assert not calls
+    steps["muon fused, triton NS (ours)"]()  # its Newton-Schulz through the triton kernels: each batch, each step
+    assert len(calls) == n * newton_schulz.NS_STEPS
 
     def wrong_ratio(w, g, n):  # Moonshot's adjustment where the reference runs Keller Jordan's
         params = [torch.nn.Parameter(x.clone()) for x in w]
@@ -59,7 +68,8 @@ def test_muon_rows_pass_their_check_and_a_wrong_one_fails(tiny_case, monkeypatch
 
 def test_gpt2_1_5b_runs_no_foreach_row():
     assert "muon foreach (ours)" in bench.muon_rows("muon-gpt2-124m")
-    assert bench.muon_rows("muon-gpt2-1.5b") == ["muon fused (ours)", "torch Muon + fused AdamW"]
+    assert bench.muon_rows("muon-gpt2-1.5b") == ["muon fused (ours)", "muon fused, triton NS (ours)",
+                                                 "torch Muon + fused AdamW"]
 
 
 def test_the_floor_is_newton_schulz_at_the_gemm_rate_plus_the_passes_at_copy_bandwidth():
@@ -94,6 +104,48 @@ def test_targets_and_report():
                        "muon-gpt2-1.5b: within 1.2x of the floor": (1.25, False)}
     lines = bench.muon_report(results, targets)
     assert sum("MISSED" in line for line in lines) == 2 and "2.000 (2.000-2.000)" in "\n".join(lines)
+
+
+def test_newton_schulz_alone_checks_each_kernel_and_times_each_batch_and_all(monkeypatch):
+    """The tiny model's four shapes, one matrix each: both kernels pass the check against the fp32 iteration; a
+    triton polynomial without its c·A·A fails it, named; the runs are each kernel on each batch and on all of them."""
+    assert bench.ns_batches(TINY) == [((32, 32), 1), ((32, 128), 1), ((96, 32), 1), ((128, 32), 1)]
+    assert bench.ns_batches(bench.MUON_MODELS["gpt2-1.5b"]) == [((1600, 1600), 48), ((1600, 6400), 48),
+                                                                ((4800, 1600), 48), ((6400, 1600), 48)]
+    inputs = bench.ns_inputs(TINY, "cpu")
+    assert {s: tuple(x.shape) for s, x in inputs.items()} == {s: (1, *s) for s, _ in bench.ns_batches(TINY)}
+    bench.check_ns_kernels(inputs)
+    runs = bench.ns_runs(inputs)
+    assert list(runs) == [(k, b) for k in ("cublas", "triton")
+                          for b in ("all", "32x32 x1", "32x128 x1", "96x32 x1", "128x32 x1")]
+    calls = []
+    orthogonalize = newton_schulz.orthogonalize
+    monkeypatch.setattr(newton_schulz, "orthogonalize",
+                        lambda x, kernel: calls.append((tuple(x.shape), kernel)) or orthogonalize(x, kernel=kernel))
+    runs["triton", "all"]()
+    runs["cublas", "96x32 x1"]()
+    assert calls == [((1, *s), "triton") for s in inputs] + [((1, 96, 32), "cublas")]
+    monkeypatch.setattr(newton_schulz, "orthogonalize", orthogonalize)
+    polynomial = newton_schulz_triton.symmetric_polynomial
+    monkeypatch.setattr(newton_schulz_triton, "symmetric_polynomial",
+                        lambda a, b, c, out: polynomial(a, b, 0.0, out))
+    with pytest.raises(bench.ValidationError, match=r"ns_kernel=triton: 32x32: its result is .* away"):
+        bench.check_ns_kernels(inputs)
+
+
+def test_newton_schulz_floors_and_report():
+    """Every FLOP, and the symmetric count, of each batch's matrices at the GEMM rate; the report's rows."""
+    batches = [((768, 3072), 12), ((768, 768), 12)]
+    floors = bench.ns_floors(batches, gemm_flops=1e15)
+    every = 12 * (newton_schulz.flops((768, 3072)) + newton_schulz.flops((768, 768)))
+    symmetric = 12 * (newton_schulz.flops((768, 3072), symmetric=True) + newton_schulz.flops((768, 768), symmetric=True))
+    assert floors == pytest.approx(dict(ns_flops=every, symmetric_flops=symmetric, floor_ms=every / 1e12,
+                                        symmetric_floor_ms=symmetric / 1e12), rel=1e-12)
+    row = dict(batch="all", kernel="triton", ms=2.0, low=1.9, high=2.1, tflops=500.0, of_floor=1.25,
+               of_symmetric_floor=1.6)
+    lines = bench.ns_report({"ns-gpt2-124m": dict(matrices=24, **floors, rows=[row])})
+    assert lines[1].startswith("ns-gpt2-124m: Newton-Schulz on 24 matrices; floor ")
+    assert lines[-1].split() == ["all", "triton", "2.000", "(1.900-2.100)", "500", "1.25", "1.60"]
 
 
 def write_run(root, name, optimizer, lr, val, muon_lr=0.02):

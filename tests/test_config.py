@@ -189,6 +189,7 @@ def test_every_setting_and_every_option_s_key_passes_the_command_line_check():
                         "'pretrained', 'tiny') (configs/model/), got 'gpt2-125m'"),
     ("optimizer=lion", "optimizer: one of ('adamw', 'muon') (configs/optimizer/), got 'lion'"),
     ("optimizer.muon.adjust_lr=rms", "optimizer.muon.adjust_lr: one of ('original', 'match_rms_adamw'), got 'rms'"),
+    ("optimizer.muon.ns_kernel=cutlass", "optimizer.muon.ns_kernel: one of ('cublas', 'triton'), got 'cutlass'"),
 ])
 def test_a_word_that_is_not_one_of_a_setting_s_choices_names_them(override, message):
     """Hydra's own message for it is six lines and exit 1; every other bad value is one line and exit 2."""
@@ -316,3 +317,4 @@ def test_muon_defaults_are_torch_optim_muons():
     assert muon.nesterov is torch_defaults["nesterov"].default is ours.nesterov
     assert muon.adjust_lr.value == ours.adjust_lr and torch_defaults["adjust_lr_fn"].default is None
     assert (muon.lr, muon.weight_decay) == (ours.lr, ours.weight_decay)
+    assert muon.ns_kernel.value == ours.ns_kernel == "cublas"  # torch's GEMMs, as torch.optim.Muon's

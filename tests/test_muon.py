@@ -384,10 +384,12 @@ def test_exchange_splits_the_work_and_gathers_the_whole(tmp_path):
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="host syncs are only observable on CUDA")
 @pytest.mark.parametrize("impl", ["foreach", "fused"])
-def test_step_never_syncs(impl):
+@pytest.mark.parametrize("ns_kernel", ["cublas", "triton"])
+def test_step_never_syncs(impl, ns_kernel):
+    """The first step (which compiles the kernels and autotunes the Newton–Schulz ones) aside, no step syncs."""
     ps = [torch.nn.Parameter(torch.randn(s, device="cuda").half()) for s in MATRICES + OTHERS]
-    opt = Muon([{"params": ps[:len(MATRICES)], "use_muon": True}, {"params": ps[len(MATRICES):]}], MuonHyper(**MUON),
-               impl=impl, **ADAMW, numerics=Numerics(loss_scaling=LossScaling()))
+    opt = Muon([{"params": ps[:len(MATRICES)], "use_muon": True}, {"params": ps[len(MATRICES):]}],
+               MuonHyper(ns_kernel=ns_kernel, **MUON), impl=impl, **ADAMW, numerics=Numerics(loss_scaling=LossScaling()))
     for p in ps:
         p.grad = torch.randn_like(p)
     opt.step()
@@ -402,9 +404,11 @@ def test_step_never_syncs(impl):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need CUDA")
-def test_fused_step_replays_as_a_cuda_graph():
+@pytest.mark.parametrize("ns_kernel", ["cublas", "triton"])
+def test_fused_step_replays_as_a_cuda_graph(ns_kernel):
     """The fused step captured once and replayed: the same bits as the same steps run eagerly (its lr and every
-    decision are device values; its Newton–Schulz buffers come from the graph's pool)."""
+    decision are device values; its Newton–Schulz buffers come from the graph's pool; the warm-up step before the
+    capture autotunes the triton kernels)."""
     torch.manual_seed(0)
     shapes = MATRICES + OTHERS
     init = [torch.randn(s, device="cuda") for s in shapes]
@@ -413,7 +417,7 @@ def test_fused_step_replays_as_a_cuda_graph():
     for graphed in (False, True):
         ps = params_like(init, torch.bfloat16)
         opt = Muon([{"params": ps[:len(MATRICES)], "use_muon": True}, {"params": ps[len(MATRICES):]}],
-                   MuonHyper(**MUON), impl="fused", **ADAMW)
+                   MuonHyper(ns_kernel=ns_kernel, **MUON), impl="fused", **ADAMW)
         static = [g.clone() for g in grads[0]]
         for p, g in zip(ps, static):
             p.grad = g  # read in place, at the addresses the graph records

@@ -26,7 +26,7 @@ import triton.language as tl
 from torch import Tensor
 
 from minitrain.ops.gelu import _Z1, _Z3, tanh_gelu_fp32
-from minitrain.triton_runtime import check_runnable, interpreted
+from minitrain.triton_runtime import check_runnable, dots_in_fp32
 
 ROWS = 16  # sequences per program when there are several: tl.dot's smallest tile (fewer run masked to it)
 WAVES = 4  # programs per SM a linear aims for: enough weight loads in flight to keep HBM busy
@@ -110,7 +110,7 @@ def _linear_kernel(x_ptr, w_ptr, bias_ptr, ln_w_ptr, ln_b_ptr, res_ptr, out_ptr,
             acc += tl.sum(tl.reshape(x.to(w.dtype).to(tl.float32), [BLOCK_K, 1]) * w.to(tl.float32), 0)[None, :]
         else:
             xw = x.to(w.dtype)
-            if DOT_IN_FP32:  # the interpreter's dot multiplies bf16 tiles' raw bits; in fp32 their products are exact
+            if DOT_IN_FP32:  # triton_runtime.dots_in_fp32
                 xw, w = xw.to(tl.float32), w.to(tl.float32)
             acc += tl.dot(xw, w, input_precision=DOT_PRECISION)
     if PDL:
@@ -179,7 +179,7 @@ def decode_linear(x: Tensor, weight: Tensor, bias: Optional[Tensor] = None,
     partial = torch.empty((split, M, N) if split > 1 else (1,), dtype=torch.float32, device=x.device)
     arrivals = _arrival_counters(x.device, grid[0] * grid[2])
     rms = isinstance(norm, torch.nn.RMSNorm)
-    dot_in_fp32 = interpreted() and weight.dtype == torch.bfloat16
+    dot_in_fp32 = dots_in_fp32(weight.dtype)
     ln_w, ln_b = (norm.weight, getattr(norm, "bias", None)) if norm is not None else (None, None)
     _linear_kernel[grid](
         x, weight, *(t if t is not None else out for t in (bias, ln_w, ln_b, residual)), out, partial, arrivals,

@@ -51,7 +51,7 @@ def from_config(o: OptimizerConfig, plan, model, dist: Dist = Dist()):
         m = o.muon
         hyper = MuonHyper(lr=m.lr, momentum=m.momentum, nesterov=m.nesterov, weight_decay=m.weight_decay,
                           adjust_lr=m.adjust_lr.value, ns_coefficients=tuple(m.ns_coefficients), ns_steps=m.ns_steps,
-                          ns_eps=m.ns_eps)
+                          ns_eps=m.ns_eps, ns_kernel=m.ns_kernel.value)
         replicas = (dist.rank, dist.world_size) if dist.mode == DistributedMode.ddp else None
         return Muon(model.muon_param_groups(o.weight_decay), hyper, adamw_lr=plan.schedule.lr,
                     numerics=numerics(plan.precision, reduce_sumsq), replicas=replicas, **common)

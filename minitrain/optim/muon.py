@@ -31,14 +31,15 @@ from .bucket import MuonState, buckets_by_dtype
 from .dtensor import any_sharded
 from .muon_torch import MuonUpdate
 from .muon_triton import MuonKernels
-from .newton_schulz import ADJUST_LR, NS_COEFFICIENTS, NS_EPS, NS_STEPS, Exchange
+from .newton_schulz import ADJUST_LR, NS_COEFFICIENTS, NS_EPS, NS_KERNELS, NS_STEPS, Exchange
 from .optimizer import IMPLS, DeviceOptimizer, Numerics, as_groups, dtype_of
 
 
 @dataclass(frozen=True)
 class MuonHyper:
     """Muon's hyperparameters, torch.optim.Muon's (its `eps` is `ns_eps` here: `eps` is AdamW's); `lr` and
-    `weight_decay` are the defaults of the `use_muon` groups."""
+    `weight_decay` are the defaults of the `use_muon` groups; `ns_kernel` (one of newton_schulz.NS_KERNELS) who
+    computes Newton–Schulz's two symmetric products."""
 
     lr: float = 0.02
     momentum: float = 0.95
@@ -48,6 +49,7 @@ class MuonHyper:
     ns_coefficients: tuple[float, float, float] = NS_COEFFICIENTS
     ns_steps: int = NS_STEPS
     ns_eps: float = NS_EPS
+    ns_kernel: str = "cublas"
 
 
 class Muon(DeviceOptimizer):
@@ -69,6 +71,8 @@ class Muon(DeviceOptimizer):
             raise ValueError(f"adjust_lr must be one of {ADJUST_LR}, got {adjust_lr!r}")
         if not 0 < muon.ns_steps < 100 or len(muon.ns_coefficients) != 3:
             raise ValueError("ns_steps must be in [1, 100) and ns_coefficients three numbers")
+        if muon.ns_kernel not in NS_KERNELS:
+            raise ValueError(f"ns_kernel must be one of {NS_KERNELS}, got {muon.ns_kernel!r}")
         groups = list(params)
         if not isinstance(groups[0], dict):
             groups = [{"params": groups, "use_muon": True}]
@@ -88,6 +92,9 @@ class Muon(DeviceOptimizer):
         self.momentum, self.nesterov, self.adjust_lr = momentum, nesterov, adjust_lr
         if impl == "fused":
             check_runnable(self._params[0], "Muon(impl='fused')", "impl='foreach' (optimizer.impl=foreach)")
+        if muon.ns_kernel == "triton":
+            check_runnable(self._params[0], "Muon(ns_kernel='triton')",
+                           "ns_kernel='cublas' (optimizer.muon.ns_kernel=cublas)")
         orthogonalized = {i for i, g in enumerate(groups) if g["use_muon"]}
         adamw = set(range(len(groups))) - orthogonalized
         masters, grad_dtype = numerics.master_weights, dtype_of(numerics.grad_dtype)
@@ -96,7 +103,7 @@ class Muon(DeviceOptimizer):
                                              order=lambda p, group: (tuple(p.shape), group)) if orthogonalized else []
         self.buckets = self.adamw_buckets + self.muon_buckets
         self.exchange = Exchange(*self._split(replicas), coefficients=muon.ns_coefficients, steps=muon.ns_steps,
-                                 eps=muon.ns_eps)
+                                 eps=muon.ns_eps, kernel=muon.ns_kernel)
         if impl == "fused":
             sides = [AdamWKernel(self.adamw_buckets, self.betas, eps),
                      MuonKernels(self.muon_buckets, momentum, nesterov, self.exchange, adjust_lr)]

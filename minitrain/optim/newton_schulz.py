@@ -6,7 +6,9 @@ then `steps` times A = X Xᵀ, B = b·A + c·A·A, X = a·X + B·X, in bf16, on 
 torch transposes a tall matrix, iterates and transposes back; here a tall batch iterates on the right instead,
 A = Xᵀ X, X = a·X + X·B, which is the same arithmetic (A and B are symmetric) with no transposed copies: on the
 CPU the bits are torch's. Each step is two batched GEMMs in bf16 plus one on the small Gram matrix (baddbmm
-folds the scalars into the GEMMs, as modded-nanogpt writes it).
+folds the scalars into the GEMMs, as modded-nanogpt writes it): `kernel="cublas"`. A = X Xᵀ and B = b·A + c·A·A
+are symmetric: `kernel="triton"` computes each of them as a Triton kernel that computes the tiles on and above the
+diagonal only and mirrors them (newton_schulz_triton.py), about half their FLOPs; a·X + B·X stays torch's.
 """
 
 from __future__ import annotations
@@ -18,18 +20,25 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from . import newton_schulz_triton
+
 # torch.optim.Muon's defaults, from Keller Jordan's Muon (github.com/KellerJordan/Muon, muon.py): the quintic's
 # coefficients, chosen for the largest slope at zero; five steps; the Frobenius norm's floor.
 NS_COEFFICIENTS = (3.4445, -4.7750, 2.0315)
 NS_STEPS = 5
 NS_EPS = 1e-7
 ADJUST_LR = ("original", "match_rms_adamw")
+NS_KERNELS = ("cublas", "triton")  # who computes X Xᵀ and b·A + c·A·A: torch's GEMMs, or the symmetric kernels
 
 
-def orthogonalize(x: Tensor, coefficients=NS_COEFFICIENTS, steps: int = NS_STEPS, eps: float = NS_EPS) -> Tensor:
+def orthogonalize(x: Tensor, coefficients=NS_COEFFICIENTS, steps: int = NS_STEPS, eps: float = NS_EPS,
+                  kernel: str = "cublas") -> Tensor:
     """NS^{(a,b,c)}_steps of each matrix of `x`, (count, rows, cols) bf16, which it works in: the result is `x`
     itself or a buffer of its shape (the two alternate as each step's input and output, beside two Gram
-    matrices, so that a step allocates nothing: workspace_bytes)."""
+    matrices, so that a step allocates nothing: workspace_bytes). `kernel`: one of NS_KERNELS, who computes the
+    two symmetric products."""
+    if kernel not in NS_KERNELS:
+        raise ValueError(f"kernel must be one of {NS_KERNELS}, got {kernel!r}")
     a, b, c = coefficients
     tall = x.size(-2) > x.size(-1)
     m = min(x.shape[-2:])
@@ -37,8 +46,12 @@ def orthogonalize(x: Tensor, coefficients=NS_COEFFICIENTS, steps: int = NS_STEPS
     y = torch.empty_like(x)
     gram, poly = (torch.empty(x.size(0), m, m, dtype=x.dtype, device=x.device) for _ in range(2))
     for _ in range(steps):
-        torch.bmm(x.mT, x, out=gram) if tall else torch.bmm(x, x.mT, out=gram)
-        torch.baddbmm(gram, gram, gram, beta=b, alpha=c, out=poly)
+        if kernel == "triton":
+            newton_schulz_triton.gram(x, out=gram)
+            newton_schulz_triton.symmetric_polynomial(gram, b, c, out=poly)
+        else:
+            torch.bmm(x.mT, x, out=gram) if tall else torch.bmm(x, x.mT, out=gram)
+            torch.baddbmm(gram, gram, gram, beta=b, alpha=c, out=poly)
         torch.baddbmm(x, x, poly, beta=a, out=y) if tall else torch.baddbmm(x, poly, x, beta=a, out=y)
         x, y = y, x
     return x
@@ -56,11 +69,14 @@ def lr_ratio(shape, adjust_lr: str) -> float:
     raise ValueError(f"adjust_lr must be one of {ADJUST_LR}, got {adjust_lr!r}")
 
 
-def flops(shape, steps: int = NS_STEPS) -> int:
+def flops(shape, steps: int = NS_STEPS, symmetric: bool = False) -> int:
     """The GEMM FLOPs of orthogonalizing one matrix of `shape`, m = min and n = max of its sides: per step
     2·m·m·n (X Xᵀ) + 2·m·m·m (A·A) + 2·m·m·n (B·X). The norm and the GEMMs' scalar epilogues (O(m·n)) are left
-    out: they are the memory passes' share."""
+    out: they are the memory passes' share. `symmetric`: X Xᵀ and A·A counted on their m·(m + 1)/2 entries on and
+    above the diagonal only, the least kernel="triton" computes."""
     m, n = sorted(shape[:2])
+    if symmetric:
+        return steps * (m * (m + 1) * (n + m) + 2 * m * m * n)
     return steps * (4 * m * m * n + 2 * m * m * m)
 
 
@@ -120,11 +136,11 @@ class Exchange:
     within each matrix."""
 
     def __init__(self, mode: str = "local", rank: int = 0, world: int = 1, coefficients=NS_COEFFICIENTS,
-                 steps: int = NS_STEPS, eps: float = NS_EPS):
+                 steps: int = NS_STEPS, eps: float = NS_EPS, kernel: str = "cublas"):
         if mode not in ("local", "replicated", "sharded"):
             raise ValueError(f"mode must be local, replicated or sharded, got {mode!r}")
         self.mode, self.rank, self.world = mode, rank, world
-        self.coefficients, self.steps, self.eps = tuple(coefficients), steps, eps
+        self.coefficients, self.steps, self.eps, self.kernel = tuple(coefficients), steps, eps, kernel
 
     def _share(self, count: int) -> int:
         """The matrices of a batch each rank owns."""
@@ -167,4 +183,4 @@ class Exchange:
         return back[:count, :local_rows]
 
     def _orthogonalize(self, x: Tensor) -> Tensor:
-        return orthogonalize(x, self.coefficients, self.steps, self.eps)
+        return orthogonalize(x, self.coefficients, self.steps, self.eps, self.kernel)

@@ -17,7 +17,9 @@ loop and foreach the bytes are the recipe's minimum, not what their many passes 
 is "effective".
 """
 
+from collections import Counter
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -207,6 +209,8 @@ def report(results: dict, targets: dict) -> list[str]:
 # -- Muon -----------------------------------------------------------------------------------------------------------
 # Muon's cases: a model's whole parameter set, its blocks' matrices through Muon, the rest through AdamW. Rows:
 #   muon fused (ours)          Muon(impl="fused"): bf16 params + fp32 masters, bf16 grads, clipping on
+#   muon fused, triton NS      the same with optimizer.muon.ns_kernel=triton: X Xᵀ and b·A + c·A·A by the symmetric
+#     (ours)                   Triton kernels (newton_schulz_triton.py)
 #   muon foreach (ours)        the same, impl="foreach" (gpt2-124m only: at gpt2-1.5b its fp32 copies of every
 #                              gradient would crowd the other rows out of the GPU)
 #   torch Muon + fused AdamW   the best a user assembles from torch: torch.optim.Muon on the matrices, fp32 params and
@@ -263,10 +267,10 @@ def muon_reference_update(weights, grads, n_matrices, clip):
     return [p.detach() for p in params]
 
 
-def muon_ours(weights, grads, n_matrices, impl):
+def muon_ours(weights, grads, n_matrices, impl, ns_kernel="cublas"):
     params = [torch.nn.Parameter(w.clone()) for w in weights]
-    opt = Muon(_split_groups(params, n_matrices), MuonHyper(**MUON_HP), impl=impl, max_grad_norm=MAX_GRAD_NORM,
-               adamw_lr=HP["lr"], betas=HP["betas"], eps=HP["eps"])
+    opt = Muon(_split_groups(params, n_matrices), MuonHyper(ns_kernel=ns_kernel, **MUON_HP), impl=impl,
+               max_grad_norm=MAX_GRAD_NORM, adamw_lr=HP["lr"], betas=HP["betas"], eps=HP["eps"])
     for p, g in zip(params, grads):
         p.grad = g.clone()
 
@@ -291,6 +295,7 @@ def torch_muon_fused_adamw(weights, grads, n_matrices):
 
 MUON_ROWS = {
     "muon fused (ours)": (lambda w, g, n: muon_ours(w, g, n, "fused"), True),
+    "muon fused, triton NS (ours)": (lambda w, g, n: muon_ours(w, g, n, "fused", "triton"), True),
     "muon foreach (ours)": (lambda w, g, n: muon_ours(w, g, n, "foreach"), True),
     "torch Muon + fused AdamW": (torch_muon_fused_adamw, False),
 }  # name: (build(weights, grads, n_matrices) -> (step, result), clips)
@@ -319,16 +324,20 @@ def validate_muon(name, result, weights, reference, n_matrices):
 
 
 def checked_muon_rows(case: str, weights, grads, n_matrices) -> dict:
-    """Each of the case's rows built, its first step run and validated: name -> its step function."""
-    references = {clip: muon_reference_update(weights, grads, n_matrices, clip) for clip in (False, True)}
+    """Each of the case's rows built, its first step run and validated: name -> its step function, in the rows'
+    order. The rows that clip are checked against the clipped reference, then the others against the unclipped one:
+    one fp32 reference alive at a time (at gpt2-1.5b each is 6 GB beside three rows' state)."""
     steps = {}
-    for name in muon_rows(case):
-        build, clips = MUON_ROWS[name]
-        fn, result = build(weights, grads, n_matrices)
-        fn()
-        validate_muon(name, result, weights, references[clips], n_matrices)
-        steps[name] = fn
-    return steps
+    for clip in (True, False):
+        names = [name for name in muon_rows(case) if MUON_ROWS[name][1] == clip]
+        reference = muon_reference_update(weights, grads, n_matrices, clip) if names else None
+        for name in names:
+            fn, result = MUON_ROWS[name][0](weights, grads, n_matrices)
+            fn()
+            validate_muon(name, result, weights, reference, n_matrices)
+            steps[name] = fn
+        del reference
+    return {name: steps[name] for name in muon_rows(case)}
 
 
 def muon_floor(cfg: ModelConfig, gemm_flops: float, copy_bw: float) -> dict:
@@ -394,6 +403,103 @@ def muon_report(results: dict, targets: dict) -> list[str]:
                       f"{res['ns_flops'] / 1e12:.2f} TFLOP in {res['gemm_ms']:.3f} ms + {res['bytes'] / 1e9:.2f} GB "
                       f"in {res['memory_ms']:.3f} ms"]
         lines += [f"  {line}" for line in bench.table(res["rows"], MUON_TABLE)]
+    return lines
+
+
+# -- Newton–Schulz alone ----------------------------------------------------------------------------------------------
+# orthogonalize on a model's Muon batches (each shape's matrices together, as the fused step batches them), with
+# kernel=cublas and kernel=triton (newton_schulz.NS_KERNELS), each batch alone and the whole model, in alternating
+# rounds; each kernel's result first checked against the same iteration in fp32. Beside the floors at the bf16 rate of
+# the large square GEMM in the same run: every FLOP of the iteration (what cublas computes), and only those of the
+# entries on and above the diagonals of X Xᵀ and A·A (the least triton computes).
+NS_CASES = {f"ns-{name}": name for name in MUON_MODELS}
+ALL_BATCHES = "all"
+
+
+def ns_batches(cfg: ModelConfig) -> list[tuple[tuple, int]]:
+    """The model's Muon batches: (shape, count) for each shape of its hidden matrices."""
+    return sorted(Counter(model_shapes(cfg)[0]).items())
+
+
+def ns_inputs(cfg: ModelConfig, device, seed=0) -> dict[tuple, torch.Tensor]:
+    """Each batch's bf16 matrices, (count, rows, cols), by shape."""
+    gen = torch.Generator(device).manual_seed(seed)
+    return {shape: torch.randn(count, *shape, device=device, generator=gen).bfloat16()
+            for shape, count in ns_batches(cfg)}
+
+
+def check_ns_kernels(inputs: dict) -> None:
+    """Each kernel's result on each batch against Newton–Schulz on an fp32 copy of it (torch's fp32 GEMMs): every
+    matrix within MUON_TOLERANCE (relative Frobenius distance), else ValidationError."""
+    for shape, x in inputs.items():
+        want = newton_schulz.orthogonalize(x.float())
+        for kernel in newton_schulz.NS_KERNELS:
+            got = newton_schulz.orthogonalize(x.clone(), kernel=kernel).float()
+            distance = (torch.linalg.vector_norm(got - want, dim=(-2, -1))
+                        / torch.linalg.vector_norm(want, dim=(-2, -1))).max().item()
+            if not distance <= MUON_TOLERANCE:
+                raise ValidationError(f"ns_kernel={kernel}: {shape[0]}x{shape[1]}: its result is {distance:.3g} of "
+                                      f"the fp32 iteration's away (relative Frobenius distance)")
+        del want
+
+
+def ns_runs(inputs: dict) -> dict[tuple[str, str], Callable]:
+    """(kernel, batch) -> one call orthogonalizing that batch (`ALL_BATCHES`: every batch), in place: each call
+    normalizes its input first, so repeated calls stay in Newton–Schulz's range."""
+    def run(kernel, batches):
+        def call():
+            for x in batches:
+                newton_schulz.orthogonalize(x, kernel=kernel)
+        return call
+
+    names = {shape: f"{shape[0]}x{shape[1]} x{x.size(0)}" for shape, x in inputs.items()}
+    return {(kernel, batch): run(kernel, xs) for kernel in newton_schulz.NS_KERNELS
+            for batch, xs in [(ALL_BATCHES, list(inputs.values()))] + [(names[s], [x]) for s, x in inputs.items()]}
+
+
+def ns_floors(batches: list[tuple[tuple, int]], gemm_flops: float) -> dict:
+    """FLOPs and floor ms (at `gemm_flops` FLOP/s) of the batches: every FLOP, and the symmetric count."""
+    flops = sum(count * newton_schulz.flops(shape) for shape, count in batches)
+    symmetric = sum(count * newton_schulz.flops(shape, symmetric=True) for shape, count in batches)
+    return dict(ns_flops=flops, symmetric_flops=symmetric, floor_ms=flops / gemm_flops * 1e3,
+                symmetric_floor_ms=symmetric / gemm_flops * 1e3)
+
+
+def run_ns_case(case: str, gemm_flops: float, rounds: int, calls: int) -> dict:
+    """The case's batches checked, then each (kernel, batch) timed in alternating rounds, beside its floors."""
+    cfg = MUON_MODELS[NS_CASES[case]]
+    batches = ns_batches(cfg)
+    inputs = ns_inputs(cfg, "cuda")
+    check_ns_kernels(inputs)
+    torch.cuda.empty_cache()
+    runs = ns_runs(inputs)
+    measured = bench.alternating_rounds({f"{k} {b}": fn for (k, b), fn in runs.items()}, rounds, calls)
+    floors = {ALL_BATCHES: ns_floors(batches, gemm_flops)}
+    floors.update({f"{s[0]}x{s[1]} x{count}": ns_floors([(s, count)], gemm_flops) for s, count in batches})
+    rows = []
+    for (kernel, batch) in runs:
+        spread, floor = bench.Spread.of(measured[f"{kernel} {batch}"]), floors[batch]
+        rows.append(dict(batch=batch, kernel=kernel, ms=spread.median, low=spread.low, high=spread.high,
+                         tflops=floor["ns_flops"] / (spread.median * 1e-3) / 1e12,
+                         of_floor=spread.median / floor["floor_ms"],
+                         of_symmetric_floor=spread.median / floor["symmetric_floor_ms"]))
+    rows.sort(key=lambda r: (r["batch"] != ALL_BATCHES, r["batch"]))
+    return dict(matrices=sum(c for _, c in batches), **floors[ALL_BATCHES], rows=rows)
+
+
+NS_TABLE = (bench.Column("batch", "batch"), bench.Column("ns_kernel", "kernel"),
+            bench.Column("ms", lambda r: f"{r['ms']:.3f} ({r['low']:.3f}-{r['high']:.3f})"),
+            bench.Column("TFLOP/s", "tflops", ".0f"), bench.Column("x floor", "of_floor", ".2f"),
+            bench.Column("x symmetric floor", "of_symmetric_floor", ".2f"))
+
+
+def ns_report(results: dict) -> list[str]:
+    lines = []
+    for case, res in results.items():
+        lines += ["", f"{case}: Newton-Schulz on {res['matrices']} matrices; floor {res['floor_ms']:.3f} ms "
+                      f"({res['ns_flops'] / 1e12:.2f} TFLOP), {res['symmetric_floor_ms']:.3f} ms counting X X^T and "
+                      f"A A on and above their diagonals ({res['symmetric_flops'] / 1e12:.2f} TFLOP)"]
+        lines += [f"  {line}" for line in bench.table(res["rows"], NS_TABLE)]
     return lines
 
 
