@@ -1,12 +1,13 @@
 """Time to a target loss on one GPU: the GPT-2 recipe (model=gpt2-124m, AdamW) at its best trainer.lr of a sweep runs
 --tokens; its final validation loss is the target; the modern recipe (model=gpt2-124m-modern optimizer=muon), over a
-sweep of optimizer.muon.lr with the same budget as its ceiling, stops at its first evaluation at or below the target
-where it is known (--target, or the GPT-2 runs in WORK/gpt2, which run first), and its run fastest to the target is
-timed to it. Prints both wall times (compile excluded and included), the tokens and the ratio; writes the record
-(--out) and the runs' loss curves (--plot). Every run is a `scripts/train.py` process (WORK/<recipe>/<lr>),
-deterministic, on the installed packages' sources by default (--data; GPT-2's tokenizer: --data data=packages
-data.tokenizer=gpt2). `--compare RUN_DIR...` only reads finished runs or runs stopped at their target (run dirs, or
-dirs of them), wherever they were made (minitrain/tools/benchmarks/recipe.py says how the times are read).
+sweep of optimizer.muon.lr with the same budget as its ceiling (or its own, --modern-tokens, which its schedule decays
+over), stops at its first evaluation at or below the target where it is known (--target, or the GPT-2 runs in
+WORK/gpt2, which run first), and its run fastest to the target is timed to it. Prints both wall times (compile
+excluded and included), the tokens and the ratio; writes the record (--out) and the runs' loss curves (--plot). Every
+run is a `scripts/train.py` process (WORK/<recipe>/<lr>), deterministic, on the installed packages' sources by
+default (--data; GPT-2's tokenizer: --data data=packages data.tokenizer=gpt2). `--compare RUN_DIR...` only reads
+finished runs or runs stopped at their target (run dirs, or dirs of them), wherever they were made
+(minitrain/tools/benchmarks/recipe.py says how the times are read).
 
     python scripts/bench_recipe.py --work runs/recipe --out recipe.json
     python scripts/bench_recipe.py --work runs/recipe --recipes gpt2        # one side per call: the modern side
@@ -36,6 +37,8 @@ def main(argv=None):
                     help="the sides to run (then --compare both sides' dirs)")
     ap.add_argument("--tokens", type=int, default=196_608_000,
                     help="every run's budget (6000 steps of 32 x 1024: the GPT-2 recipe's run over 5 minutes on an H100)")
+    ap.add_argument("--modern-tokens", type=int, metavar="TOKENS",
+                    help="the modern runs' own budget, which their lr schedule decays over (default: --tokens)")
     ap.add_argument("--gpt2-lrs", type=lrs, default=[6e-4, 1.2e-3], help="trainer.lr of the GPT-2 recipe's runs")
     ap.add_argument("--modern-lrs", type=lrs, default=[0.01, 0.02], help="optimizer.muon.lr of the modern recipe's")
     ap.add_argument("--gpt2", nargs="+", default=list(recipe.RECIPES["gpt2"]), metavar="OVERRIDE",
@@ -56,14 +59,19 @@ def main(argv=None):
     ap.add_argument("--out", default="bench_recipe.json")
     ap.add_argument("--plot", help="the loss curves' PNG (default: --out's name with .png)")
     args = ap.parse_args(argv)
-    for name in ("tokens", "batch_size", "block_size", "eval_every", "eval_batches"):
+    if args.modern_tokens is None:
+        args.modern_tokens = args.tokens
+    for name in ("tokens", "modern_tokens", "batch_size", "block_size", "eval_every", "eval_batches"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be at least 1")
     if args.target is not None and not (math.isfinite(args.target) and args.target > 0):
         ap.error(f"--target must be a validation loss > 0, got {args.target}")
-    steps = args.tokens // (args.batch_size * args.block_size)
-    if steps < 1:
-        ap.error(f"--tokens {args.tokens} is less than one step of {args.batch_size} x {args.block_size}")
+    step_tokens = args.batch_size * args.block_size
+    steps = {"gpt2": args.tokens // step_tokens, "modern": args.modern_tokens // step_tokens}
+    for side, name in (("gpt2", "tokens"), ("modern", "modern_tokens")):
+        if steps[side] < 1:
+            ap.error(f"--{name.replace('_', '-')} {getattr(args, name)} is less than one step of {args.batch_size} x "
+                     f"{args.block_size}")
     run_dirs = args.compare
     if not run_dirs:
         sweeps = {"gpt2": (args.gpt2, args.gpt2_lrs), "modern": (args.modern, args.modern_lrs)}
@@ -72,15 +80,14 @@ def main(argv=None):
             overrides, side_lrs = sweeps[side]
             if side == "modern":
                 try:
-                    stop, said = recipe.modern_target(args.target, work / "gpt2", steps * args.batch_size *
-                                                      args.block_size)
+                    stop, said = recipe.modern_target(args.target, work / "gpt2", steps["gpt2"] * step_tokens)
                 except recipe.RecipeError as e:
                     ap.exit(2, f"error: {e}\n")
                 print(said, flush=True)
                 overrides = [*overrides, *stop]
             for lr in side_lrs:
                 run_dir = work / side / f"{lr:g}"
-                cell = recipe.cell_overrides(overrides, recipe.LR_KEYS[side], lr, steps, args.batch_size,
+                cell = recipe.cell_overrides(overrides, recipe.LR_KEYS[side], lr, steps[side], args.batch_size,
                                              args.block_size, args.eval_every, args.eval_batches, args.data,
                                              args.extra)
                 print(f"{recipe.NAMES[side]} {recipe.LR_KEYS[side]}={lr:g}: {run_dir}", flush=True)

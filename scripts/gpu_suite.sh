@@ -13,7 +13,7 @@
 set -uo pipefail
 out=${1:?output dir}; shift
 mkdir -p "$out"
-export PYTHONUNBUFFERED=1 WANDB_SILENT=true TOKENIZERS_PARALLELISM=false PYTHONPATH="$PWD:${PYTHONPATH:-}"
+export PYTHONUNBUFFERED=1 WANDB_SILENT=true PYTHONPATH="$PWD:${PYTHONPATH:-}"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$out/gpu.txt"
 python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$out/gpu.txt"
 for what in "$@"; do
@@ -301,7 +301,8 @@ PY
       # RECIPE_GPT2_LRS, its best final validation loss the target; the modern recipe (gpt2-124m-modern, Muon) over
       # optimizer.muon.lr in RECIPE_MODERN_LRS, stopped at and timed to its first evaluation at or below it (the
       # target read from the GPT-2 runs already in OUT/recipe/gpt2, copied into the work dir). RECIPE_TOKENS
-      # (196608000: 6000 steps of 32 x 1024) per run on data=packages (prepared first), deterministic, evaluated every
+      # (196608000: 6000 steps of 32 x 1024) per run (RECIPE_MODERN_TOKENS: the modern runs' own budget, which their
+      # schedule decays over) on data=packages (prepared first), deterministic, evaluated every
       # 50 steps; RECIPE_SIDES (gpt2 modern): the sides this call runs (at gpt2-124m's default budget a run takes
       # minutes: one side and one lr a call, the calls sharing OUT/recipe); then the comparison of every run in
       # OUT/recipe (the record and the loss curves)
@@ -313,6 +314,7 @@ PY
           rm -rf $work/gpt2; mkdir -p $work; cp -r "$out/recipe/gpt2" $work/
         fi
         timeout 590 python3 scripts/bench_recipe.py --work $work --recipes $side --tokens ${RECIPE_TOKENS:-196608000} \
+          ${RECIPE_MODERN_TOKENS:+--modern-tokens $RECIPE_MODERN_TOKENS} \
           --gpt2-lrs ${RECIPE_GPT2_LRS:-6e-4,1.2e-3} --modern-lrs ${RECIPE_MODERN_LRS:-0.01,0.02} 2>&1 | tail -4
         rm -rf $work/$side/*/checkpoints
         tar -C $work -cf - $side | tar -C "$out/recipe" -xf -

@@ -166,16 +166,26 @@ def test_a_modern_recipe_that_never_reaches_the_target_is_reported_as_such(tmp_p
         recipe.compare(alone)
 
 
-def test_runs_of_different_token_budgets_are_refused(tmp_path):
-    """Steps alike but a larger batch, or batch alike but more steps: either is another budget."""
+def test_gpt2_runs_of_different_token_budgets_are_refused_and_a_modern_runs_own_budget_is_not(tmp_path):
+    """Steps alike but a larger batch, or batch alike but more steps: either is another budget, which the GPT-2 runs
+    may not differ in (their best final loss is the target); a modern run of its own budget is timed to the target,
+    and told as never reaching it in its own budget."""
     gpt2 = write_run(tmp_path, "g", "adamw", {10: 4.0, 20: 3.5})
     for name, settings in {"batch": dict(batch_size=8), "steps": dict(max_steps=40)}.items():
-        other = write_run(tmp_path, name, "muon", {10: 3.9, 20: 3.4}, **settings)
-        with pytest.raises(recipe.RecipeError, match="token budgets differ"):
-            compare(gpt2, other)
-    out = subprocess.run([sys.executable, SCRIPT, "--compare", str(gpt2), str(tmp_path / "batch"), "--out",
-                          str(tmp_path / "r.json")], capture_output=True, text=True, timeout=120)
-    assert out.returncode == 2 and out.stderr.startswith("error: --compare: the runs' token budgets differ: ")
+        other = write_run(tmp_path, name, "adamw", {10: 3.9, 20: 3.4}, **settings)
+        with pytest.raises(recipe.RecipeError, match="the GPT-2 recipe's runs' token budgets differ"):
+            compare(gpt2, other, write_run(tmp_path, f"m-{name}", "muon", {10: 3.9, 20: 3.4}))
+    longer = write_run(tmp_path, "longer", "muon", {10: 3.9, 20: 3.4, 40: 3.0}, stopped_at=20, max_steps=40)
+    result = compare(gpt2, longer)
+    assert (result["budget_tokens"], result["modern"]["step"], result["modern"]["budget_tokens"]) == (5120, 20, 10240)
+    never = [recipe.read_run(r) for r in (gpt2, write_run(tmp_path, "short", "muon", {10: 3.9}))]
+    assert recipe.compare_report(never, recipe.compare(never))[-1] == (
+        "modern recipe (optimizer.muon.lr=0.02): never reaches the target in 2,560 tokens (its final validation "
+        "loss 3.9000)")
+    out = subprocess.run([sys.executable, SCRIPT, "--compare", str(gpt2), str(tmp_path / "batch"), str(longer),
+                          "--out", str(tmp_path / "r.json")], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 2
+    assert out.stderr.startswith("error: --compare: the GPT-2 recipe's runs' token budgets differ: ")
     assert len(out.stderr.strip().splitlines()) == 1 and not (tmp_path / "r.json").exists()
 
 
@@ -186,6 +196,17 @@ def test_a_target_that_is_no_loss_above_0_is_refused(tmp_path, monkeypatch, caps
     code, out, err = run_script("bench_recipe", argv, monkeypatch, capsys)
     assert (code, out) == (2, "") and err.endswith(f"error: --target must be a validation loss > 0, got "
                                                    f"{float(target)}\n")
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("option, value, message", [
+    ("--tokens", "255", "--tokens 255 is less than one step of 8 x 32"),
+    ("--modern-tokens", "255", "--modern-tokens 255 is less than one step of 8 x 32"),
+    ("--modern-tokens", "0", "--modern-tokens must be at least 1")])
+def test_a_budget_under_one_step_is_refused_naming_its_option(tmp_path, monkeypatch, capsys, option, value, message):
+    argv = ["--work", tmp_path / "work", "--batch-size", "8", "--block-size", "32", option, value]
+    code, out, err = run_script("bench_recipe", argv, monkeypatch, capsys)
+    assert (code, out) == (2, "") and err.endswith(f"error: {message}\n")
     assert list(tmp_path.iterdir()) == []
 
 
@@ -249,21 +270,24 @@ def test_the_script_runs_both_recipes_and_compares_them(tmp_path, data_cache):
 def test_the_script_stops_the_modern_runs_at_the_target_of_the_gpt2_runs_in_work_or_at_target(tmp_path, data_cache):
     """The modern side alone, after GPT-2 runs of the same budget (4 steps of 8 x 32) in WORK/gpt2 whose best final
     loss is 9.0, above the tiny model's first evaluation (about ln 4096 = 8.3): its run stops there, at step 2 of 4,
-    with its checkpoint; a second call's --target 8.75 wins over WORK/gpt2's. --compare then times those runs, each
-    stopped at its target."""
+    with its checkpoint; a second call's --target 8.75 wins over WORK/gpt2's, and its --modern-tokens (8 steps) sets
+    its run's budget, not the GPT-2 runs' it is checked against. --compare then times those runs, each stopped at its
+    target."""
     work = tmp_path / "work"
     write_run(work / "gpt2", "6e-04", "adamw", {2: 9.5, 4: 9.0}, batch_size=8, block_size=32)
     args = ["--work", str(work), "--recipes", "modern", "--tokens", "1100", "--batch-size", "8", "--block-size", "32",
             "--eval-every", "2", "--eval-batches", "1", "--modern", "model=tiny", "optimizer=muon", "--data",
             "data=stdlib", "--extra", f"data.cache_dir={data_cache}", "logger.mode=disabled"]
-    for lr, given, target in (("0.02", [], 9.0), ("0.01", ["--target", "8.75"], 8.75)):
+    for lr, given, target, steps in (("0.02", [], 9.0, 4), ("0.01", ["--target", "8.75", "--modern-tokens", "2200"],
+                                                               8.75, 8)):
         run = subprocess.run([sys.executable, SCRIPT, *args, "--modern-lrs", lr, *given], capture_output=True,
                              text=True, timeout=600)
         assert run.returncode == 0 and "exit code" not in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
         assert run.stdout.splitlines()[0].startswith(f"modern recipe: its runs stop at their first evaluation at or "
                                                      f"below {target} (")
         cell = work / "modern" / lr
-        assert yaml.safe_load((cell / ".hydra" / "config.yaml").read_text())["trainer"]["target_loss"] == target
+        trainer = yaml.safe_load((cell / ".hydra" / "config.yaml").read_text())["trainer"]
+        assert (trainer["target_loss"], trainer["max_steps"]) == (target, steps)
         ran = recipe.read_run(cell)
         assert (ran["last_step"], ran["stopped_at_target"], ran["finished"]) == (2, True, False)
         assert (cell / "checkpoints" / "latest").is_dir()

@@ -172,14 +172,16 @@ def modern_target(given: Optional[float], gpt2_dir: Path, budget: int) -> tuple[
 def compare(runs: list[dict]) -> dict:
     """The target (the GPT-2 recipe's best final validation loss), and each recipe's best run's tokens and wall times:
     the GPT-2 recipe's to its end, the modern recipe's (the fastest to the target) to its first evaluation at or
-    below the target."""
+    below the target. The GPT-2 runs share one budget (the target is its loss); a modern run's budget may be its own
+    (bench_recipe.py --modern-tokens: the length its schedule decays over), as it is timed to the target."""
     sides = {side: [r for r in runs if r["side"] == side] for side in NAMES}
     missing = [NAMES[side] for side, found in sides.items() if not found]
     if missing:
         raise RecipeError(f"no runs of the {' or '.join(missing)} (the GPT-2 recipe's runs use AdamW, the "
                           "modern one's Muon)")
-    if len({r["budget"] for r in runs}) != 1:
-        raise RecipeError("the runs' token budgets differ: " + ", ".join(f"{r['dir']}: {r['budget']:,}" for r in runs))
+    if len({r["budget"] for r in sides["gpt2"]}) != 1:  # the modern runs' own budgets set only their schedules
+        raise RecipeError("the GPT-2 recipe's runs' token budgets differ: " + ", ".join(
+            f"{r['dir']}: {r['budget']:,}" for r in sides["gpt2"]))
     gpt2 = _target_run(sides["gpt2"])
     if gpt2 is None:
         raise RecipeError("no run of the GPT-2 recipe finished with finite losses: there is no target")
@@ -195,7 +197,8 @@ def compare(runs: list[dict]) -> dict:
 
 def _side(run: dict, step: Optional[int]) -> dict:
     excluded, included = (None, None) if step is None else wall_times(run, step)
-    return {"dir": run["dir"], "lr": run["recipe_lr"], "final": final_loss(run), "step": step,
+    return {"dir": run["dir"], "lr": run["recipe_lr"], "final": final_loss(run), "budget_tokens": run["budget"],
+            "step": step,
             "loss": None if step is None else run["val"][step],
             "tokens": None if step is None else step * run["tokens_per_step"],
             "wall_s_compile_excluded": excluded, "wall_s_compile_included": included}
@@ -231,7 +234,7 @@ def compare_report(runs: list[dict], result: dict) -> list[str]:
                  f"{_seconds(g['wall_s_compile_included'])} compile included")
     if m["step"] is None:
         lines.append(f"modern recipe ({LR_KEYS['modern']}={m['lr']:g}): never reaches the target in "
-                     f"{result['budget_tokens']:,} tokens (its final validation loss {m['final']:.4f})")
+                     f"{m['budget_tokens']:,} tokens (its final validation loss {m['final']:.4f})")
         return lines
     lines.append(f"modern recipe ({LR_KEYS['modern']}={m['lr']:g}): reaches {m['loss']:.4f} at step {m['step']}, "
                  f"{m['tokens']:,} tokens, wall time {_seconds(m['wall_s_compile_excluded'])} compile excluded, "
