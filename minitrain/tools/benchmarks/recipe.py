@@ -198,8 +198,7 @@ def compare(runs: list[dict]) -> dict:
 def _side(run: dict, step: Optional[int]) -> dict:
     excluded, included = (None, None) if step is None else wall_times(run, step)
     return {"dir": run["dir"], "lr": run["recipe_lr"], "final": final_loss(run), "budget_tokens": run["budget"],
-            "step": step,
-            "loss": None if step is None else run["val"][step],
+            "step": step, "loss": None if step is None else run["val"][step],
             "tokens": None if step is None else step * run["tokens_per_step"],
             "wall_s_compile_excluded": excluded, "wall_s_compile_included": included}
 
