@@ -204,7 +204,8 @@ def test_a_target_that_is_no_loss_above_0_is_refused(tmp_path, monkeypatch, caps
     ("--modern-tokens", "255", "--modern-tokens 255 is less than one step of 8 x 32"),
     ("--modern-tokens", "0", "--modern-tokens must be at least 1")])
 def test_a_budget_under_one_step_is_refused_naming_its_option(tmp_path, monkeypatch, capsys, option, value, message):
-    argv = ["--work", tmp_path / "work", "--batch-size", "8", "--block-size", "32", option, value]
+    """Refused before any run is made or read (--compare: a budget let through must not start a run)."""
+    argv = ["--compare", tmp_path / "none", "--batch-size", "8", "--block-size", "32", option, value]
     code, out, err = run_script("bench_recipe", argv, monkeypatch, capsys)
     assert (code, out) == (2, "") and err.endswith(f"error: {message}\n")
     assert list(tmp_path.iterdir()) == []
@@ -270,16 +271,16 @@ def test_the_script_runs_both_recipes_and_compares_them(tmp_path, data_cache):
 def test_the_script_stops_the_modern_runs_at_the_target_of_the_gpt2_runs_in_work_or_at_target(tmp_path, data_cache):
     """The modern side alone, after GPT-2 runs of the same budget (4 steps of 8 x 32) in WORK/gpt2 whose best final
     loss is 9.0, above the tiny model's first evaluation (about ln 4096 = 8.3): its run stops there, at step 2 of 4,
-    with its checkpoint; a second call's --target 8.75 wins over WORK/gpt2's, and its --modern-tokens (8 steps) sets
-    its run's budget, not the GPT-2 runs' it is checked against. --compare then times those runs, each stopped at its
+    with its checkpoint, its own budget (--modern-tokens: 8 steps) not the one WORK/gpt2's runs are checked against;
+    a second call's --target 8.75 wins over WORK/gpt2's. --compare then times those runs, each stopped at its
     target."""
     work = tmp_path / "work"
     write_run(work / "gpt2", "6e-04", "adamw", {2: 9.5, 4: 9.0}, batch_size=8, block_size=32)
     args = ["--work", str(work), "--recipes", "modern", "--tokens", "1100", "--batch-size", "8", "--block-size", "32",
             "--eval-every", "2", "--eval-batches", "1", "--modern", "model=tiny", "optimizer=muon", "--data",
             "data=stdlib", "--extra", f"data.cache_dir={data_cache}", "logger.mode=disabled"]
-    for lr, given, target, steps in (("0.02", [], 9.0, 4), ("0.01", ["--target", "8.75", "--modern-tokens", "2200"],
-                                                               8.75, 8)):
+    for lr, given, target, steps in (("0.02", ["--modern-tokens", "2200"], 9.0, 8), ("0.01", ["--target", "8.75"],
+                                                                               8.75, 4)):
         run = subprocess.run([sys.executable, SCRIPT, *args, "--modern-lrs", lr, *given], capture_output=True,
                              text=True, timeout=600)
         assert run.returncode == 0 and "exit code" not in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]

@@ -17,6 +17,7 @@ from minitrain.optim import newton_schulz as ns
 from minitrain.optim import newton_schulz_triton as nst
 from minitrain.plan import make_plan
 from minitrain.tools.live_bytes import LiveBytes
+from minitrain.triton_runtime import interpreted
 
 # The interpreter's tiles are 64 x 64 outputs over K steps of 32 (INTERPRETER_CONFIG): sides of 1 and 3 (one partial
 # tile), 65, 70 and 130 (a tile and 1 or 6 more, two and 2 more) and reductions of 70, 130 and 200 (a partial last K
@@ -65,6 +66,22 @@ def test_gram_is_the_fp32_product_rounded_once_and_exactly_symmetric(shape):
     assert_rounded_once(out, ref, magnitude, k)
     assert torch.equal(out, out.mT)
     assert whole[COUNT].isnan().all()  # nothing written past the batch
+
+
+def test_fp32_matrices_keep_fp32_precision_under_the_interpreter():
+    """fp32 in, fp32 out: the interpreter rounds only bf16 results as the GPU stores them (triton_runtime.rounds_bf16),
+    so an fp32 Gram and polynomial are the fp32 results (a bf16 rounding would be off by up to 2^-9). The GPU's fp32
+    tl.dot is tf32, whose own rounding this bound does not admit: the interpreter's case alone."""
+    if not interpreted():
+        pytest.skip("the rounding under test is the interpreter's")
+    torch.manual_seed(2)
+    x = torch.randn(COUNT, 65, 70)
+    gram = nst.gram(x, out=torch.empty(COUNT, 65, 65))
+    torch.testing.assert_close(gram, x @ x.mT, rtol=1e-5, atol=1e-5)
+    _, b, c = ns.NS_COEFFICIENTS
+    a = gram / 70
+    poly = nst.symmetric_polynomial(a, b, c, out=torch.empty(COUNT, 65, 65))
+    torch.testing.assert_close(poly, b * a + c * a @ a, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("m", [1, 3, 65, 130])
