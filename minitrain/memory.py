@@ -40,10 +40,10 @@ from typing import NamedTuple
 import torch
 
 from .recompute import recomputed_blocks
-from .config import (BLOCK_LINEARS, CheckpointingConfig, CheckpointPolicy, DistributedConfig, Float8Kernels,
-                     OptimizerName)
+from .config import BLOCK_LINEARS, CheckpointingConfig, CheckpointPolicy, DistributedConfig, Float8Kernels
 from .model import GPT
 from .model_config import KernelImpl, MlpActivation, ModelConfig, NormKind, PositionEncoding
+from .optimizer_config import OptimizerName
 from .ops.cross_entropy import DEFAULT_CHUNK_BYTES, fitting
 from .optim import newton_schulz
 from .optim.layout import padded as _padded

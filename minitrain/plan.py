@@ -23,11 +23,12 @@ import torch
 from . import fp8, memory
 from .recompute import recomputed_blocks
 from .config import BLOCK_LINEARS, CheckpointingConfig, CheckpointPolicy, Config, DistributedMode, Float8Kernels, \
-    Float8Recipe, OptimizerImpl, OptimizerName, TrainerConfig
+    Float8Recipe, TrainerConfig
 from .errors import ConfigError
 from .memory import GB, Candidate, MemoryEstimate
 from .model import GPT
 from .model_config import SCRATCH, KernelImpl, ModelConfig, padded_vocab
+from .optimizer_config import OptimizerImpl, OptimizerName
 from .precision import Precision, resolve_precision
 from .schedule import LRSchedule, default_warmup
 

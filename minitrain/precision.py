@@ -18,9 +18,10 @@ from typing import Optional
 import torch
 from omegaconf import OmegaConf
 
-from .config import CONFIG_DIR, Float8Kernels, Float8Recipe, OptimizerImpl, PrecisionConfig, check_optimizer_precision
+from .config import CONFIG_DIR, Float8Kernels, Float8Recipe, PrecisionConfig, check_optimizer_precision
 from .errors import ConfigError
 from .loss_scale import LossScaling
+from .optimizer_config import OptimizerImpl
 
 AUTO = "auto"
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}

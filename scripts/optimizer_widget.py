@@ -12,7 +12,7 @@ import importlib.util
 import json
 
 from minitrain.tools import optimizer_model as om
-from minitrain.config import MuonConfig
+from minitrain.optimizer_config import MuonConfig
 from minitrain.memory import hidden_shapes, param_numels
 from minitrain.model_config import ModelConfig
 from minitrain.tools.benchmarks.optimizer import MUON_MODELS

@@ -305,7 +305,7 @@ def test_muon_defaults_are_torch_optim_muons():
     optimizer than its comment says."""
     import inspect
 
-    from minitrain.config import MuonConfig
+    from minitrain.optimizer_config import MuonConfig
     from minitrain.optim import MuonHyper
 
     muon, ours = MuonConfig(), MuonHyper()

@@ -213,7 +213,7 @@ def muon_optimizer(model, precision, impl="foreach"):
 def test_muon_state_terms_are_exact(name):
     """One fp32 momentum buffer per hidden matrix (12·C² a block) in place of Adam's m and v, which the rest keep: each
     term the bytes the optimizer allocates, padding included (n_embd=40: no vector fills whole ALIGN blocks)."""
-    from minitrain.config import OptimizerName
+    from minitrain.optimizer_config import OptimizerName
 
     precision = PRECISIONS[name]
     cfg = ModelConfig(n_layer=2, n_head=4, n_embd=40, block_size=30, vocab_size=250)
@@ -243,7 +243,7 @@ def test_peak_of_muon_steps_is_its_newton_schulz_batch(impl, precision):
     Newton–Schulz buffers (two c_fc matrices of 512 x 128 together, or one alone under loop) beside the fp32 grads, or
     (fp32) the larger side's gradients gathered beside autograd's, within 0.1% of the measured peak (the optimizer's
     scalars are left out)."""
-    from minitrain.config import OptimizerName
+    from minitrain.optimizer_config import OptimizerName
 
     prec = PRECISIONS[precision]
     with LiveBytes() as live:
@@ -384,7 +384,7 @@ def test_peak_of_whole_training_steps_with_the_block_options(option, loss_impl, 
 def test_state_terms_are_exact_with_the_block_options(option):
     """The untied head's weight, gradient, masters and moments, SwiGLU's three wider matrices, no biases: the bytes
     AdamW and Muon allocate (Muon keeps AdamW on the head), padding included (n_embd=40)."""
-    from minitrain.config import OptimizerName
+    from minitrain.optimizer_config import OptimizerName
 
     cfg, precision = replace(ModelConfig(n_layer=2, n_head=4, n_embd=40, block_size=30, vocab_size=250),
                              **BLOCK_OPTIONS[option]), PRECISIONS["bf16"]
@@ -408,7 +408,7 @@ def test_each_rank_orthogonalizes_a_share_of_a_batch_smaller_than_the_world(shar
     """One block on 8 ranks: each shape's batch is one matrix, fewer than the ranks, and still every rank owns a share
     of one (the last ones zero matrices): at the optimizer's step it holds X, the exchange's zero-padded buffer, and
     Newton–Schulz's workspace for its share beside it, not nothing."""
-    from minitrain.config import OptimizerName
+    from minitrain.optimizer_config import OptimizerName
     from minitrain.memory import hidden_shapes
     from minitrain.optim.newton_schulz import Exchange, workspace_bytes
 

@@ -10,9 +10,10 @@ from conftest import fake_gpu
 
 from minitrain import memory, plan as plan_module
 from minitrain.cli import compose_config
-from minitrain.config import CheckpointingConfig, CheckpointPolicy, OptimizerName, resolve
+from minitrain.config import CheckpointingConfig, CheckpointPolicy, resolve
 from minitrain.errors import ConfigError
 from minitrain.memory import GB
+from minitrain.optimizer_config import OptimizerName
 from minitrain.plan import PlanError, _compile_mode, make_plan
 from minitrain.schedule import LRSchedule
 

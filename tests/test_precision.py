@@ -10,9 +10,10 @@ import pytest
 import torch
 from conftest import fake_gpu
 
-from minitrain.config import DType, OptimizerImpl, PrecisionConfig, resolve
+from minitrain.config import DType, PrecisionConfig, resolve
 from minitrain.cli import compose_config
 from minitrain.errors import ConfigError
+from minitrain.optimizer_config import OptimizerImpl
 from minitrain.loss_scale import LossScaling
 from minitrain.precision import Precision, auto_name, preset, resolve_precision
 

@@ -1,7 +1,8 @@
 """The optimizer the config and the plan ask for: AdamW, TorchAdamW or Muon, each owning its loss scaler."""
 
 from minitrain import distributed
-from minitrain.config import DistributedMode, OptimizerConfig, OptimizerName
+from minitrain.config import DistributedMode
+from minitrain.optimizer_config import OptimizerConfig, OptimizerName
 from minitrain.distributed import Dist
 from minitrain.errors import ConfigError
 from minitrain.loss_scale import LossScaling
