@@ -421,6 +421,11 @@ def ns_batches(cfg: ModelConfig) -> list[tuple[tuple, int]]:
     return sorted(Counter(model_shapes(cfg)[0]).items())
 
 
+def batch_name(shape: tuple, count: int) -> str:
+    """A batch's row name: its matrices' shape and their number."""
+    return f"{shape[0]}x{shape[1]} x{count}"
+
+
 def ns_inputs(cfg: ModelConfig, device, seed=0) -> dict[tuple, torch.Tensor]:
     """Each batch's bf16 matrices, (count, rows, cols), by shape."""
     gen = torch.Generator(device).manual_seed(seed)
@@ -452,9 +457,8 @@ def ns_runs(inputs: dict) -> dict[tuple[str, str], Callable]:
                 newton_schulz.orthogonalize(x, kernel=kernel)
         return call
 
-    names = {shape: f"{shape[0]}x{shape[1]} x{x.size(0)}" for shape, x in inputs.items()}
-    return {(kernel, batch): run(kernel, xs) for kernel in newton_schulz.NS_KERNELS
-            for batch, xs in [(ALL_BATCHES, list(inputs.values()))] + [(names[s], [x]) for s, x in inputs.items()]}
+    batches = [(ALL_BATCHES, list(inputs.values()))] + [(batch_name(s, x.size(0)), [x]) for s, x in inputs.items()]
+    return {(kernel, batch): run(kernel, xs) for kernel in newton_schulz.NS_KERNELS for batch, xs in batches}
 
 
 def ns_floors(batches: list[tuple[tuple, int]], gemm_flops: float) -> dict:
@@ -475,7 +479,7 @@ def run_ns_case(case: str, gemm_flops: float, rounds: int, calls: int) -> dict:
     runs = ns_runs(inputs)
     measured = bench.alternating_rounds({f"{k} {b}": fn for (k, b), fn in runs.items()}, rounds, calls)
     floors = {ALL_BATCHES: ns_floors(batches, gemm_flops)}
-    floors.update({f"{s[0]}x{s[1]} x{count}": ns_floors([(s, count)], gemm_flops) for s, count in batches})
+    floors.update({batch_name(s, count): ns_floors([(s, count)], gemm_flops) for s, count in batches})
     rows = []
     for (kernel, batch) in runs:
         spread, floor = bench.Spread.of(measured[f"{kernel} {batch}"]), floors[batch]
