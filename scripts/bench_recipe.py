@@ -13,6 +13,7 @@ finished runs or runs stopped at their target (run dirs, or dirs of them), where
     python scripts/bench_recipe.py --work runs/recipe --recipes gpt2        # one side per call: the modern side
     python scripts/bench_recipe.py --work runs/recipe --recipes modern      # reads its target from runs/recipe/gpt2
     python scripts/bench_recipe.py --compare runs/recipe/gpt2 runs/recipe/modern --out recipe.json
+    python scripts/bench_recipe.py --work runs/recipe --ablate qk_norm position   # each undone alone, to the target
 """
 
 import argparse
@@ -33,8 +34,8 @@ def lrs(text: str) -> list[float]:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--work", default="runs/bench_recipe", help="the runs' dirs go beneath: WORK/<recipe>/<lr>")
-    ap.add_argument("--recipes", nargs="+", choices=list(recipe.RECIPES), default=list(recipe.RECIPES),
-                    help="the sides to run (then --compare both sides' dirs)")
+    ap.add_argument("--recipes", nargs="+", choices=list(recipe.RECIPES),
+                    help="the sides to run (then --compare both sides' dirs); default: both")
     ap.add_argument("--tokens", type=int, default=196_608_000,
                     help="every run's budget (6000 steps of 32 x 1024: the GPT-2 recipe's run over 5 minutes on an H100)")
     ap.add_argument("--modern-tokens", type=int, metavar="TOKENS",
@@ -54,6 +55,10 @@ def main(argv=None):
     ap.add_argument("--eval-every", type=int, default=50, help="steps between evaluations (and log records)")
     ap.add_argument("--eval-batches", type=int, default=20, help="trainer.eval_batches")
     ap.add_argument("--extra", nargs="+", default=[], metavar="OVERRIDE", help="more overrides for every run")
+    ap.add_argument("--ablate", nargs="*", choices=list(recipe.ABLATIONS), metavar="OPTION",
+                    help="instead of the sides: the modern recipe with each option named undone alone (every one: "
+                         f"{', '.join(recipe.ABLATIONS)}), in WORK/ablate/<option>/<lr>, its budget and target; then "
+                         "every ablation in WORK against WORK/modern's runs")
     ap.add_argument("--compare", nargs="+", metavar="RUN_DIR",
                     help="compare these runs (finished, or stopped at their target) instead of running")
     ap.add_argument("--out", default="bench_recipe.json")
@@ -72,25 +77,38 @@ def main(argv=None):
         if steps[side] < 1:
             ap.error(f"--{name.replace('_', '-')} {getattr(args, name)} is less than one step of {args.batch_size} x "
                      f"{args.block_size}")
+    if args.ablate is not None and (args.recipes or args.compare):
+        ap.error("--ablate runs instead of --recipes and --compare: give one")
+    args.recipes = args.recipes or list(recipe.RECIPES)
     run_dirs = args.compare
     if not run_dirs:
-        sweeps = {"gpt2": (args.gpt2, args.gpt2_lrs), "modern": (args.modern, args.modern_lrs)}
         run_dirs, work = [], Path(args.work).resolve()
-        for side in sorted(set(args.recipes), key=list(recipe.RECIPES).index):  # the GPT-2 side first: its target
-            overrides, side_lrs = sweeps[side]
-            if side == "modern":
-                try:
-                    stop, said = recipe.modern_target(args.target, work / "gpt2", steps["gpt2"] * step_tokens)
-                except recipe.RecipeError as e:
-                    ap.exit(2, f"error: {e}\n")
-                print(said, flush=True)
+        gpt2_budget = steps["gpt2"] * step_tokens
+        lr_sweeps = {"gpt2": args.gpt2_lrs, "modern": args.modern_lrs}
+        # (label, the side whose budget and target it runs, the side whose lr sweep it takes, overrides, its dirs)
+        if args.ablate is None:  # the GPT-2 side first: its target
+            groups = [(recipe.NAMES[side], side, side, args.gpt2 if side == "gpt2" else args.modern, work / side)
+                      for side in sorted(set(args.recipes), key=list(recipe.RECIPES).index)]
+        else:
+            groups = [(f"{recipe.NAMES['modern']} with {recipe.ABLATIONS[name]}", "modern", recipe.ablation_side(name),
+                       [*args.modern, recipe.ABLATIONS[name]], work / recipe.ABLATE_DIR / name)
+                      for name in args.ablate or recipe.ABLATIONS]
+        stop = None
+        for label, budget_side, lr_side, overrides, where in groups:
+            if budget_side == "modern":
+                if stop is None:
+                    try:
+                        stop, said = recipe.modern_target(args.target, work / "gpt2", gpt2_budget)
+                    except recipe.RecipeError as e:
+                        ap.exit(2, f"error: {e}\n")
+                    print(said, flush=True)
                 overrides = [*overrides, *stop]
-            for lr in side_lrs:
-                run_dir = work / side / f"{lr:g}"
-                cell = recipe.cell_overrides(overrides, recipe.LR_KEYS[side], lr, steps[side], args.batch_size,
-                                             args.block_size, args.eval_every, args.eval_batches, args.data,
-                                             args.extra)
-                print(f"{recipe.NAMES[side]} {recipe.LR_KEYS[side]}={lr:g}: {run_dir}", flush=True)
+            for lr in lr_sweeps[lr_side]:
+                run_dir = where / f"{lr:g}"
+                cell = recipe.cell_overrides(overrides, recipe.LR_KEYS[lr_side], lr, steps[budget_side],
+                                             args.batch_size, args.block_size, args.eval_every, args.eval_batches,
+                                             args.data, args.extra)
+                print(f"{label} {recipe.LR_KEYS[lr_side]}={lr:g}: {run_dir}", flush=True)
                 try:
                     code = recipe.run_cell(run_dir, cell)
                 except recipe.RecipeError as e:
@@ -98,6 +116,15 @@ def main(argv=None):
                 if code:
                     print(f"  exit code {code}: see {run_dir}.log", flush=True)
                 run_dirs.append(run_dir)
+        if args.ablate is not None:
+            try:
+                result = recipe.ablation(work, recipe.known_target(args.target, work / "gpt2", gpt2_budget)[0])
+            except recipe.RecipeError as e:
+                ap.exit(2, f"error: {e}\n")
+            print("\n".join(recipe.ablation_report(result)))
+            bench.write_results(args.out, result)
+            print(f"record {args.out}")
+            return
         if set(args.recipes) != set(recipe.RECIPES):
             return  # one side only: --compare both sides' dirs when the other has run
     dirs = optimizer.quality_run_dirs(run_dirs)

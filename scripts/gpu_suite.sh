@@ -5,7 +5,7 @@
 #        [attention] [diverge15b] [compile15b] [compile_check] [determinism] [determinism_cost]
 #        [determinism_cost15b] [allocator] [sample] [sample_run] [prepare_corpus] [prepare_many] [prepare_one]
 #        [fp8_tests] [fp8_speed] [fp8_sizes] [fp8_defaults15b] [fp8_quality] [muon] [muon_bench] [ns_kernel]
-#        [muon_step] [muon_quality] [step_modern] [recipe] [smoke]
+#        [muon_step] [muon_quality] [step_modern] [recipe] [recipe_ablate] [smoke]
 # smoke: every benchmark script once in its quickest mode (the tiny model, one small shape), a few minutes: each
 #   still runs end to end on this GPU; its figures are not results
 # plan: PLAN_MODELS and PLAN_BATCHES (space-separated) pick the grid, default gpt2-124m at 16 64 512; it starts no
@@ -321,5 +321,22 @@ PY
       done
       python3 scripts/bench_recipe.py --compare "$out/recipe/gpt2" "$out/recipe/modern" --out "$out/recipe/recipe.json" \
         2>&1 | tail -12 ;;
+    recipe_ablate)  # each option of the modern recipe undone alone (scripts/bench_recipe.py --ablate): the options in
+      # RECIPE_ABLATE (default every one), one lr each (RECIPE_MODERN_LRS, default 0.02; the optimizer row AdamW at
+      # RECIPE_GPT2_LRS, default 6e-4), RECIPE_MODERN_TOKENS per run (default 19660800: 600 steps of 32 x 1024), against
+      # the modern recipe's run in OUT/ablate/modern (made first, at the same budget and lr, where there is none);
+      # stopped at the target of the GPT-2 runs in OUT/ablate/gpt2 where there are some (RECIPE_TOKENS their budget),
+      # else each runs its budget. The calls share OUT/ablate: name the options not run yet; each call reports all
+      work=/tmp/bench-recipe-ablate; rm -rf $work; mkdir -p $work "$out/ablate"
+      timeout 300 python3 scripts/prepare_data.py data=packages model.vocab_size=null 2>&1 | tail -1
+      cp -r "$out/ablate/." $work/
+      budget=(--tokens ${RECIPE_TOKENS:-196608000} --modern-tokens ${RECIPE_MODERN_TOKENS:-19660800}
+              --gpt2-lrs ${RECIPE_GPT2_LRS:-6e-4} --modern-lrs ${RECIPE_MODERN_LRS:-0.02})
+      [ -d $work/modern ] || timeout 590 python3 scripts/bench_recipe.py --work $work --recipes modern "${budget[@]}" \
+        2>&1 | tail -2
+      timeout 590 python3 scripts/bench_recipe.py --work $work --ablate ${RECIPE_ABLATE:-} \
+        "${budget[@]}" --out "$out/ablate/ablate.json" 2>&1 | tail -14
+      rm -rf $work/*/*/checkpoints $work/ablate/*/*/checkpoints
+      cp -r $work/. "$out/ablate/" ;;
   esac
 done

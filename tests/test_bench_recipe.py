@@ -297,3 +297,123 @@ def test_the_script_stops_the_modern_runs_at_the_target_of_the_gpt2_runs_in_work
     assert again.returncode == 0, again.stderr[-2000:]
     saved = json.loads((tmp_path / "r.json").read_text())
     assert (saved["target"], saved["modern"]["step"]) == (9.0, 2)
+
+
+def test_each_ablation_undoes_one_option_of_the_modern_recipe_and_together_they_undo_all(tmp_path):
+    """After the modern recipe's overrides, each ablation's override sets one key to the GPT-2 recipe's value and
+    leaves every other as the modern recipe has it; every key on which the two recipes differ has its ablation."""
+    from minitrain.cli import compose_config
+
+    def settings(overrides):
+        cfg = compose_config([*overrides, f"trainer.out_dir={tmp_path}"])
+        return {f"model.{k}": v for k, v in cfg.model.items() if k != "name"} | {"optimizer": cfg.optimizer.name}
+
+    modern, gpt2 = settings(recipe.RECIPES["modern"]), settings(recipe.RECIPES["gpt2"])
+    differ = {k for k in modern if modern[k] != gpt2[k]}
+    undone = {}
+    for name, override in recipe.ABLATIONS.items():
+        changed = {k for k, v in settings([*recipe.RECIPES["modern"], override]).items() if v != modern[k]}
+        assert len(changed) == 1, (name, changed)
+        key = changed.pop()
+        assert settings([*recipe.RECIPES["modern"], override])[key] == gpt2[key] and name in key, name
+        undone[key] = name
+    assert set(undone) == differ
+    assert {name: recipe.ablation_side(name) for name in recipe.ABLATIONS} == {
+        **{name: "modern" for name in recipe.ABLATIONS if name != "optimizer"}, "optimizer": "gpt2"}
+
+
+def write_ablation(work, name, val, **kw):
+    optimizer = "adamw" if name == "optimizer" else "muon"
+    return write_run(work / recipe.ABLATE_DIR / name, str(kw.pop("muon_lr", 0.02)), optimizer, val, **kw)
+
+
+def test_the_ablation_compares_each_options_best_run_with_the_modern_recipes_best(tmp_path):
+    """No target: the lowest final loss of each dir is its row (WORK/modern's the reference), with its difference from
+    the reference's and its median step time; a row with a target: the first evaluation at or below it, the wall time
+    there (compile excluded) and its ratio to the reference's; a row that never reaches it says so."""
+    work = tmp_path / "work"
+    write_run(work / "modern", "0.01", "muon", {10: 3.9, 20: 3.2}, muon_lr=0.01, step_ms=50.0)
+    ref = write_run(work / "modern", "0.02", "muon", {10: 3.8, 20: 3.0}, step_ms=100.0)
+    qk = write_ablation(work, "qk_norm", {10: 3.9, 20: 3.25}, step_ms=80.0)
+    write_ablation(work, "qk_norm", {10: 3.9, 20: 3.5}, muon_lr=0.04)
+    adamw = write_ablation(work, "optimizer", {10: 4.0, 20: 3.75}, lr=6e-4, step_ms={10: 20.0, 20: 30.0})
+    result = recipe.ablation(work, None)
+    assert (result["target"], result["budget_tokens"], result["modern"]["dir"]) == (None, 20 * 256, str(ref))
+    assert list(result["ablations"]) == ["qk_norm", "optimizer"]  # ABLATIONS' order
+    row = result["ablations"]["qk_norm"]
+    assert (row["dir"], row["override"], row["lr_key"], row["lr"]) == (str(qk), "model.qk_norm=false",
+                                                                        "optimizer.muon.lr", 0.02)
+    assert (row["final"], row["final_delta"], row["median_step_ms"]) == (3.25, pytest.approx(0.25), 80.0)
+    assert (row["step"], row["wall_s_compile_excluded"], row["wall_ratio"]) == (None, None, None)
+    row = result["ablations"]["optimizer"]
+    assert (row["dir"], row["lr_key"], row["lr"], row["median_step_ms"]) == (str(adamw), "trainer.lr", 6e-4, 25.0)
+    assert recipe.ablation_report(result) == [
+        "ablation, 5,120 tokens a run, target none: each runs its budget",
+        "modern recipe (optimizer.muon.lr=0.02): final validation loss 3.0000 | 100.00 ms/step",
+        "  model.qk_norm=false (optimizer.muon.lr=0.02): final validation loss 3.2500 (+0.2500) | 80.00 ms/step",
+        "  optimizer=adamw (trainer.lr=0.0006): final validation loss 3.7500 (+0.7500) | 25.00 ms/step"]
+    result = recipe.ablation(work, 3.3)  # `ref` at step 20 in 2 s, the 0.01 run at step 20 in 1 s: the reference
+    assert (result["modern"]["lr"], result["modern"]["step"], result["modern"]["wall_s_compile_excluded"]) == \
+        (0.01, 20, pytest.approx(1.0))
+    assert (result["ablations"]["qk_norm"]["step"], result["ablations"]["qk_norm"]["wall_ratio"]) == \
+        (20, pytest.approx(1.6))
+    assert recipe.ablation_report(result)[1:3] == [
+        "modern recipe (optimizer.muon.lr=0.01): final validation loss 3.2000 | the target at step 20, 1.0 s | "
+        "50.00 ms/step",
+        "  model.qk_norm=false (optimizer.muon.lr=0.02): final validation loss 3.2500 (+0.0500) | the target at step "
+        "20, 1.6 s (1.600x) | 80.00 ms/step"]
+    assert recipe.ablation_report(result)[3].endswith("(+0.5500) | never reaches the target | 25.00 ms/step")
+
+
+def test_the_ablation_refuses_rows_of_another_budget_and_needs_its_reference(tmp_path):
+    """A row of 20 steps against a reference of 30 is refused (its loss would differ for that alone); no reference in
+    WORK/modern, or no row, is an error naming the dir."""
+    work = tmp_path / "work"
+    write_ablation(work, "mlp", {10: 3.9, 20: 3.25})
+    with pytest.raises(recipe.RecipeError, match=f"no run of the modern recipe in {work / 'modern'}"):
+        recipe.ablation(work, None)
+    write_run(work / "modern", "0.02", "muon", {10: 3.8, 20: 3.0, 30: 2.9})
+    with pytest.raises(recipe.RecipeError, match=r"mlp/0.02 ran a budget of 5,120 tokens, not the modern recipe's "
+                                                 r"7,680 \(.*modern/0.02\): an ablation runs its reference's budget"):
+        recipe.ablation(work, None)
+    alone = tmp_path / "alone"
+    write_run(alone / "modern", "0.02", "muon", {10: 3.8, 20: 3.0})
+    with pytest.raises(recipe.RecipeError, match=f"no ablation run in {alone / recipe.ABLATE_DIR}"):
+        recipe.ablation(alone, None)
+
+
+def test_the_script_ablates_the_options_named_against_the_modern_runs_in_work(tmp_path, data_cache):
+    """The modern side (model=tiny with QK-norm, Muon), then --ablate qk_norm optimizer in a second call, at its own
+    budget (--modern-tokens: 8 steps of 8 x 32, not --tokens' 4), no target known: each cell's settings (the option
+    undone, the rest the recipe's; the optimizer row AdamW at --gpt2-lrs' trainer.lr), the lines it prints and its
+    record; --ablate with --recipes is refused, and so is an option it does not know."""
+    work, out = tmp_path / "work", tmp_path / "a.json"
+    args = ["--work", str(work), "--tokens", "1100", "--modern-tokens", "2200", "--batch-size", "8", "--block-size",
+            "32", "--eval-every", "2", "--eval-batches", "1", "--modern", "model=tiny", "optimizer=muon",
+            "model.qk_norm=true", "--gpt2-lrs", "1e-3", "--modern-lrs", "0.02", "--data", "data=stdlib", "--extra",
+            f"data.cache_dir={data_cache}", "logger.mode=disabled"]
+    for more in (["--recipes", "modern"], ["--ablate", "qk_norm", "optimizer", "--out", str(out)]):
+        run = subprocess.run([sys.executable, SCRIPT, *args, *more], capture_output=True, text=True, timeout=600)
+        assert run.returncode == 0 and "exit code" not in run.stdout, run.stdout[-2000:] + run.stderr[-2000:]
+    configs = {cell: yaml.safe_load((work / cell / ".hydra" / "config.yaml").read_text())
+               for cell in ("modern/0.02", "ablate/qk_norm/0.02", "ablate/optimizer/0.001")}
+    settings = {cell: (c["model"]["qk_norm"], c["optimizer"]["name"], c["trainer"]["lr"], c["optimizer"]["muon"]["lr"],
+                       c["trainer"]["max_steps"], c["trainer"]["target_loss"]) for cell, c in configs.items()}
+    assert settings == {"modern/0.02": (True, "muon", 1e-3, 0.02, 8, None),
+                        "ablate/qk_norm/0.02": (False, "muon", 1e-3, 0.02, 8, None),
+                        "ablate/optimizer/0.001": (True, "adamw", 1e-3, 0.02, 8, None)}
+    result = recipe.ablation(work, None)
+    lines = run.stdout.splitlines()
+    assert lines[:3] == [f"modern recipe: no target known (no finished run of the GPT-2 recipe in {work / 'gpt2'}, no "
+                         "--target): its runs run their whole budget",
+                         "modern recipe with model.qk_norm=false optimizer.muon.lr=0.02: "
+                         f"{work / 'ablate/qk_norm/0.02'}",
+                         f"modern recipe with optimizer=adamw trainer.lr=0.001: {work / 'ablate/optimizer/0.001'}"]
+    assert lines[3:] == [*recipe.ablation_report(result), f"record {out}"]
+    assert lines[3] == "ablation, 2,048 tokens a run, target none: each runs its budget"
+    saved = json.loads(out.read_text())
+    assert {k: saved[k] for k in result} == json.loads(json.dumps(result))
+    for more, message in ((["--recipes", "modern", "--ablate"], "--ablate runs instead of --recipes and --compare"),
+                          (["--ablate", "rope"], "argument --ablate: invalid choice: 'rope'")):
+        run = subprocess.run([sys.executable, SCRIPT, *args, *more], capture_output=True, text=True, timeout=120)
+        assert run.returncode == 2 and message in run.stderr, run.stderr[-2000:]

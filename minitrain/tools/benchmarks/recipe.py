@@ -14,6 +14,10 @@ one stopped otherwise (a crash, a stop request) does not, nor does a GPT-2 run s
 `eval_every` steps; the comparison reads only the runs' records, so it can be run again anywhere on runs made
 elsewhere.
 
+The ablation (`ablation`, bench_recipe.py --ablate) runs the modern recipe with one of its choices undone (ABLATIONS)
+at its budget and target, and sets each option's best run beside the modern recipe's best: final loss, time to the
+target, step time.
+
 Wall time to a step, from the run's metrics.jsonl: each log interval's mean step time (perf/step_ms) times its
 steps, from the end of the process's warm-up steps (minitrain.loop's UNTIMED_STEPS_*: the compile and CUDA-graph
 recording), evaluations and checkpoint saves left out. "Compile excluded" counts the warm-up steps at the mean time
@@ -24,6 +28,7 @@ time (perf/warmup_s) instead.
 from __future__ import annotations
 
 import math
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -32,6 +37,7 @@ from typing import Optional
 import yaml
 
 from minitrain.loop import TARGET_REACHED, UNTIMED_STEPS_COMPILED, UNTIMED_STEPS_EAGER
+from minitrain.model_config import GPT2_BLOCK, as_setting
 from minitrain.rundir import CONFIG_RECORD, METRICS, RECORD
 from minitrain.tools import report
 from minitrain.tools.benchmarks.optimizer import final_loss, quality_run_dirs, read_quality_run, steps_to_reach
@@ -46,6 +52,17 @@ NAMES = {"gpt2": "GPT-2 recipe", "modern": "modern recipe"}
 # The corpus every GPU machine has without network (the installed packages' .py sources), the model's vocabulary
 # sized to its BPE (4096 ids); GPT-2's tokenizer instead: data=packages data.tokenizer=gpt2.
 DATA = ("data=packages", "model.vocab_size=null")
+# The modern recipe's choices, each undone alone by one override after the recipe's own (bench_recipe.py --ablate,
+# runs in WORK/ablate/<name>/<lr>): the block's options back to GPT-2's (GPT2_BLOCK), the zero-initialised
+# projections, the bias-free linears, and Muon (AdamW for every weight, at the GPT-2 recipe's lrs).
+ABLATIONS = {**{key: f"model.{key}={as_setting(value)}" for key, value in GPT2_BLOCK.items()},
+             "zero_init_proj": "model.zero_init_proj=false", "bias": "model.bias=true", "optimizer": "optimizer=adamw"}
+ABLATE_DIR = "ablate"
+
+
+def ablation_side(name: str) -> str:
+    """The recipe whose lr sweep (and lr key) an ablation's runs take: AdamW's without Muon, else Muon's."""
+    return "gpt2" if name == "optimizer" else "modern"
 
 
 class RecipeError(ValueError):
@@ -104,7 +121,9 @@ def read_run(run_dir) -> dict:
             "tokens_per_step": tokens_per_step, "budget": t["max_steps"] * tokens_per_step,
             "finished": run["last_step"] == t["max_steps"],
             "stopped_at_target": bool(records) and TARGET_REACHED in records[-1],
-            "untimed_steps": untimed, "warmup_s": warmup, "timed_s": timed_seconds(records, untimed)}
+            "untimed_steps": untimed, "warmup_s": warmup, "timed_s": timed_seconds(records, untimed),
+            "median_step_ms": statistics.median(step_ms) if (step_ms := [r["perf/step_ms"] for r in records
+                                                                        if "perf/step_ms" in r]) else None}
 
 
 def wall_times(run: dict, step: int) -> tuple[float, Optional[float]]:
@@ -147,24 +166,31 @@ def _fastest(runs: list[dict], target: float) -> dict:
     return min(reaching, key=lambda r: wall_times(r, reach(r, target))[0])
 
 
-def modern_target(given: Optional[float], gpt2_dir: Path, budget: int) -> tuple[list[str], str]:
-    """The overrides that stop the modern recipe's runs at the target (trainer.target_loss) and the line that says
-    which: `given` (--target), else the one the GPT-2 recipe's finished runs in `gpt2_dir` set (WORK/gpt2: made
-    earlier, or by this call first); none known, none (its runs run their whole budget). GPT-2 runs there of another
-    budget than `budget` tokens are refused: theirs would be another budget's target."""
+def known_target(given: Optional[float], gpt2_dir: Path, budget: int) -> tuple[Optional[float], str]:
+    """The target the modern recipe's runs stop at and where it comes from: `given` (--target), else the final loss of
+    the GPT-2 recipe's best finished run in `gpt2_dir` (WORK/gpt2: made earlier, or by this call first); None where
+    neither is known. GPT-2 runs there of another budget than `budget` tokens are refused: theirs would be another
+    budget's target."""
     if given is not None:
-        target, source = given, "--target"
-    else:
-        runs = [r for r in map(read_run, quality_run_dirs([gpt2_dir])) if r["side"] == "gpt2"]
-        other = next((r for r in runs if r["budget"] != budget), None)
-        if other is not None:
-            raise RecipeError(f"--work: {other['dir']} ran a budget of {other['budget']:,} tokens, not this one's "
-                              f"{budget:,}: its target is another budget's; give another --work, or --target")
-        best = _target_run(runs)
-        if best is None:
-            return [], (f"{NAMES['modern']}: no target known (no finished run of the GPT-2 recipe in {gpt2_dir}, no "
-                        "--target): its runs run their whole budget")
-        target, source = final_loss(best), f"the GPT-2 recipe's best final validation loss, {best['dir']}"
+        return given, "--target"
+    runs = [r for r in map(read_run, quality_run_dirs([gpt2_dir])) if r["side"] == "gpt2"]
+    other = next((r for r in runs if r["budget"] != budget), None)
+    if other is not None:
+        raise RecipeError(f"--work: {other['dir']} ran a budget of {other['budget']:,} tokens, not this one's "
+                          f"{budget:,}: its target is another budget's; give another --work, or --target")
+    best = _target_run(runs)
+    if best is None:
+        return None, f"no finished run of the GPT-2 recipe in {gpt2_dir}, no --target"
+    return final_loss(best), f"the GPT-2 recipe's best final validation loss, {best['dir']}"
+
+
+def modern_target(given: Optional[float], gpt2_dir: Path, budget: int) -> tuple[list[str], str]:
+    """The overrides that stop the modern recipe's runs (and its ablations') at the known target
+    (trainer.target_loss), none where none is known (its runs run their whole budget), and the line that says
+    which."""
+    target, source = known_target(given, gpt2_dir, budget)
+    if target is None:
+        return [], f"{NAMES['modern']}: no target known ({source}): its runs run their whole budget"
     return [f"trainer.target_loss={target!r}"], (f"{NAMES['modern']}: its runs stop at their first evaluation at or "
                                                  f"below {target!r} ({source})")
 
@@ -241,6 +267,74 @@ def compare_report(runs: list[dict], result: dict) -> list[str]:
     lines.append(f"ratio (modern / GPT-2 wall time): {_ratio(result['ratio_compile_excluded'])} compile excluded, "
                  f"{_ratio(result['ratio_compile_included'])} compile included")
     return lines
+
+
+def ablation(work: Path, target: Optional[float]) -> dict:
+    """Each option undone alone against the modern recipe: the best run (the fastest to the target where one is known,
+    else the lowest final loss) of WORK/modern and of each WORK/ablate/<name> there, their final losses, where and
+    when each reached the target, and their median step times. The rows must run the reference's budget: a final
+    loss or a schedule of another length would differ for that alone."""
+    def best(runs: list[dict]) -> dict:
+        return _best(runs) if target is None else _fastest(runs, target)
+
+    reference_runs = [read_run(d) for d in quality_run_dirs([work / "modern"])]
+    if not reference_runs:
+        raise RecipeError(f"no run of the {NAMES['modern']} in {work / 'modern'}: its runs are the ablation's "
+                          "reference (--recipes modern)")
+    reference = best(reference_runs)
+    rows = {}
+    for name in ABLATIONS:
+        found = quality_run_dirs([work / ABLATE_DIR / name]) if (work / ABLATE_DIR / name).is_dir() else []
+        if found:
+            rows[name] = best([read_run(d) for d in found])
+            if rows[name]["budget"] != reference["budget"]:
+                raise RecipeError(f"{rows[name]['dir']} ran a budget of {rows[name]['budget']:,} tokens, not the "
+                                  f"{NAMES['modern']}'s {reference['budget']:,} ({reference['dir']}): an ablation "
+                                  "runs its reference's budget")
+    if not rows:
+        raise RecipeError(f"no ablation run in {work / ABLATE_DIR} (--ablate)")
+    ref = _ablation_row(reference, target, None)
+    return {"target": target, "budget_tokens": reference["budget"], "modern": ref,
+            "ablations": {name: {"override": ABLATIONS[name], **_ablation_row(run, target, ref)}
+                          for name, run in rows.items()}}
+
+
+def _ablation_row(run: dict, target: Optional[float], ref: Optional[dict]) -> dict:
+    """One run's row: its lr, final loss (and its difference from the reference's when both ran their whole budget),
+    the step and wall time (compile excluded) at which it reached the target (and their ratio to the reference's),
+    its median step time."""
+    step = None if target is None else reach(run, target)
+    wall = None if step is None else wall_times(run, step)[0]
+    final = final_loss(run) if run["finished"] else None
+    row = {"dir": run["dir"], "lr_key": LR_KEYS[run["side"]], "lr": run["recipe_lr"], "final": final, "step": step,
+           "wall_s_compile_excluded": wall, "median_step_ms": run["median_step_ms"]}
+    if ref is not None:
+        row["final_delta"] = None if None in (final, ref["final"]) else final - ref["final"]
+        row["wall_ratio"] = None if None in (wall, ref["wall_s_compile_excluded"]) else \
+            wall / ref["wall_s_compile_excluded"]
+    return row
+
+
+def ablation_report(result: dict) -> list[str]:
+    """One line for the modern recipe, then one per option undone: final loss and its difference, the target's step,
+    wall time and its ratio where one is known, the median step time."""
+    def line(label: str, row: dict) -> str:
+        parts = [f"{label} ({row['lr_key']}={row['lr']:g}):",
+                 "final validation loss " + ("none (stopped at the target)" if row["final"] is None else
+                                             f"{row['final']:.4f}")]
+        if row.get("final_delta") is not None:
+            parts.append(f"({row['final_delta']:+.4f})")
+        if result["target"] is not None:
+            parts.append("| never reaches the target" if row["step"] is None else
+                         f"| the target at step {row['step']}, {row['wall_s_compile_excluded']:.1f} s" +
+                         ("" if row.get("wall_ratio") is None else f" ({row['wall_ratio']:.3f}x)"))
+        parts.append("| " + ("no step time" if row["median_step_ms"] is None else
+                             f"{row['median_step_ms']:.2f} ms/step"))
+        return " ".join(parts)
+
+    target = "none: each runs its budget" if result["target"] is None else f"{result['target']:.4f}"
+    return [f"ablation, {result['budget_tokens']:,} tokens a run, target {target}", line(NAMES["modern"],
+            result["modern"])] + [line(f"  {row['override']}", row) for row in result["ablations"].values()]
 
 
 def plot_curves(run_dirs: list[Path], runs: list[dict], path: Path) -> Optional[Path]:
