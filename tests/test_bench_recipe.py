@@ -332,13 +332,14 @@ def test_the_ablation_compares_each_options_best_run_with_the_modern_recipes_bes
     the reference's and its median step time; a row with a target: the first evaluation at or below it, the wall time
     there (compile excluded) and its ratio to the reference's; a row that never reaches it says so."""
     work = tmp_path / "work"
-    write_run(work / "modern", "0.01", "muon", {10: 3.9, 20: 3.2}, muon_lr=0.01, step_ms=50.0)
-    ref = write_run(work / "modern", "0.02", "muon", {10: 3.8, 20: 3.0}, step_ms=100.0)
-    qk = write_ablation(work, "qk_norm", {10: 3.9, 20: 3.25}, step_ms=80.0)
-    write_ablation(work, "qk_norm", {10: 3.9, 20: 3.5}, muon_lr=0.04)
-    adamw = write_ablation(work, "optimizer", {10: 4.0, 20: 3.75}, lr=6e-4, step_ms={10: 20.0, 20: 30.0})
+    write_run(work / "modern", "0.01", "muon", {10: 3.9, 20: 3.25, 30: 3.2}, muon_lr=0.01, step_ms=50.0)
+    ref = write_run(work / "modern", "0.02", "muon", {10: 3.8, 20: 3.4, 30: 3.0}, step_ms=100.0)
+    qk = write_ablation(work, "qk_norm", {10: 3.9, 20: 3.3, 30: 3.25}, step_ms=80.0)
+    write_ablation(work, "qk_norm", {10: 3.9, 20: 3.6, 30: 3.5}, muon_lr=0.04)
+    adamw = write_ablation(work, "optimizer", {10: 4.0, 20: 3.9, 30: 3.75}, lr=6e-4,
+                           step_ms={10: 20.0, 20: 30.0, 30: 100.0})
     result = recipe.ablation(work, None)
-    assert (result["target"], result["budget_tokens"], result["modern"]["dir"]) == (None, 20 * 256, str(ref))
+    assert (result["target"], result["budget_tokens"], result["modern"]["dir"]) == (None, 30 * 256, str(ref))
     assert list(result["ablations"]) == ["qk_norm", "optimizer"]  # ABLATIONS' order
     row = result["ablations"]["qk_norm"]
     assert (row["dir"], row["override"], row["lr_key"], row["lr"]) == (str(qk), "model.qk_norm=false",
@@ -346,13 +347,13 @@ def test_the_ablation_compares_each_options_best_run_with_the_modern_recipes_bes
     assert (row["final"], row["final_delta"], row["median_step_ms"]) == (3.25, pytest.approx(0.25), 80.0)
     assert (row["step"], row["wall_s_compile_excluded"], row["wall_ratio"]) == (None, None, None)
     row = result["ablations"]["optimizer"]
-    assert (row["dir"], row["lr_key"], row["lr"], row["median_step_ms"]) == (str(adamw), "trainer.lr", 6e-4, 25.0)
+    assert (row["dir"], row["lr_key"], row["lr"], row["median_step_ms"]) == (str(adamw), "trainer.lr", 6e-4, 30.0)
     assert recipe.ablation_report(result) == [
-        "ablation, 5,120 tokens a run, target none: each runs its budget",
+        "ablation, 7,680 tokens a run, target none: each runs its budget",
         "modern recipe (optimizer.muon.lr=0.02): final validation loss 3.0000 | 100.00 ms/step",
         "  model.qk_norm=false (optimizer.muon.lr=0.02): final validation loss 3.2500 (+0.2500) | 80.00 ms/step",
-        "  optimizer=adamw (trainer.lr=0.0006): final validation loss 3.7500 (+0.7500) | 25.00 ms/step"]
-    result = recipe.ablation(work, 3.3)  # `ref` at step 20 in 2 s, the 0.01 run at step 20 in 1 s: the reference
+        "  optimizer=adamw (trainer.lr=0.0006): final validation loss 3.7500 (+0.7500) | 30.00 ms/step"]
+    result = recipe.ablation(work, 3.3)  # the 0.01 run reaches it at step 20 in 1 s, `ref` at step 30 in 3 s
     assert (result["modern"]["lr"], result["modern"]["step"], result["modern"]["wall_s_compile_excluded"]) == \
         (0.01, 20, pytest.approx(1.0))
     assert (result["ablations"]["qk_norm"]["step"], result["ablations"]["qk_norm"]["wall_ratio"]) == \
@@ -362,7 +363,7 @@ def test_the_ablation_compares_each_options_best_run_with_the_modern_recipes_bes
         "50.00 ms/step",
         "  model.qk_norm=false (optimizer.muon.lr=0.02): final validation loss 3.2500 (+0.0500) | the target at step "
         "20, 1.6 s (1.600x) | 80.00 ms/step"]
-    assert recipe.ablation_report(result)[3].endswith("(+0.5500) | never reaches the target | 25.00 ms/step")
+    assert recipe.ablation_report(result)[3].endswith("(+0.5500) | never reaches the target | 30.00 ms/step")
 
 
 def test_the_ablation_refuses_rows_of_another_budget_and_needs_its_reference(tmp_path):
@@ -384,10 +385,12 @@ def test_the_ablation_refuses_rows_of_another_budget_and_needs_its_reference(tmp
 
 def test_the_script_ablates_the_options_named_against_the_modern_runs_in_work(tmp_path, data_cache):
     """The modern side (model=tiny with QK-norm, Muon), then --ablate qk_norm optimizer in a second call, at its own
-    budget (--modern-tokens: 8 steps of 8 x 32, not --tokens' 4), no target known: each cell's settings (the option
-    undone, the rest the recipe's; the optimizer row AdamW at --gpt2-lrs' trainer.lr), the lines it prints and its
-    record; --ablate with --recipes is refused, and so is an option it does not know."""
+    budget (--modern-tokens: 8 steps of 8 x 32, not --tokens' 4, the budget of the GPT-2 run in WORK/gpt2 whose final
+    loss 9.0 is the target, above the tiny model's first evaluation): each cell's settings (the option undone, the
+    rest the recipe's; the optimizer row AdamW at --gpt2-lrs' trainer.lr; every one stopping at the target), the
+    lines it prints and its record; --ablate with --recipes is refused, and so is an option it does not know."""
     work, out = tmp_path / "work", tmp_path / "a.json"
+    gpt2 = write_run(work / "gpt2", "6e-04", "adamw", {2: 9.5, 4: 9.0}, batch_size=8, block_size=32)
     args = ["--work", str(work), "--tokens", "1100", "--modern-tokens", "2200", "--batch-size", "8", "--block-size",
             "32", "--eval-every", "2", "--eval-batches", "1", "--modern", "model=tiny", "optimizer=muon",
             "model.qk_norm=true", "--gpt2-lrs", "1e-3", "--modern-lrs", "0.02", "--data", "data=stdlib", "--extra",
@@ -399,18 +402,19 @@ def test_the_script_ablates_the_options_named_against_the_modern_runs_in_work(tm
                for cell in ("modern/0.02", "ablate/qk_norm/0.02", "ablate/optimizer/0.001")}
     settings = {cell: (c["model"]["qk_norm"], c["optimizer"]["name"], c["trainer"]["lr"], c["optimizer"]["muon"]["lr"],
                        c["trainer"]["max_steps"], c["trainer"]["target_loss"]) for cell, c in configs.items()}
-    assert settings == {"modern/0.02": (True, "muon", 1e-3, 0.02, 8, None),
-                        "ablate/qk_norm/0.02": (False, "muon", 1e-3, 0.02, 8, None),
-                        "ablate/optimizer/0.001": (True, "adamw", 1e-3, 0.02, 8, None)}
-    result = recipe.ablation(work, None)
+    assert settings == {"modern/0.02": (True, "muon", 1e-3, 0.02, 8, 9.0),
+                        "ablate/qk_norm/0.02": (False, "muon", 1e-3, 0.02, 8, 9.0),
+                        "ablate/optimizer/0.001": (True, "adamw", 1e-3, 0.02, 8, 9.0)}
+    result = recipe.ablation(work, 9.0)
+    assert [row["step"] for row in (result["modern"], *result["ablations"].values())] == [2, 2, 2]
     lines = run.stdout.splitlines()
-    assert lines[:3] == [f"modern recipe: no target known (no finished run of the GPT-2 recipe in {work / 'gpt2'}, no "
-                         "--target): its runs run their whole budget",
+    assert lines[:3] == ["modern recipe: its runs stop at their first evaluation at or below 9.0 (the GPT-2 recipe's "
+                         f"best final validation loss, {gpt2})",
                          "modern recipe with model.qk_norm=false optimizer.muon.lr=0.02: "
                          f"{work / 'ablate/qk_norm/0.02'}",
                          f"modern recipe with optimizer=adamw trainer.lr=0.001: {work / 'ablate/optimizer/0.001'}"]
     assert lines[3:] == [*recipe.ablation_report(result), f"record {out}"]
-    assert lines[3] == "ablation, 2,048 tokens a run, target none: each runs its budget"
+    assert lines[3] == "ablation, 2,048 tokens a run, target 9.0000"
     saved = json.loads(out.read_text())
     assert {k: saved[k] for k in result} == json.loads(json.dumps(result))
     for more, message in ((["--recipes", "modern", "--ablate"], "--ablate runs instead of --recipes and --compare"),
