@@ -335,7 +335,7 @@ def test_the_ablation_compares_each_options_best_run_with_the_modern_recipes_bes
     write_run(work / "modern", "0.01", "muon", {10: 3.9, 20: 3.25, 30: 3.2}, muon_lr=0.01, step_ms=50.0)
     ref = write_run(work / "modern", "0.02", "muon", {10: 3.8, 20: 3.4, 30: 3.0}, step_ms=100.0)
     qk = write_ablation(work, "qk_norm", {10: 3.9, 20: 3.3, 30: 3.25}, step_ms=80.0)
-    write_ablation(work, "qk_norm", {10: 3.9, 20: 3.6, 30: 3.5}, muon_lr=0.04)
+    write_ablation(work, "qk_norm", {10: 3.9, 20: 3.6, 30: 3.5}, muon_lr=0.01)  # listed first, not the best
     adamw = write_ablation(work, "optimizer", {10: 4.0, 20: 3.9, 30: 3.75}, lr=6e-4,
                            step_ms={10: 20.0, 20: 30.0, 30: 100.0})
     result = recipe.ablation(work, None)

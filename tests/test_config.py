@@ -97,7 +97,11 @@ def test_bad_type_fails_naming_key(make_cfg, override, names):
     (["optimizer.muon.ns_coefficients=[3.4,-4.7]"], "optimizer.muon.ns_coefficients: needs the quintic's three"),
     (["optimizer.muon.ns_eps=0"], "optimizer.muon.ns_eps: must be > 0"),
     (["optimizer.muon.weight_decay=-0.1"], "optimizer.muon.weight_decay: must be >= 0"),
-    (["optimizer.muon.ns_eps=inf"], "optimizer.muon.ns_eps: must be a finite number, got inf"),
+    (["optimizer=muon", "optimizer.muon.ns_eps=inf"], "optimizer.muon.ns_eps: must be a finite number, got inf"),
+    # a Muon setting without optimizer=muon would train AdamW as if it were not there
+    (["optimizer.muon.lr=0.05"], "optimizer.muon.lr: is set, but optimizer=adamw does not use it: add optimizer=muon"),
+    (["optimizer.muon.ns_kernel=triton"], "optimizer.muon.ns_kernel: is set, but optimizer=adamw does not use it"),
+    (["optimizer=muon", "optimizer.muon.weight_decay=0", "optimizer=adamw"], "optimizer.muon.weight_decay: is set"),
     (["precision=fp32", "precision.master_weights=true"], "precision.master_weights"),
     (["data.vocab_size=100"], "data.vocab_size"),
     (["data=files"], "data.paths"),
