@@ -14,6 +14,7 @@ finished runs or runs stopped at their target (run dirs, or dirs of them), where
     python scripts/bench_recipe.py --work runs/recipe --recipes modern      # reads its target from runs/recipe/gpt2
     python scripts/bench_recipe.py --compare runs/recipe/gpt2 runs/recipe/modern --out recipe.json
     python scripts/bench_recipe.py --work runs/recipe --ablate qk_norm position   # each undone alone, to the target
+    python scripts/bench_recipe.py --ablate --compare runs/recipe --out ablate.json # the ablation's report alone
 """
 
 import argparse
@@ -58,7 +59,8 @@ def main(argv=None):
     ap.add_argument("--ablate", nargs="*", choices=list(recipe.ABLATIONS), metavar="OPTION",
                     help="instead of the sides: the modern recipe with each option named undone alone (every one: "
                          f"{', '.join(recipe.ABLATIONS)}), in WORK/ablate/<option>/<lr>, its budget and target; then "
-                         "every ablation in WORK against WORK/modern's runs")
+                         "every ablation in WORK against WORK/modern's runs (--ablate --compare WORK: that report "
+                         "alone)")
     ap.add_argument("--compare", nargs="+", metavar="RUN_DIR",
                     help="compare these runs (finished, or stopped at their target) instead of running")
     ap.add_argument("--out", default="bench_recipe.json")
@@ -77,13 +79,16 @@ def main(argv=None):
         if steps[side] < 1:
             ap.error(f"--{name.replace('_', '-')} {getattr(args, name)} is less than one step of {args.batch_size} x "
                      f"{args.block_size}")
-    if args.ablate is not None and (args.recipes or args.compare):
-        ap.error("--ablate runs instead of --recipes and --compare: give one")
+    if args.ablate is not None and args.recipes:
+        ap.error("--ablate runs instead of --recipes: give one")
+    if args.ablate is not None and args.compare and (args.ablate or len(args.compare) != 1):
+        ap.error("--ablate --compare WORK reports the ablation runs made in WORK: no option, one dir")
     args.recipes = args.recipes or list(recipe.RECIPES)
+    work = Path(args.compare[0] if args.ablate is not None and args.compare else args.work).resolve()
+    gpt2_budget = steps["gpt2"] * step_tokens
     run_dirs = args.compare
     if not run_dirs:
-        run_dirs, work = [], Path(args.work).resolve()
-        gpt2_budget = steps["gpt2"] * step_tokens
+        run_dirs = []
         lr_sweeps = {"gpt2": args.gpt2_lrs, "modern": args.modern_lrs}
         # (label, the side whose budget and target it runs, the side whose lr sweep it takes, overrides, its dirs)
         if args.ablate is None:  # the GPT-2 side first: its target
@@ -116,17 +121,17 @@ def main(argv=None):
                 if code:
                     print(f"  exit code {code}: see {run_dir}.log", flush=True)
                 run_dirs.append(run_dir)
-        if args.ablate is not None:
-            try:
-                result = recipe.ablation(work, recipe.known_target(args.target, work / "gpt2", gpt2_budget)[0])
-            except recipe.RecipeError as e:
-                ap.exit(2, f"error: {e}\n")
-            print("\n".join(recipe.ablation_report(result)))
-            bench.write_results(args.out, result)
-            print(f"record {args.out}")
-            return
-        if set(args.recipes) != set(recipe.RECIPES):
+        if args.ablate is None and set(args.recipes) != set(recipe.RECIPES):
             return  # one side only: --compare both sides' dirs when the other has run
+    if args.ablate is not None:
+        try:
+            result = recipe.ablation(work, recipe.known_target(args.target, work / "gpt2", gpt2_budget)[0])
+        except recipe.RecipeError as e:
+            ap.exit(2, f"error: {e}\n")
+        print("\n".join(recipe.ablation_report(result)))
+        bench.write_results(args.out, result)
+        print(f"record {args.out}")
+        return
     dirs = optimizer.quality_run_dirs(run_dirs)
     try:
         runs = [recipe.read_run(d) for d in dirs]

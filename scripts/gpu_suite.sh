@@ -323,7 +323,7 @@ PY
         2>&1 | tail -12 ;;
     recipe_ablate)  # each option of the modern recipe undone alone (scripts/bench_recipe.py --ablate): the options in
       # RECIPE_ABLATE (default every one), one lr each (RECIPE_MODERN_LRS, default 0.02; the optimizer row AdamW at
-      # RECIPE_GPT2_LRS, default 6e-4), RECIPE_MODERN_TOKENS per run (default 19660800: 600 steps of 32 x 1024), against
+      # RECIPE_GPT2_LRS, default 6e-4), RECIPE_MODERN_TOKENS per run (default 19660800: 600 steps of 32 x 1024, evaluated every 100), against
       # the modern recipe's run in OUT/ablate/modern (made first, at the same budget and lr, where there is none);
       # stopped at the target of the GPT-2 runs in OUT/ablate/gpt2 where there are some (RECIPE_TOKENS their budget),
       # else each runs its budget. The calls share OUT/ablate: name the options not run yet; each call reports all
@@ -331,7 +331,7 @@ PY
       timeout 300 python3 scripts/prepare_data.py data=packages model.vocab_size=null 2>&1 | tail -1
       cp -r "$out/ablate/." $work/
       budget=(--tokens ${RECIPE_TOKENS:-196608000} --modern-tokens ${RECIPE_MODERN_TOKENS:-19660800}
-              --gpt2-lrs ${RECIPE_GPT2_LRS:-6e-4} --modern-lrs ${RECIPE_MODERN_LRS:-0.02})
+              --gpt2-lrs ${RECIPE_GPT2_LRS:-6e-4} --modern-lrs ${RECIPE_MODERN_LRS:-0.02} --eval-every 100)
       [ -d $work/modern ] || timeout 590 python3 scripts/bench_recipe.py --work $work --recipes modern "${budget[@]}" \
         2>&1 | tail -2
       timeout 590 python3 scripts/bench_recipe.py --work $work --ablate ${RECIPE_ABLATE:-} \

@@ -388,7 +388,8 @@ def test_the_script_ablates_the_options_named_against_the_modern_runs_in_work(tm
     budget (--modern-tokens: 8 steps of 8 x 32, not --tokens' 4, the budget of the GPT-2 run in WORK/gpt2 whose final
     loss 9.0 is the target, above the tiny model's first evaluation): each cell's settings (the option undone, the
     rest the recipe's; the optimizer row AdamW at --gpt2-lrs' trainer.lr; every one stopping at the target), the
-    lines it prints and its record; --ablate with --recipes is refused, and so is an option it does not know."""
+    lines it prints and its record, which --ablate --compare WORK prints again without running; --ablate with
+    --recipes is refused, so is --compare with options, and an option it does not know."""
     work, out = tmp_path / "work", tmp_path / "a.json"
     gpt2 = write_run(work / "gpt2", "6e-04", "adamw", {2: 9.5, 4: 9.0}, batch_size=8, block_size=32)
     args = ["--work", str(work), "--tokens", "1100", "--modern-tokens", "2200", "--batch-size", "8", "--block-size",
@@ -417,7 +418,13 @@ def test_the_script_ablates_the_options_named_against_the_modern_runs_in_work(tm
     assert lines[3] == "ablation, 2,048 tokens a run, target 9.0000"
     saved = json.loads(out.read_text())
     assert {k: saved[k] for k in result} == json.loads(json.dumps(result))
-    for more, message in ((["--recipes", "modern", "--ablate"], "--ablate runs instead of --recipes and --compare"),
+    again = subprocess.run([sys.executable, SCRIPT, "--tokens", "1100", "--batch-size", "8", "--block-size", "32",
+                            "--ablate", "--compare", str(work), "--out", str(tmp_path / "again.json")],
+                           capture_output=True, text=True, timeout=120)
+    assert again.returncode == 0 and again.stdout.splitlines() == [*lines[3:-1], f"record {tmp_path / 'again.json'}"]
+    for more, message in ((["--recipes", "modern", "--ablate"], "--ablate runs instead of --recipes: give one"),
+                          (["--ablate", "qk_norm", "--compare", str(work)], "--ablate --compare WORK reports the "
+                           "ablation runs made in WORK: no option, one dir"),
                           (["--ablate", "rope"], "argument --ablate: invalid choice: 'rope'")):
         run = subprocess.run([sys.executable, SCRIPT, *args, *more], capture_output=True, text=True, timeout=120)
         assert run.returncode == 2 and message in run.stderr, run.stderr[-2000:]
