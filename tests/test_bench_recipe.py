@@ -330,7 +330,8 @@ def write_ablation(work, name, val, **kw):
 def test_the_ablation_compares_each_options_best_run_with_the_modern_recipes_best(tmp_path):
     """No target: the lowest final loss of each dir is its row (WORK/modern's the reference), with its difference from
     the reference's and its median step time; a row with a target: the first evaluation at or below it, the wall time
-    there (compile excluded) and its ratio to the reference's; a row that never reaches it says so."""
+    there (compile excluded) and its ratio to the reference's; a row that never reaches it says so, and one stopped
+    at a target has no final loss."""
     work = tmp_path / "work"
     write_run(work / "modern", "0.01", "muon", {10: 3.9, 20: 3.25, 30: 3.2}, muon_lr=0.01, step_ms=50.0)
     ref = write_run(work / "modern", "0.02", "muon", {10: 3.8, 20: 3.4, 30: 3.0}, step_ms=100.0)
@@ -338,9 +339,11 @@ def test_the_ablation_compares_each_options_best_run_with_the_modern_recipes_bes
     write_ablation(work, "qk_norm", {10: 3.9, 20: 3.6, 30: 3.5}, muon_lr=0.01)  # listed first, not the best
     adamw = write_ablation(work, "optimizer", {10: 4.0, 20: 3.9, 30: 3.75}, lr=6e-4,
                            step_ms={10: 20.0, 20: 30.0, 30: 100.0})
+    write_ablation(work, "mlp", {10: 3.9, 20: 3.3}, max_steps=30, stopped_at=20)  # at a target of its own
     result = recipe.ablation(work, None)
     assert (result["target"], result["budget_tokens"], result["modern"]["dir"]) == (None, 30 * 256, str(ref))
-    assert list(result["ablations"]) == ["qk_norm", "optimizer"]  # ABLATIONS' order
+    assert list(result["ablations"]) == ["qk_norm", "mlp", "optimizer"]  # ABLATIONS' order
+    assert (result["ablations"]["mlp"]["final"], result["ablations"]["mlp"]["final_delta"]) == (None, None)
     row = result["ablations"]["qk_norm"]
     assert (row["dir"], row["override"], row["lr_key"], row["lr"]) == (str(qk), "model.qk_norm=false",
                                                                         "optimizer.muon.lr", 0.02)
@@ -352,6 +355,7 @@ def test_the_ablation_compares_each_options_best_run_with_the_modern_recipes_bes
         "ablation, 7,680 tokens a run, target none: each runs its budget",
         "modern recipe (optimizer.muon.lr=0.02): final validation loss 3.0000 | 100.00 ms/step",
         "  model.qk_norm=false (optimizer.muon.lr=0.02): final validation loss 3.2500 (+0.2500) | 80.00 ms/step",
+        "  model.mlp=gelu (optimizer.muon.lr=0.02): final validation loss none (stopped at the target) | 100.00 ms/step",
         "  optimizer=adamw (trainer.lr=0.0006): final validation loss 3.7500 (+0.7500) | 30.00 ms/step"]
     result = recipe.ablation(work, 3.3)  # the 0.01 run reaches it at step 20 in 1 s, `ref` at step 30 in 3 s
     assert (result["modern"]["lr"], result["modern"]["step"], result["modern"]["wall_s_compile_excluded"]) == \
@@ -363,7 +367,11 @@ def test_the_ablation_compares_each_options_best_run_with_the_modern_recipes_bes
         "50.00 ms/step",
         "  model.qk_norm=false (optimizer.muon.lr=0.02): final validation loss 3.2500 (+0.0500) | the target at step "
         "20, 1.6 s (1.600x) | 80.00 ms/step"]
-    assert recipe.ablation_report(result)[3].endswith("(+0.5500) | never reaches the target | 30.00 ms/step")
+    assert recipe.ablation_report(result)[3:] == [
+        "  model.mlp=gelu (optimizer.muon.lr=0.02): final validation loss none (stopped at the target) | the target at "
+        "step 20, 2.0 s (2.000x) | 100.00 ms/step",
+        "  optimizer=adamw (trainer.lr=0.0006): final validation loss 3.7500 (+0.5500) | never reaches the target | "
+        "30.00 ms/step"]
 
 
 def test_the_ablation_refuses_rows_of_another_budget_and_needs_its_reference(tmp_path):
@@ -407,7 +415,8 @@ def test_the_script_ablates_the_options_named_against_the_modern_runs_in_work(tm
                         "ablate/qk_norm/0.02": (False, "muon", 1e-3, 0.02, 8, 9.0),
                         "ablate/optimizer/0.001": (True, "adamw", 1e-3, 0.02, 8, 9.0)}
     result = recipe.ablation(work, 9.0)
-    assert [row["step"] for row in (result["modern"], *result["ablations"].values())] == [2, 2, 2]
+    rows = (result["modern"], *result["ablations"].values())
+    assert [(row["step"], row["final"]) for row in rows] == [(2, None)] * 3  # stopped there: no final loss
     lines = run.stdout.splitlines()
     assert lines[:3] == ["modern recipe: its runs stop at their first evaluation at or below 9.0 (the GPT-2 recipe's "
                          f"best final validation loss, {gpt2})",
