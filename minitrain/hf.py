@@ -131,6 +131,9 @@ def settle_shape(cfg: ModelConfig) -> ModelConfig:
     if not llama and not cfg.bias:
         raise ConfigError(f"model.bias=false conflicts with {where}): every GPT-2 layer has biases; leave model.bias "
                           "out")
+    if not llama and cfg.rope_base != _DEFAULT_BLOCK["rope_base"]:
+        raise ConfigError(f"model.rope_base={cfg.rope_base:g} conflicts with {where}): GPT-2 has learned positions, "
+                          "no rotary; leave model.rope_base out")
     block = llama_block(config) if llama else GPT2_BLOCK
     for key, theirs in block.items():
         if getattr(cfg, key) not in (_DEFAULT_BLOCK[key], theirs):

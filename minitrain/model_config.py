@@ -140,6 +140,10 @@ class ModelConfig:
         require(self.init_from.strip() != "", "model.init_from",
                 "scratch, a Hugging Face GPT-2 name (gpt2) or a directory, got ''")
         require(self.rope_base > 1.0, "model.rope_base", f"must be > 1, got {self.rope_base}")
+        # (with init_from the weights' config sets the position, and hf.py checks a rope_base given against it)
+        require(self.init_from != SCRATCH or self.position == PositionEncoding.rope or
+                self.rope_base == ModelConfig.rope_base, "model.rope_base",
+                f"is set, but model.position={self.position.value} does not use it: add model.position=rope")
         require(self.logit_softcap is None or self.logit_softcap > 0, "model.logit_softcap",
                 f"must be > 0 or null, got {self.logit_softcap}")
         if self.position == PositionEncoding.rope and None not in (self.n_embd, self.n_head):

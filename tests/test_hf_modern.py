@@ -230,6 +230,18 @@ def test_a_llama_checkpoint_missing_or_with_extra_tensors_is_refused(llama_dir, 
             "config.json has not (1 such tensors)")
 
 
+def test_a_rope_base_with_gpt2_weights_is_refused(hf_gpt2):
+    """GPT-2's positions are learned: a rope base given with its weights would be silently unused."""
+    from omegaconf import OmegaConf
+
+    cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(ModelConfig),
+                                              {"init_from": str(hf_gpt2), "rope_base": 500.0}))
+    with pytest.raises(ConfigError) as refused:
+        hf.settle_shape(cfg)
+    assert str(refused.value) == (f"model.rope_base=500 conflicts with {hf_gpt2}'s weights ({hf_gpt2 / hf.CONFIG}): "
+                                  "GPT-2 has learned positions, no rotary; leave model.rope_base out")
+
+
 @pytest.mark.parametrize("weights, override, message", [
     ("llama", "mlp=relu2", "model.mlp=relu2 conflicts with {}'s weights ({}), whose block has model.mlp=swiglu"),
     ("llama", "logit_softcap=30.0", "model.logit_softcap=30.0 conflicts with {}'s weights ({}), whose block has "

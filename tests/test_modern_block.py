@@ -225,6 +225,8 @@ def test_swiglu_keeps_the_mlps_weights_and_the_flops_count_what_is_multiplied():
 
 @pytest.mark.parametrize("override, message", [
     ("model.rope_base=1", "model.rope_base: must be > 1, got 1.0"),
+    ("model.rope_base=500", "model.rope_base: is set, but model.position=learned does not use it: add "
+                            "model.position=rope"),
     ("model.logit_softcap=0", "model.logit_softcap: must be > 0 or null, got 0.0"),
     ("model.position=rope model.n_embd=36", "model.position: rope turns pairs of a head's features: model.n_embd=36 / "
                                             "model.n_head=4 = 9 is odd"),
