@@ -273,6 +273,7 @@ def test_a_block_option_set_against_the_weights_is_refused_naming_it(llama_dir, 
         f"; with model.init_from the block comes from the weights, so leave model.{key} out")
 
 
+LEARNED = dict(position="learned", rope_base=10000.0)  # a run with learned positions has the default rope base
 UNSUPPORTED = [  # (the run's options changed from the Llama block, the option named)
     (dict(mlp="relu2"), "model.mlp=relu2 has no transformers counterpart with model.position=rope (Llama and Qwen3 "
                         "use model.mlp=swiglu)"),
@@ -283,13 +284,13 @@ UNSUPPORTED = [  # (the run's options changed from the Llama block, the option n
     (dict(bias=True), "model.bias=true has no transformers counterpart with model.position=rope (Llama and Qwen3 "
                       "use model.bias=false)"),
     (dict(tie_head=True), "model.tie_head=true has no transformers counterpart with model.position=rope"),
-    (dict(position="learned"), "model.norm=rmsnorm has no transformers counterpart with model.position=learned "
+    (LEARNED, "model.norm=rmsnorm has no transformers counterpart with model.position=learned "
                                "(GPT-2 uses model.norm=layernorm)"),
-    (dict(position="learned", norm="layernorm", mlp="gelu"), "model.tie_head=false has no transformers counterpart "
+    (dict(LEARNED, norm="layernorm", mlp="gelu"), "model.tie_head=false has no transformers counterpart "
                                                              "with model.position=learned"),
-    (dict(position="learned", norm="layernorm", mlp="gelu", tie_head=True, qk_norm=True),
+    (dict(LEARNED, norm="layernorm", mlp="gelu", tie_head=True, qk_norm=True),
      "model.qk_norm=true has no transformers counterpart with model.position=learned"),
-    (dict(position="learned", norm="layernorm", tie_head=True), "model.mlp=swiglu has no transformers counterpart "
+    (dict(LEARNED, norm="layernorm", tie_head=True), "model.mlp=swiglu has no transformers counterpart "
                                                                 "with model.position=learned"),
 ]
 
