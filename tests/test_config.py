@@ -102,6 +102,7 @@ def test_bad_type_fails_naming_key(make_cfg, override, names):
     (["optimizer.muon.lr=0.05"], "optimizer.muon.lr: is set, but optimizer=adamw does not use it: add optimizer=muon"),
     (["optimizer.muon.ns_kernel=triton"], "optimizer.muon.ns_kernel: is set, but optimizer=adamw does not use it"),
     (["optimizer=muon", "optimizer.muon.weight_decay=0", "optimizer=adamw"], "optimizer.muon.weight_decay: is set"),
+    (["optimizer.muon.ns_kernel=triton", "optimizer.muon.lr=0.05"], "optimizer.muon.lr: is set"),  # the first of two
     (["precision=fp32", "precision.master_weights=true"], "precision.master_weights"),
     (["data.vocab_size=100"], "data.vocab_size"),
     (["data=files"], "data.paths"),
