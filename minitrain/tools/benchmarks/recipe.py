@@ -284,7 +284,7 @@ def ablation(work: Path, target: Optional[float]) -> dict:
     reference = best(reference_runs)
     rows = {}
     for name in ABLATIONS:
-        found = quality_run_dirs([work / ABLATE_DIR / name]) if (work / ABLATE_DIR / name).is_dir() else []
+        found = quality_run_dirs([work / ABLATE_DIR / name])  # none for an option not run
         if found:
             rows[name] = best([read_run(d) for d in found])
             if rows[name]["budget"] != reference["budget"]:
