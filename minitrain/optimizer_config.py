@@ -88,7 +88,8 @@ class OptimizerConfig:
         require(self.eps > 0, "optimizer.eps", f"must be > 0, got {self.eps}")
         require(self.weight_decay >= 0, "optimizer.weight_decay", f"must be >= 0, got {self.weight_decay}")
         require(self.max_grad_norm >= 0, "optimizer.max_grad_norm", f"must be >= 0, got {self.max_grad_norm}")
-        unused = [f.name for f in fields(MuonConfig) if getattr(self.muon, f.name) != getattr(MuonConfig(), f.name)]
+        default = MuonConfig()
+        unused = [f.name for f in fields(MuonConfig) if getattr(self.muon, f.name) != getattr(default, f.name)]
         require(self.name == OptimizerName.muon or not unused, f"optimizer.muon.{(unused or [''])[0]}",
                 f"is set, but optimizer={self.name.value} does not use it: add optimizer=muon, or drop the setting")
         require(not (self.name == OptimizerName.muon and self.impl == OptimizerImpl.torch), "optimizer.impl",
