@@ -16,8 +16,8 @@ holds it. Assumptions, checked by tests/test_memory.py on CPU and by the GPU swe
     zero_grad; the fused step reads them in place, loop and foreach gather them into a flat buffer
     (every tensor padded to ALIGN elements, one bucket per dtype and side); fp32 main grads live in that
     buffer from the first backward;
-  - no torch.compile: Inductor's partitioner chooses its own saved set (for bf16 blocks the same bytes; the modern
-    preset's block, on an H100, 32 bytes a token fewer: rope's cos and sin), except with torchao's float8 linears
+  - no torch.compile: Inductor's partitioner chooses its own saved set (for bf16 blocks the same bytes, rope's cos
+    and sin aside: an H100 read the modern preset's block, torch's q/k modules, keeping none), except with torchao's float8 linears
     (precision.float8_kernels=torchao, `compiled`): there the partitioner keeps float8 copies, or nothing, where
     eager torchao keeps bf16 inputs (_float8_saved_delta), and fuses the casts that eager runs through fp32
     temporaries (_float8_casts); minitrain's float8 op is opaque and saves the same float8 copies either way
@@ -251,10 +251,12 @@ def _qk_bytes(cfg: ModelConfig, r: int, a: int, device: str, math_attention: boo
     """Per token, what model.qk_norm and model.position=rope add to attention's saved tensors: the normalised,
     rotated q and k that fused SDPA keeps in place of views of c_attn's output (the math path keeps fp32 copies of
     whatever it is given), and each q and k norm's own tensors (_rms_norm_saved). A norm that keeps its input keeps
-    c_attn's output, which fused SDPA keeps anyway and the math path does not."""
+    c_attn's output, which fused SDPA keeps anyway and the math path does not; so does model.qk_kernel's fused op,
+    which keeps nothing else (it recomputes the rms)."""
     C, H = cfg.n_embd, cfg.n_head
-    remade = cfg.qk_norm or cfg.position == PositionEncoding.rope
-    extra = 2 * C * a if remade and not math_attention else 0
+    extra = 2 * C * a if cfg.remakes_qk and not math_attention else 0
+    if cfg.remakes_qk and cfg.qk_kernel.fused_on(device):
+        return extra + (3 * C * a if math_attention else 0)
     if cfg.qk_norm:
         keeps_input, made = _rms_norm_saved(C, H, a, r, device)
         extra += 2 * made + (3 * C * a if keeps_input and math_attention else 0)
@@ -262,9 +264,9 @@ def _qk_bytes(cfg: ModelConfig, r: int, a: int, device: str, math_attention: boo
 
 
 def _rope_tables(cfg: ModelConfig, seq_len: int) -> int:
-    """model.position=rope: the fp32 cos and sin (seq_len x head size / 2) that each of q's and k's rotations keeps
+    """model.position=rope: the fp32 cos and sin (seq_len x head size / 2) that a block's rotations of q and k keep
     for backward, whatever the batch."""
-    return 8 * seq_len * (cfg.n_embd // cfg.n_head) if cfg.position == PositionEncoding.rope else 0
+    return 4 * seq_len * (cfg.n_embd // cfg.n_head) if cfg.position == PositionEncoding.rope else 0
 
 
 def _linear_inputs(cfg: ModelConfig) -> dict[str, tuple[int, int]]:

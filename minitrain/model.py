@@ -24,7 +24,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .model_config import MlpActivation, ModelConfig, NormKind, PositionEncoding
-from .ops import gelu_tanh, rope_tables, soft_cap
+from .ops import gelu_tanh, qk_norm_rope, rope_tables, soft_cap
 
 # How a block runs: plainly, or wrapped by an activation-recomputation policy (recompute.py).
 BlockRunner = Callable[[nn.Module, torch.Tensor], torch.Tensor]
@@ -40,13 +40,12 @@ def make_norm(cfg: ModelConfig, width: int) -> nn.Module:
     return nn.LayerNorm(width, bias=cfg.bias)
 
 
-def rotate(x: torch.Tensor, pos: torch.Tensor, base: float) -> torch.Tensor:
-    """Rotary position embedding: (B, T, n_head, D) queries or keys at positions `pos` (T,), feature pair
-    (i, i + D/2) turned by the angle pos * base^(-2i/D) (transformers' Llama layout, rotate_half's). In fp32 (the
-    angles of late positions need it), returned in x's dtype. Positions, not an offset: a cached decode step passes
-    its own. Applied before the heads are transposed, so that q and k reach attention in the projection's own
-    layout, as v does. The tables come from one op (ops/rope.py), which the compiled step computes once."""
-    cos, sin = rope_tables(pos, x.shape[-1], base)
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary position embedding: (B, T, n_head, D) queries or keys, feature pair (i, i + D/2) turned by the angle
+    whose cos and sin (T, D/2) are given: pos * base^(-2i/D) at each token's position (ops/rope.py's tables;
+    transformers' Llama layout, rotate_half's). In fp32 (the angles of late positions need it), returned in x's
+    dtype. Applied before the heads are transposed, so that q and k reach attention in the projection's own layout,
+    as v does."""
     cos, sin = cos[:, None], sin[:, None]  # (T, 1, D/2): the same angle for every head
     x1, x2 = x.float().chunk(2, dim=-1)
     return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
@@ -65,6 +64,7 @@ class CausalSelfAttention(nn.Module):
         self.q_norm = nn.RMSNorm(head, eps=RMS_NORM_EPS) if cfg.qk_norm else None
         self.k_norm = nn.RMSNorm(head, eps=RMS_NORM_EPS) if cfg.qk_norm else None
         self.rope_base = cfg.rope_base if cfg.position == PositionEncoding.rope else None
+        self.qk_kernel = cfg.qk_kernel
 
     def forward(self, x: torch.Tensor, kv: Optional[LayerKV] = None) -> torch.Tensor:
         qkv = self.c_attn(x)
@@ -76,12 +76,23 @@ class CausalSelfAttention(nn.Module):
         (B, n_head, T, C / n_head), q and k normalised (qk_norm), then rotated (rope)."""
         B, T, C3 = qkv.shape
         q, k, v = (t.view(B, T, self.n_head, C3 // 3 // self.n_head) for t in qkv.split(C3 // 3, 2))
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
+        cos = sin = None
         if self.rope_base is not None:
             pos = torch.arange(T, device=qkv.device) if pos is None else pos
-            q, k = rotate(q, pos, self.rope_base), rotate(k, pos, self.rope_base)
+            cos, sin = rope_tables(pos, q.shape[-1], self.rope_base)
+        if self.fused_qk(qkv):
+            q_weight, k_weight = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
+            q, k = qk_norm_rope(qkv[..., : 2 * C3 // 3], self.n_head, q_weight, k_weight, RMS_NORM_EPS, cos, sin)
+        else:
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            if cos is not None:
+                q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+
+    def fused_qk(self, qkv: torch.Tensor) -> bool:
+        """Whether q's and k's norm and rotation, where the block has either, run as one Triton op (model.qk_kernel)."""
+        return (self.q_norm is not None or self.rope_base is not None) and self.qk_kernel.fused_on(qkv.device.type)
 
     @staticmethod
     def merge(y: torch.Tensor) -> torch.Tensor:

@@ -15,7 +15,8 @@ from .errors import require
 
 
 class KernelImpl(str, Enum):
-    """A part with a Triton kernel and a PyTorch reference: the MLP's GELU (model.gelu), the loss (loss.impl)."""
+    """A part with a Triton kernel and a PyTorch reference: the MLP's GELU (model.gelu), q's and k's norm and rotation
+    (model.qk_kernel), the loss (loss.impl)."""
 
     auto = "auto"  # fused on CUDA, torch on CPU
     fused = "fused"
@@ -97,6 +98,9 @@ class ModelConfig:
     rope_base: float = 10000.0  # position=rope: angle pos * rope_base^(-2i / head size) for feature pair i
     norm: NormKind = NormKind.layernorm
     qk_norm: bool = False  # an RMSNorm over each head's q and over its k (weights of head size), before rope
+    # qk_norm and rope's kernel: fused, one Triton pass each way over q and k (minitrain/ops/qk_norm_rope.py); torch:
+    # nn.RMSNorm and model.rotate, which inductor compiles
+    qk_kernel: KernelImpl = KernelImpl.auto
     mlp: MlpActivation = MlpActivation.gelu
     tie_head: bool = True  # the LM head is the token embedding (GPT-2); false: a (vocab_size, n_embd) head of its own
     # attn.c_proj and mlp.c_proj (and the head, untied) start at zero instead of GPT-2's small normal draws: each
@@ -113,6 +117,11 @@ class ModelConfig:
         if self.mlp == MlpActivation.swiglu:
             return -(-8 * self.n_embd // (3 * 64)) * 64
         return 4 * self.n_embd
+
+    @property
+    def remakes_qk(self) -> bool:
+        """Whether q and k are normalised or rotated (qk_norm, rope) after c_attn: model.qk_kernel's part."""
+        return self.qk_norm or self.position == PositionEncoding.rope
 
     def describe_block(self) -> str:
         """The block's choices in a few words, for the plan's printout."""

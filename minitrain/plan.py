@@ -101,6 +101,9 @@ class Plan:
     def grad_accum(self) -> int:
         return self.batch_size // (self.micro_batch * self.world_size)
 
+    def _qk_kernel(self) -> str:
+        return f" qk={self.model.qk_kernel.value}" if self.model.remakes_qk else ""
+
     def _tag(self, key: str) -> str:
         return " (auto)" if key in self.auto else ""
 
@@ -123,7 +126,7 @@ class Plan:
             f"  compile        {compiled}{self._tag('compile')}",
             f"  kernels        loss={self.loss_impl} optimizer={self.optimizer_impl}"
             f"{' muon' if self.optimizer == OptimizerName.muon else ''} "
-            f"gelu={self.model.gelu.value}{self._tag('kernels')}",
+            f"gelu={self.model.gelu.value}{self._qk_kernel()}{self._tag('kernels')}",
             f"  batch          {self.batch_size} x {T} = {self.batch_size * T:,} tokens/step: micro-batch "
             f"{self.micro_batch} x {self.grad_accum} accumulation{ranks}{self._tag('micro_batch')}",
             f"  checkpointing  {policy}{self._tag('checkpointing')}",
@@ -147,7 +150,7 @@ class Plan:
                 "tf32": self.precision.tf32, "compile_mode": self.compile_mode or "eager",
                 "cuda_graphs": self.cuda_graphs, "loss": self.loss_impl, "optimizer": self.optimizer_impl,
                 "optimizer_name": self.optimizer.value, "muon_lr": self.muon_lr,
-                "gelu": self.model.gelu.value, "batch_size": self.batch_size, "micro_batch": self.micro_batch,
+                "gelu": self.model.gelu.value, "qk_kernel": self.model.qk_kernel.value, "batch_size": self.batch_size, "micro_batch": self.micro_batch,
                 "grad_accum": self.grad_accum, "checkpointing": self.checkpointing.policy.value,
                 "every_k": self.checkpointing.every_k, "warmup_steps": self.schedule.warmup_steps,
                 "max_skipped_steps": self.max_skipped_steps, "predicted_peak_gb": self.memory.peak / GB,
@@ -184,8 +187,10 @@ def model_config_for(cfg: Config, tokenizer_vocab: int, device: torch.device) ->
     """The model config with vocab_size settled against the tokenizer and the GELU's `auto` resolved. Rows fewer
     than the tokenizer's ids are refused, naming the setting that fixes it: a token past the head's rows would
     index no row (or padding the head never scores)."""
-    gelu = KernelImpl.fused if cfg.model.gelu.fused_on(device.type) else KernelImpl.torch
-    model = replace(cfg.model, vocab_size=cfg.model.vocab_size or padded_vocab(tokenizer_vocab), gelu=gelu)
+    gelu, qk = (KernelImpl.fused if impl.fused_on(device.type) else KernelImpl.torch
+                for impl in (cfg.model.gelu, cfg.model.qk_kernel))
+    model = replace(cfg.model, vocab_size=cfg.model.vocab_size or padded_vocab(tokenizer_vocab), gelu=gelu,
+                    qk_kernel=qk)
     rows, key = (model.head_vocab, "model.head_vocab") if model.head_vocab else (model.vocab_size, "model.vocab_size")
     if rows < tokenizer_vocab:
         source = f"data.vocab_size={cfg.data.vocab_size}" if cfg.data.tokenizer == "train" else \
@@ -332,7 +337,8 @@ def _resolved_from_auto(cfg: Config, compile_mode: Optional[str]) -> tuple[str, 
     t = cfg.trainer
     chosen = {"device": t.device.value == "auto", "precision": cfg.precision.name == "auto",
               "compile": t.compile == "auto" or (compile_mode is not None and t.compile_mode == "auto"),
-              "kernels": KernelImpl.auto in (cfg.loss.impl, cfg.model.gelu) or cfg.optimizer.impl == OptimizerImpl.auto,
+              "kernels": KernelImpl.auto in (cfg.loss.impl, cfg.model.gelu) or cfg.optimizer.impl == OptimizerImpl.auto
+                         or (cfg.model.remakes_qk and cfg.model.qk_kernel == KernelImpl.auto),
               "micro_batch": t.micro_batch == "auto",
               "checkpointing": cfg.checkpointing.policy == CheckpointPolicy.auto,
               "warmup": t.warmup_steps is None}

@@ -21,7 +21,8 @@ for what in "$@"; do
   case $what in
     tests) MINITRAIN_TEST_DEVICE=cuda timeout 420 python3 -m pytest -q tests/test_optim.py tests/test_amp.py \
              tests/test_cross_entropy.py tests/test_gelu.py tests/test_model.py tests/test_decode.py \
-             tests/test_generate_modern.py 2>&1 | grep -E "^(E  |FAILED|[0-9]+ (passed|failed))" | tail -40
+             tests/test_generate_modern.py tests/test_qk_norm_rope.py \
+             2>&1 | grep -E "^(E  |FAILED|[0-9]+ (passed|failed))" | tail -40
            # compiled kernels (not the interpreter the CPU tests default to), on a cuda trainer
            TRITON_INTERPRET=0 timeout 300 python3 -m pytest -q tests/test_trainer.py tests/test_prefetch.py \
              -k "never_syncs or cuda_graph or cuda" 2>&1 | grep -E "^(E  |FAILED|[0-9]+ (passed|failed))" | tail -20 ;;

@@ -13,7 +13,7 @@ from minitrain import checkpoint
 from minitrain.config import BLOCK_LINEARS, CheckpointingConfig, CheckpointPolicy, Float8Recipe, resolve
 from minitrain.errors import ConfigError
 from minitrain.model import GPT, KVCache
-from minitrain.model_config import MlpActivation, ModelConfig, NormKind, PositionEncoding
+from minitrain.model_config import KernelImpl, MlpActivation, ModelConfig, NormKind, PositionEncoding
 from minitrain.ops import fused_linear_cross_entropy, linear_cross_entropy_reference
 from minitrain.recompute import apply_policy, recompute_flops_per_token
 from minitrain.trainer import Trainer
@@ -35,6 +35,8 @@ CASES = {  # each option alone, at head sizes that are not powers of two (rope's
     "softcap": dict(logit_softcap=2.0),
     "modern": dict(MODERN, n_embd=40),
 }
+FUSED = KernelImpl.fused  # model.qk_kernel's Triton op (through the interpreter here) in place of torch's modules
+FUSED_CASES = {f"{name}-fused": dict(CASES[name], qk_kernel=FUSED) for name in ("rope", "qk_norm", "modern")}
 
 
 def model_cfg(**options) -> ModelConfig:
@@ -116,9 +118,9 @@ def loss_and_grads(model, logits_of, idx, targets):
     return logits.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", list(CASES) + list(FUSED_CASES))
 def test_each_option_computes_its_definition_and_its_gradients(case):
-    model = wide(GPT(model_cfg(**CASES[case])))
+    model = wide(GPT(model_cfg(**{**CASES, **FUSED_CASES}[case])))
     idx, targets = torch.randint(0, 64, (2, 2, 16), generator=torch.Generator().manual_seed(1))
     ours, our_grads = loss_and_grads(model, GPT.__call__, idx, targets)
     want, want_grads = loss_and_grads(model, reference_logits, idx, targets)
@@ -137,7 +139,8 @@ def test_the_soft_cap_bends_the_logits_the_model_returns_into_its_bound():
     assert logits.abs().max() <= 2.0 and logits.abs().max() > 1.99  # tanh rounds to 1 in fp32 far out
 
 
-@pytest.mark.parametrize("options", [dict(MODERN, n_embd=40), dict(mlp=RELU2, qk_norm=True)], ids=["modern", "relu2"])
+@pytest.mark.parametrize("options", [dict(MODERN, n_embd=40), dict(mlp=RELU2, qk_norm=True), FUSED_CASES["modern-fused"]],
+                         ids=["modern", "relu2", "modern-fused"])
 def test_a_cached_prefill_then_one_token_steps_compute_the_full_forward(options):
     """Rope takes each token's position from the cache's `pos`: a prompt of 5, then tokens one at a time, give
     every position the hidden state of the whole sequence's forward."""
@@ -153,7 +156,7 @@ def test_a_cached_prefill_then_one_token_steps_compute_the_full_forward(options)
 
 def test_the_compiled_forward_takes_rope_tables_from_their_op_and_computes_no_cos_or_sin_itself():
     """Traced as Inductor receives it, the rotations' cos and sin come from minitrain::rope_tables (one node per
-    rotation, which Inductor runs once per forward) and no cos or sin is left for it to fuse into the rotating kernels,
+    block, which Inductor runs once per forward) and no cos or sin is left for it to fuse into the rotating kernels,
     where it would be computed per element of q and k."""
     graphs = []
 
@@ -164,7 +167,7 @@ def test_the_compiled_forward_takes_rope_tables_from_their_op_and_computes_no_co
     model = GPT(model_cfg(**CASES["rope"]))
     torch.compile(model.forward_hidden, backend=capture, fullgraph=True)(torch.randint(0, 64, (2, 16)))
     targets = [str(node.target) for gm in graphs for node in gm.graph.nodes if node.op == "call_function"]
-    assert sum("rope_tables" in t for t in targets) == 2 * model.cfg.n_layer  # q's and k's in every block
+    assert sum("rope_tables" in t for t in targets) == model.cfg.n_layer  # one per block, q's and k's
     assert not [t for t in targets if "cos" in t or "sin" in t]
 
 
@@ -278,13 +281,15 @@ def policy_grads(options, policy, backend=None, autocast=False):
 @pytest.mark.parametrize("options, policy, backend, autocast", [
     *[(options, policy, None, autocast) for options in ("modern", "relu2")
       for policy, autocast in ((POLICIES[3], False), (POLICIES[3], True), (POLICIES[1], False))],
-    ("modern", POLICIES[3], "aot_eager", False)],
+    ("modern", POLICIES[3], "aot_eager", False), ("modern-fused", POLICIES[3], None, False),
+    ("modern-fused", POLICIES[3], "aot_eager", False)],
     ids=lambda v: getattr(getattr(v, "policy", None), "value", None) or str(v))
 def test_every_policy_computes_the_gradients_of_no_checkpointing(options, policy, backend, autocast):
     """selective's eager path reruns the RMSNorms and the ReLU^2 / SwiGLU in its own backward (under autocast too:
     fp32 params, bf16 matmuls); compiled (aot_eager: Dynamo and AOTAutograd without Inductor), torch's selective
     checkpointing tags its ops and rope's and the q/k norms' are recomputed."""
-    options = {"modern": dict(MODERN, n_embd=40), "relu2": dict(mlp=RELU2, qk_norm=True, position=ROPE)}[options]
+    options = {"modern": dict(MODERN, n_embd=40), "relu2": dict(mlp=RELU2, qk_norm=True, position=ROPE),
+               "modern-fused": FUSED_CASES["modern-fused"]}[options]
     want = policy_grads(options, POLICIES[0], autocast=autocast)
     got = policy_grads(options, policy, backend, autocast)
     for name in want:

@@ -366,14 +366,23 @@ def test_compile_is_tagged_auto_where_auto_chose(monkeypatch, overrides, device,
     assert (p.compile_mode, "compile" in p.auto) == (mode, tagged)
 
 
+KERNELS = ["loss=fused", "model.gelu=torch", "optimizer.impl=loop"]  # each chosen: no kernel left to auto
+
+
 @pytest.mark.parametrize("overrides, tagged", [
-    (["loss=fused", "model.gelu=torch", "optimizer.impl=loop"], False),
-    (["loss=auto", "model.gelu=torch", "optimizer.impl=loop"], True),
-    (["loss=fused", "model.gelu=auto", "optimizer.impl=loop"], True),
-    (["loss=fused", "model.gelu=torch", "optimizer.impl=auto"], True),
+    (KERNELS, False),
+    ([*KERNELS, "loss=auto"], True),
+    ([*KERNELS, "model.gelu=auto"], True),
+    ([*KERNELS, "optimizer.impl=auto"], True),
+    ([*KERNELS, "model.position=rope"], True),  # model.qk_kernel=auto, which GPT-2's block does not use
+    ([*KERNELS, "model.qk_norm=true", "model.qk_kernel=torch"], False),
 ])
 def test_kernels_are_tagged_auto_when_any_of_them_was(overrides, tagged):
-    assert ("kernels" in plan_for(*overrides).auto) == tagged
+    p = plan_for(*overrides)
+    assert ("kernels" in p.auto) == tagged
+    assert ("qk=" in p.describe()) == p.model.remakes_qk
+
+
 @pytest.mark.parametrize("cpuinfo, has_bf16", [
     ("flags\t\t: fpu sse2 avx2 avx512f avx512_vnni\n", False),
     ("flags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n", True),
