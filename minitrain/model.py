@@ -75,15 +75,18 @@ class CausalSelfAttention(nn.Module):
         """(B, T, 3C) projections of the tokens at positions `pos` (T,) (None: 0 .. T-1) -> q, k, v as
         (B, n_head, T, C / n_head), q and k normalised (qk_norm), then rotated (rope)."""
         B, T, C3 = qkv.shape
-        q, k, v = (t.view(B, T, self.n_head, C3 // 3 // self.n_head) for t in qkv.split(C3 // 3, 2))
+        head = C3 // 3 // self.n_head
         cos = sin = None
         if self.rope_base is not None:
             pos = torch.arange(T, device=qkv.device) if pos is None else pos
-            cos, sin = rope_tables(pos, q.shape[-1], self.rope_base)
-        if self.fused_qk(qkv):
+            cos, sin = rope_tables(pos, head, self.rope_base)
+        if self.fused_qk(qkv):  # q and k as one view, so that backward concatenates their gradient with v's once
+            qk, v = qkv.split((2 * C3 // 3, C3 // 3), 2)
             q_weight, k_weight = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
-            q, k = qk_norm_rope(qkv[..., : 2 * C3 // 3], self.n_head, q_weight, k_weight, RMS_NORM_EPS, cos, sin)
+            q, k = qk_norm_rope(qk, self.n_head, q_weight, k_weight, RMS_NORM_EPS, cos, sin)
+            v = v.view(B, T, self.n_head, head)
         else:
+            q, k, v = (t.view(B, T, self.n_head, head) for t in qkv.split(C3 // 3, 2))
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
             if cos is not None:
