@@ -64,7 +64,7 @@ class Weights:
 
     def build(self, device: torch.device, dtype: torch.dtype | None = None, **changes):
         """The GPT on `device` in `dtype` (the weights' own when None), in eval mode; `changes`: ModelConfig
-        fields that do not change the function (gelu)."""
+        fields that do not change the function (gelu, qk_kernel)."""
         from .model import GPT
 
         with torch.device(device):
