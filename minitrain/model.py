@@ -73,14 +73,14 @@ class CausalSelfAttention(nn.Module):
     def heads(self, qkv: torch.Tensor, pos: Optional[torch.Tensor] = None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(B, T, 3C) projections of the tokens at positions `pos` (T,) (None: 0 .. T-1) -> q, k, v as
-        (B, n_head, T, C / n_head), q and k normalised (qk_norm), then rotated (rope)."""
+        (B, n_head, T, C / n_head), q and k normalised (qk_norm), then rotated (rope): by the fused op (model.qk_kernel)
+        for a whole sequence, by torch's modules for a KV cache's tokens, which the compiled decode step fuses."""
         B, T, C3 = qkv.shape
         head = C3 // 3 // self.n_head
         cos = sin = None
         if self.rope_base is not None:
-            pos = torch.arange(T, device=qkv.device) if pos is None else pos
-            cos, sin = rope_tables(pos, head, self.rope_base)
-        if self.fused_qk(qkv):  # q and k as one view, so that backward concatenates their gradient with v's once
+            cos, sin = rope_tables(torch.arange(T, device=qkv.device) if pos is None else pos, head, self.rope_base)
+        if pos is None and self.fused_qk(qkv):  # q and k as one view: backward concatenates their gradient with v's once
             qk, v = qkv.split((2 * C3 // 3, C3 // 3), 2)
             q_weight, k_weight = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
             q, k = qk_norm_rope(qk, self.n_head, q_weight, k_weight, RMS_NORM_EPS, cos, sin)

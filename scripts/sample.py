@@ -68,8 +68,7 @@ def main(argv: list[str]) -> int:
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}.get(args.dtype) or \
             (torch.bfloat16 if device.type == "cuda" else torch.float32)
         weights = open_weights(args.source, args.tokenizer)
-        # the decode step's elementwise work left to inductor, which fuses it (measured for the GELU)
-        model = weights.build(device, dtype, gelu=KernelImpl.torch, qk_kernel=KernelImpl.torch)
+        model = weights.build(device, dtype, gelu=KernelImpl.torch)  # inductor fuses the GELU into the decode step
         sampling = Sampling(args.temperature, args.top_k, args.top_p)
         texts, out = sample_texts(model, weights.tokenizer, prompt, args.num_samples, args.max_new_tokens, sampling,
                                   args.seed, kv_cache=not args.no_kv_cache, graphs=False if args.no_compile else None)
