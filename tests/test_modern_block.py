@@ -396,6 +396,7 @@ SETS = {  # between them every option away from GPT-2's
     "modern": ("model.position=rope", "model.norm=rmsnorm", "model.qk_norm=true", "model.mlp=swiglu",
                "model.tie_head=false", "model.zero_init_proj=true", "model.logit_softcap=0.5", "model.bias=false"),
     "relu2": ("model.mlp=relu2", "model.qk_norm=true", "model.logit_softcap=0.5"),
+    "qk-fused": ("model.position=rope", "model.qk_norm=true", "model.qk_kernel=fused"),  # the Triton op's road
 }
 
 
@@ -425,8 +426,9 @@ def saved_weights(trainer):
     return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
 
 
-@pytest.mark.parametrize("precision", ["bf16", "fp16", "amp_bf16", "fp8"])
-def test_the_modern_block_trains_in_every_precision(make_cfg, tmp_path, monkeypatch, precision):
+@pytest.mark.parametrize("precision, options", [(p, "modern") for p in ("bf16", "fp16", "amp_bf16", "fp8")]
+                         + [(p, "qk-fused") for p in ("bf16", "fp16", "amp_bf16")])
+def test_the_modern_block_trains_in_every_precision(make_cfg, tmp_path, monkeypatch, precision, options):
     """fp8: minitrain's float8 linears in every block linear (SwiGLU's c_fc too), the device check passed and the
     float8 GEMMs emulated on this CPU (torch._scaled_mm's values, multiplied in fp32)."""
     extra = ()
@@ -437,7 +439,7 @@ def test_the_modern_block_trains_in_every_precision(make_cfg, tmp_path, monkeypa
         monkeypatch.setattr(torch, "_scaled_mm", lambda a, b, scale_a, scale_b, bias=None, out_dtype=None:
                             ((a.float() * scale_a) @ (b.float() * scale_b)).to(out_dtype))
         extra = (f"precision.float8_linears=[{','.join(BLOCK_LINEARS)}]",)
-    t, losses = run_losses(make_cfg, tmp_path, precision, *SETS["modern"], f"precision={precision}", *extra, steps=4)
+    t, losses = run_losses(make_cfg, tmp_path, precision, *SETS[options], f"precision={precision}", *extra, steps=4)
     assert t.plan.float8_linears == (BLOCK_LINEARS if precision == "fp8" else ())
     assert all(math.isfinite(x) for x in losses) and losses[-1] < losses[0], losses
 
