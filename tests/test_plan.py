@@ -308,11 +308,11 @@ def test_the_refusal_advises_bf16_where_two_byte_params_would_help_and_run_fast(
 # -- every `auto`, per kind of device ---------------------------------------------------------------------------------
 @pytest.mark.parametrize("gpu, resolved", [
     (None, dict(device="cpu", name="cpu", precision="fp32", tf32=False, compile_mode=None, loss="torch",
-                optimizer="foreach", gelu="torch", max_skipped_steps=3, memory=12 * 10**9)),
+                optimizer="foreach", gelu="torch", qk="torch", max_skipped_steps=3, memory=12 * 10**9)),
     ("bf16", dict(device="cuda", name="a fake GPU", precision="bf16", tf32=True, compile_mode="reduce-overhead",
-                  loss="fused", optimizer="fused", gelu="fused", max_skipped_steps=3, memory=80 * 10**9)),
+                  loss="fused", optimizer="fused", gelu="fused", qk="fused", max_skipped_steps=3, memory=80 * 10**9)),
     ("fp16", dict(device="cuda", name="a fake GPU", precision="fp16", tf32=True, compile_mode="reduce-overhead",
-                  loss="fused", optimizer="fused", gelu="fused", max_skipped_steps=25, memory=80 * 10**9)),
+                  loss="fused", optimizer="fused", gelu="fused", qk="fused", max_skipped_steps=25, memory=80 * 10**9)),
 ])
 def test_every_auto_resolves_for_the_kind_of_device(monkeypatch, gpu, resolved):
     """The default config (every setting `auto`) on a CPU, a GPU with bf16 and a GPU without: what each gets."""
@@ -327,7 +327,7 @@ def test_every_auto_resolves_for_the_kind_of_device(monkeypatch, gpu, resolved):
     p = plan_for(device=device)
     assert dict(device=device.type, name=p.device_name, precision=p.precision.name, tf32=p.precision.tf32,
                 compile_mode=p.compile_mode, loss=p.loss_impl, optimizer=p.optimizer_impl, gelu=p.model.gelu.value,
-                max_skipped_steps=p.max_skipped_steps, memory=p.device_memory) == resolved
+                qk=p.model.qk_kernel.value, max_skipped_steps=p.max_skipped_steps, memory=p.device_memory) == resolved
     assert p.cuda_graphs == (gpu is not None) and p.memory_budget == int(0.9 * resolved["memory"])
     assert set(p.auto) == {"device", "precision", "compile", "kernels", "micro_batch", "checkpointing", "warmup"}
     assert (p.micro_batch, p.checkpointing.policy.value, p.schedule.warmup_steps) == (32, "none", 30)
@@ -367,6 +367,14 @@ def test_compile_is_tagged_auto_where_auto_chose(monkeypatch, overrides, device,
 
 
 KERNELS = ["loss=fused", "model.gelu=torch", "optimizer.impl=loop"]  # each chosen: no kernel left to auto
+
+
+@pytest.mark.parametrize("key", ["model.gelu", "model.qk_kernel"])
+def test_a_kernel_asked_for_is_kept_on_a_cpu_beside_the_others_auto(key):
+    """fused on a CPU (the interpreter's road, as the tests take it): that kernel alone, the other resolved to torch."""
+    p = plan_for(f"{key}=fused")
+    assert (p.model.gelu.value, p.model.qk_kernel.value) == \
+        (("fused", "torch") if key == "model.gelu" else ("torch", "fused"))
 
 
 @pytest.mark.parametrize("overrides, tagged", [
