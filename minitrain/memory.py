@@ -24,8 +24,9 @@ holds it. Assumptions, checked by tests/test_memory.py on CPU and by the GPU swe
     (_minitrain_float8_block_delta);
   - SDPA runs a fused kernel (CUDA flash/efficient, CPU flash) that saves q, k, v, the output and an
     fp32 logsumexp; only CPU with attention dropout takes the math path, which saves T x T matrices;
-  - torch's RMSNorm (model.norm=rmsnorm, model.qk_norm) is one fused kernel on CUDA when its input and weight share a
-    dtype, and its composite ops, which keep fp32 copies, on a CPU or under autocast's mixed dtypes (_rms_norm_saved);
+  - torch's RMSNorm (model.norm=rmsnorm; model.qk_norm with model.qk_kernel=torch) is one fused kernel on CUDA when its
+    input and weight share a dtype, and its composite ops, which keep fp32 copies, on a CPU or under autocast's mixed
+    dtypes (_rms_norm_saved); the fused q/k op keeps c_attn's output and the rope tables alone (_qk_bytes);
   - the allocator is not modelled: reserved exceeds allocated by what it caches, little with expandable segments
     (trainer.expandable_segments, the default), more with fixed blocks; `compare` shows by how much;
   - CUDA context, cuBLAS workspaces and Triton's own buffers are outside torch's counters, and ignored.
