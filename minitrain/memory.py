@@ -17,10 +17,10 @@ holds it. Assumptions, checked by tests/test_memory.py on CPU and by the GPU swe
     (every tensor padded to ALIGN elements, one bucket per dtype and side); fp32 main grads live in that
     buffer from the first backward;
   - no torch.compile: Inductor's partitioner chooses its own saved set (for bf16 blocks the same bytes, rope's cos
-    and sin aside: an H100 read the modern preset's block, torch's q/k modules, keeping none), except with torchao's float8 linears
-    (precision.float8_kernels=torchao, `compiled`): there the partitioner keeps float8 copies, or nothing, where
-    eager torchao keeps bf16 inputs (_float8_saved_delta), and fuses the casts that eager runs through fp32
-    temporaries (_float8_casts); minitrain's float8 op is opaque and saves the same float8 copies either way
+    and sin aside: an H100 read the modern preset's block, torch's q/k modules, keeping none), except with torchao's
+    float8 linears (precision.float8_kernels=torchao, `compiled`): there the partitioner keeps float8 copies, or
+    nothing, where eager torchao keeps bf16 inputs (_float8_saved_delta), and fuses the casts that eager runs through
+    fp32 temporaries (_float8_casts); minitrain's float8 op is opaque and saves the same float8 copies either way
     (_minitrain_float8_block_delta);
   - SDPA runs a fused kernel (CUDA flash/efficient, CPU flash) that saves q, k, v, the output and an
     fp32 logsumexp; only CPU with attention dropout takes the math path, which saves T x T matrices;

@@ -80,7 +80,7 @@ class CausalSelfAttention(nn.Module):
         cos = sin = None
         if self.rope_base is not None:
             cos, sin = rope_tables(torch.arange(T, device=qkv.device) if pos is None else pos, head, self.rope_base)
-        if pos is None and self.fused_qk(qkv):  # q and k as one view: backward concatenates their gradient with v's once
+        if pos is None and self.fused_qk(qkv):  # q and k one view: backward concatenates their gradient with v's once
             qk, v = qkv.split((2 * C3 // 3, C3 // 3), 2)
             q_weight, k_weight = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
             q, k = qk_norm_rope(qk, self.n_head, q_weight, k_weight, RMS_NORM_EPS, cos, sin)

@@ -11,7 +11,8 @@ from omegaconf import OmegaConf
 
 from minitrain.config import CheckpointingConfig, CheckpointPolicy, DType
 from minitrain.memory import MLP_WIDTHS, Candidate, compare, predict
-from minitrain.model_config import GPT2_BLOCK, SHAPE_KEYS, KernelImpl, MlpActivation, ModelConfig, NormKind, PositionEncoding
+from minitrain.model_config import (GPT2_BLOCK, SHAPE_KEYS, KernelImpl, MlpActivation, ModelConfig, NormKind,
+                                    PositionEncoding)
 from minitrain.tools.live_bytes import LiveBytes
 from minitrain.model import GPT, activate
 from minitrain.ops import fused_linear_cross_entropy, linear_cross_entropy_reference

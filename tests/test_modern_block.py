@@ -139,8 +139,8 @@ def test_the_soft_cap_bends_the_logits_the_model_returns_into_its_bound():
     assert logits.abs().max() <= 2.0 and logits.abs().max() > 1.99  # tanh rounds to 1 in fp32 far out
 
 
-@pytest.mark.parametrize("options", [dict(MODERN, n_embd=40), dict(mlp=RELU2, qk_norm=True), FUSED_CASES["modern-fused"]],
-                         ids=["modern", "relu2", "modern-fused"])
+@pytest.mark.parametrize("options", [dict(MODERN, n_embd=40), dict(mlp=RELU2, qk_norm=True),
+                                     FUSED_CASES["modern-fused"]], ids=["modern", "relu2", "modern-fused"])
 def test_a_cached_prefill_then_one_token_steps_compute_the_full_forward(options):
     """Rope takes each token's position from the cache's `pos`: a prompt of 5, then tokens one at a time, give
     every position the hidden state of the whole sequence's forward."""

@@ -55,7 +55,8 @@ def run(fused, shape, qkv, q_weight, k_weight, dq, dk, norm, rope, pos):
 
 
 def truth(shape, qkv, q_weight, k_weight, dq, dk, norm, rope, pos):
-    """The definition in fp64: x / sqrt(mean(x^2) + eps) * weight, then pair (i, i + D/2) turned by pos * BASE^(-2i/D)."""
+    """The definition in fp64: x / sqrt(mean(x^2) + eps) * weight, then pair (i, i + D/2) turned by the angle
+    pos * BASE^(-2i/D)."""
     B, T, H, D = shape
     qkv, q_weight, k_weight = (t.double().requires_grad_() for t in (qkv, q_weight, k_weight))
     angle = pos.double()[:, None, None] * BASE ** (-torch.arange(0, D, 2, dtype=torch.float64) / D)

@@ -67,8 +67,8 @@ def _forward_kernel(qk_ptr, q_ptr, k_ptr, q_w_ptr, k_w_ptr, cos_ptr, sin_ptr, ro
 
 
 @triton.jit
-def _backward_kernel(dq_ptr, dk_ptr, qk_ptr, d_qk_ptr, q_w_ptr, k_w_ptr, dw_ptr, cos_ptr, sin_ptr, rows, T, token_stride, eps,
-                     dq_b, dq_t, dq_h, dk_b, dk_t, dk_h,
+def _backward_kernel(dq_ptr, dk_ptr, qk_ptr, d_qk_ptr, q_w_ptr, k_w_ptr, dw_ptr, cos_ptr, sin_ptr, rows, T,
+                     token_stride, eps, dq_b, dq_t, dq_h, dk_b, dk_t, dk_h,
                      H: tl.constexpr, HEAD: tl.constexpr, HALF: tl.constexpr, HALF_BLOCK: tl.constexpr,
                      NORM: tl.constexpr, ROPE: tl.constexpr, ROUND_BF16: tl.constexpr, BLOCK_ROWS: tl.constexpr):
     pid = tl.program_id(0)
