@@ -256,7 +256,7 @@ def _qk_bytes(cfg: ModelConfig, r: int, a: int, device: str, math_attention: boo
     which keeps nothing else (it recomputes the rms)."""
     C, H = cfg.n_embd, cfg.n_head
     extra = 2 * C * a if cfg.remakes_qk and not math_attention else 0
-    if cfg.remakes_qk and cfg.qk_kernel.fused_on(device):
+    if cfg.fuses_qk_on(device):
         return extra + (3 * C * a if math_attention else 0)
     if cfg.qk_norm:
         keeps_input, made = _rms_norm_saved(C, H, a, r, device)

@@ -64,7 +64,7 @@ class CausalSelfAttention(nn.Module):
         self.q_norm = nn.RMSNorm(head, eps=RMS_NORM_EPS) if cfg.qk_norm else None
         self.k_norm = nn.RMSNorm(head, eps=RMS_NORM_EPS) if cfg.qk_norm else None
         self.rope_base = cfg.rope_base if cfg.position == PositionEncoding.rope else None
-        self.qk_kernel = cfg.qk_kernel
+        self.fuses_qk_on = cfg.fuses_qk_on
 
     def forward(self, x: torch.Tensor, kv: Optional[LayerKV] = None) -> torch.Tensor:
         qkv = self.c_attn(x)
@@ -80,7 +80,7 @@ class CausalSelfAttention(nn.Module):
         cos = sin = None
         if self.rope_base is not None:
             cos, sin = rope_tables(torch.arange(T, device=qkv.device) if pos is None else pos, head, self.rope_base)
-        if pos is None and self.fused_qk(qkv):  # q and k one view: backward concatenates their gradient with v's once
+        if pos is None and self.fuses_qk_on(qkv.device.type):  # q and k one view: one gradient concatenation with v's
             qk, v = qkv.split((2 * C3 // 3, C3 // 3), 2)
             q_weight, k_weight = (self.q_norm.weight, self.k_norm.weight) if self.q_norm is not None else (None, None)
             q, k = qk_norm_rope(qk, self.n_head, q_weight, k_weight, RMS_NORM_EPS, cos, sin)
@@ -92,10 +92,6 @@ class CausalSelfAttention(nn.Module):
             if cos is not None:
                 q, k = rotate(q, cos, sin), rotate(k, cos, sin)
         return q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-
-    def fused_qk(self, qkv: torch.Tensor) -> bool:
-        """Whether q's and k's norm and rotation, where the block has either, run as one Triton op (model.qk_kernel)."""
-        return (self.q_norm is not None or self.rope_base is not None) and self.qk_kernel.fused_on(qkv.device.type)
 
     @staticmethod
     def merge(y: torch.Tensor) -> torch.Tensor:

@@ -123,6 +123,10 @@ class ModelConfig:
         """Whether q and k are normalised or rotated (qk_norm, rope) after c_attn: model.qk_kernel's part."""
         return self.qk_norm or self.position == PositionEncoding.rope
 
+    def fuses_qk_on(self, device_type: str) -> bool:
+        """Whether q's and k's norm and rotation run as the fused Triton op on this kind of device."""
+        return self.remakes_qk and self.qk_kernel.fused_on(device_type)
+
     def describe_block(self) -> str:
         """The block's choices in a few words, for the plan's printout."""
         rope = f" (base {self.rope_base:g})" if self.position == PositionEncoding.rope else ""

@@ -185,9 +185,9 @@ def device_memory(device: torch.device) -> int:
 
 
 def model_config_for(cfg: Config, tokenizer_vocab: int, device: torch.device) -> ModelConfig:
-    """The model config with vocab_size settled against the tokenizer and the GELU's `auto` resolved. Rows fewer
-    than the tokenizer's ids are refused, naming the setting that fixes it: a token past the head's rows would
-    index no row (or padding the head never scores)."""
+    """The model config with vocab_size settled against the tokenizer and the `auto` of model.gelu and model.qk_kernel
+    resolved. Rows fewer than the tokenizer's ids are refused, naming the setting that fixes it: a token past the
+    head's rows would index no row (or padding the head never scores)."""
     gelu, qk = (KernelImpl.fused if impl.fused_on(device.type) else KernelImpl.torch
                 for impl in (cfg.model.gelu, cfg.model.qk_kernel))
     model = replace(cfg.model, vocab_size=cfg.model.vocab_size or padded_vocab(tokenizer_vocab), gelu=gelu,
